@@ -1,0 +1,134 @@
+"""The aiohttp application: ``POST /kv-cache/hit-rate``, ``/healthz``, ``/readyz``, ``/metrics``.
+
+Errors use one shape, ``{"status": <HTTP code>, "message": ..., "server_score_list": []}``, with the
+same code in the HTTP status: 400 malformed request, 405 wrong method, 408 body not received within
+``http.readTimeout``, 413 body over ``http.maxHitRateBodyBytes``, 500 the computation failed. A response
+that cannot be written within ``http.writeTimeout`` closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from cache_indexer.metrics import Metrics
+from indexer.block_hash import BlockHasher
+from indexer.hit_rate import Tier, score
+from schemas.api import HitRateRequest
+from schemas.config import HttpConfig
+
+log = logging.getLogger(__name__)
+
+HIT_RATE_PATH = "/kv-cache/hit-rate"
+_KNOWN_PATHS = {HIT_RATE_PATH, "/healthz", "/readyz", "/metrics"}
+UNKNOWN_POD_MESSAGE = "no KV-cache events seen for this server"
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"status": status, "message": message, "server_score_list": []}, status=status)
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False)[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "body"
+        if err.get("type") == "json_invalid":
+            return f"invalid JSON: {err.get('msg')}"
+        parts.append(f"{loc}: {err.get('msg')}")
+    more = len(exc.errors()) - len(parts)
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+class HitRateApi:
+    """Binds the HTTP layer to a hasher and the tier indexes (L1, L3) of one replica."""
+
+    def __init__(self, http: HttpConfig, hasher: BlockHasher, tiers: Callable[[], Sequence[Tier | None]],
+                 ready: Callable[[], bool], metrics: Metrics) -> None:
+        self.http = http
+        self.hasher = hasher
+        self.tiers = tiers
+        self.ready = ready
+        self.metrics = metrics
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
+                              middlewares=[self._observe])
+        app.router.add_route("*", HIT_RATE_PATH, self.hit_rate)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics_handler)
+        return app
+
+    @web.middleware
+    async def _observe(self, request: web.Request, handler) -> web.StreamResponse:
+        start = time.perf_counter()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            if isinstance(resp, web.Response) and self.http.writeTimeout:
+                try:
+                    await asyncio.wait_for(resp.prepare(request), self.http.writeTimeout)
+                    await asyncio.wait_for(resp.write_eof(), self.http.writeTimeout)
+                except asyncio.TimeoutError:
+                    log.warning("response to %s not written within %ss; closing", request.remote, self.http.writeTimeout)
+                    if request.transport is not None:
+                        request.transport.close()
+            return resp
+        except web.HTTPException as exc:
+            status = exc.status
+            if request.path == HIT_RATE_PATH:
+                return _error(exc.status, exc.reason)
+            raise
+        finally:
+            path = request.path if request.path in _KNOWN_PATHS else "other"
+            self.metrics.http_requests.labels(path, str(status)).inc()
+            self.metrics.http_latency.labels(path, str(status)).observe(time.perf_counter() - start)
+
+    async def hit_rate(self, request: web.Request) -> web.Response:
+        if request.method != "POST":
+            return _error(405, f"method {request.method} not allowed; use POST")
+        length = request.content_length
+        limit = self.http.maxHitRateBodyBytes
+        if length is not None and length > limit:
+            return _error(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
+        try:
+            body = await asyncio.wait_for(request.read(), self.http.readTimeout or None)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body exceeds the limit of {limit} bytes")
+        except asyncio.TimeoutError:
+            return _error(408, f"request body not received within {self.http.readTimeout}s")
+        if not body.strip():
+            return _error(400, "empty request body")
+        try:
+            req = HitRateRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return _error(400, _validation_message(exc))
+        try:
+            result = score(self.hasher, req.body.token_ids, req.body.block_size, req.body.cache_salt,
+                           req.server_ip, self.tiers())
+        except Exception as exc:
+            log.exception("hit-rate computation failed")
+            return _error(500, f"hit-rate computation failed: {exc}")
+        self.metrics.hashed_blocks.inc(result.hashed_blocks)
+        items = [{"server_ip": s.pod, "l1_hit_ratio": s.ratios[0], "l3_hit_ratio": s.ratios[1],
+                  "message": "" if s.known else UNKNOWN_POD_MESSAGE, "status": 0} for s in result.scores]
+        return web.Response(body=json.dumps({"status": 0, "message": "success", "server_score_list": items}),
+                            content_type="application/json")
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        if self.ready():
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "catching up with the event streams"}, status=503)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})

@@ -1,0 +1,95 @@
+"""The bridge process: keeps one subscriber per discovered vLLM endpoint and relays into JetStream.
+
+When an endpoint's pod leaves discovery the bridge stops its subscribers and publishes ``pod_removed``
+on the stream, so every indexer drops the pod through the same ordered log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq.asyncio
+
+from bridge.jetstream_publisher import JetStreamPublisher
+from bridge.l1_publisher import L1Publisher
+from bridge.static_targets import StaticTargets
+from bridge.vllm_subscriber import Endpoint, VllmSubscriber
+from cache_indexer.metrics import Metrics
+from cache_indexer.streams import connect, ensure_l1_stream
+from schemas.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class Bridge:
+    def __init__(self, cfg: Config, metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or Metrics()
+        self.ctx = zmq.asyncio.Context()
+        self.subscribers: dict[Endpoint, VllmSubscriber] = {}
+        self.nc = None
+        self.publisher: JetStreamPublisher | None = None
+        self.l1: L1Publisher | None = None
+        self._replay_slots = asyncio.Semaphore(cfg.ingest.l1.maxConcurrentReplays)
+        self._watch_task: asyncio.Task | None = None
+        self._known: set[Endpoint] = set()
+
+    async def start(self) -> None:
+        self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge")
+        js = self.nc.jetstream(publish_async_max_pending=self.cfg.nats.publish.window * 2)
+        await ensure_l1_stream(js, self.cfg.nats)
+        self.publisher = JetStreamPublisher(js, self.metrics, self.cfg.nats.publish.window,
+                                            self.cfg.nats.publish.ackTimeout)
+        self.publisher.start()
+        self.l1 = L1Publisher(self.publisher, self.cfg.nats.l1Stream.subjectPrefix)
+        if self.cfg.discovery.mode == "static":
+            self._watch_task = asyncio.create_task(self._watch_static(), name="bridge-static-targets")
+        else:
+            raise NotImplementedError("discovery.mode=kubernetes is not implemented yet; use static")
+
+    async def _watch_static(self) -> None:
+        targets = StaticTargets(self.cfg.discovery.static.file)
+        interval = min(1.0, self.cfg.discovery.refreshInterval)
+        while True:
+            try:
+                endpoints = targets.changed()
+                if endpoints is not None:
+                    await self.set_endpoints(endpoints)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.error("targets file %s: %s (keeping the current targets)", targets.path, exc)
+            await asyncio.sleep(interval)
+
+    async def set_endpoints(self, endpoints: list[Endpoint]) -> None:
+        """Reconcile subscriptions with the wanted endpoints; publishes pod_removed for vanished pods."""
+        wanted = set(endpoints)
+        for ep in [e for e in self.subscribers if e not in wanted]:
+            await self.subscribers.pop(ep).stop()
+            log.info("unsubscribed %s rank %d (%s)", ep.pod, ep.rank, ep.pub)
+        live_pods = {e.pod for e in wanted}
+        gone = {e.pod for e in self._known} - live_pods
+        for pod in sorted(gone):
+            await self.l1.pod_removed(pod, "discovery")
+        for ep in endpoints:
+            if ep not in self.subscribers:
+                sub = VllmSubscriber(self.ctx, ep, self.cfg.ingest.l1, self.l1, self.metrics, self._replay_slots)
+                sub.start()
+                self.subscribers[ep] = sub
+                log.info("subscribed %s rank %d at %s (replay %s)", ep.pod, ep.rank, ep.pub, ep.replay or "off")
+        self._known = wanted
+
+    async def stop(self) -> None:
+        if self._watch_task:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+        for sub in self.subscribers.values():
+            await sub.stop()
+        self.subscribers.clear()
+        if self.publisher:
+            await self.publisher.flush(5.0)
+            await self.publisher.close()
+        if self.nc:
+            await self.nc.drain()
+        self.ctx.term()

@@ -1,0 +1,120 @@
+"""Tolerant decoder of vLLM ``KVEventBatch`` msgpack payloads, every wire shape from 0.9 to 0.34.
+
+Shapes accepted (see ../shared/reference/vllm-hashing-and-events.md, sections 2 and 6):
+- batch: array ``[ts, events]`` (0.9.0) or ``[ts, events, data_parallel_rank]`` (>= 0.9.2);
+- event: tagged map ``{"type": "BlockStored", ...}`` (>= 0.24) or tagged array ``["BlockStored", f1, ...]``;
+- hashes: uint64, int64 (builtin-hash era) or raw digest bytes; all normalised to the uint64 form;
+- missing fields mean None, unknown fields and trailing elements are ignored.
+
+The output is the normalized event dicts of ``schemas.events`` (token ids are not carried: the index
+keys on hashes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+from indexer.block_hash import normalize_event_hash
+
+# Positional field order of the array-like (<= 0.23) events, after the tag.
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                  "lora_name", "extra_keys", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+class MalformedPayload(ValueError):
+    """The payload is not a KVEventBatch this decoder understands."""
+
+
+@dataclass(slots=True)
+class DecodedBatch:
+    ts: float | None
+    events: list[dict]
+    dp_rank: int | None
+    unknown_events: int = 0
+
+
+def _fields(event: object, positional: tuple[str, ...]) -> tuple[str, dict]:
+    if isinstance(event, dict):
+        kind = event.get("type")
+        return kind, event
+    if isinstance(event, (list, tuple)) and event:
+        kind = event[0]
+        return kind, dict(zip(positional, event[1:]))
+    raise MalformedPayload(f"event is neither a map nor a tagged array: {type(event).__name__}")
+
+
+def _hashes(value: object) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise MalformedPayload("block_hashes is not a list")
+    try:
+        return [normalize_event_hash(h) for h in value]
+    except TypeError as exc:
+        raise MalformedPayload(str(exc)) from None
+
+
+def _medium(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise MalformedPayload("medium is not a string")
+    return value.upper()
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def normalize_event(event: object) -> dict | None:
+    """One vLLM event -> normalized dict, or None for an event type this version does not know."""
+    tag = event.get("type") if isinstance(event, dict) else (event[0] if isinstance(event, (list, tuple)) and event else None)
+    if tag == "BlockStored":
+        _, f = _fields(event, _STORED_FIELDS)
+        parent = f.get("parent_block_hash")
+        out = {"kind": "stored", "medium": _medium(f.get("medium")), "hashes": _hashes(f.get("block_hashes")),
+               "parent": None if parent is None else _hashes([parent])[0]}
+        block_size = _opt_int(f.get("block_size"))
+        if block_size is not None:
+            out["block_size"] = block_size
+        if isinstance(f.get("lora_name"), str):
+            out["lora_name"] = f["lora_name"]
+        group = _opt_int(f.get("group_idx"))
+        if group is not None:
+            out["group_idx"] = group
+        return out
+    if tag == "BlockRemoved":
+        _, f = _fields(event, _REMOVED_FIELDS)
+        out = {"kind": "removed", "medium": _medium(f.get("medium")), "hashes": _hashes(f.get("block_hashes"))}
+        group = _opt_int(f.get("group_idx"))
+        if group is not None:
+            out["group_idx"] = group
+        return out
+    if tag == "AllBlocksCleared":
+        _, f = _fields(event, ())
+        return {"kind": "cleared", "medium": _medium(f.get("medium"))}
+    if isinstance(tag, str):
+        return None
+    raise MalformedPayload("event has no type tag")
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Decode one ZMQ payload frame. Raises MalformedPayload on anything that is not a KVEventBatch."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several exception types for bad input
+        raise MalformedPayload(f"not msgpack: {exc}") from None
+    if not isinstance(raw, (list, tuple)) or len(raw) < 2 or not isinstance(raw[1], (list, tuple)):
+        raise MalformedPayload("batch is not an array [ts, events, dp_rank?]")
+    ts = raw[0] if isinstance(raw[0], (int, float)) and not isinstance(raw[0], bool) else None
+    dp_rank = _opt_int(raw[2]) if len(raw) > 2 else None
+    events: list[dict] = []
+    unknown = 0
+    for ev in raw[1]:
+        norm = normalize_event(ev)
+        if norm is None:
+            unknown += 1
+        else:
+            events.append(norm)
+    return DecodedBatch(ts=float(ts) if ts is not None else None, events=events, dp_rank=dp_rank, unknown_events=unknown)

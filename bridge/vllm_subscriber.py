@@ -1,0 +1,222 @@
+"""One vLLM KV-event publisher endpoint (a pod's data-parallel rank): ZMQ SUB, sequence tracking, replay.
+
+vLLM sends ``[topic, seq (8-byte big-endian), msgpack KVEventBatch]`` with seq counting from 0 per
+engine process. Per (pod, rank) this subscriber:
+- on first contact and on an engine restart (live seq going backwards) starts a new generation: it
+  asks the replay socket for everything from seq 0, publishes a reset, then the replayed batches;
+- on a gap asks the replay socket (a DEALER; ROUTER replies with or without the topic frame, ended by
+  seq -1) for the missing range; what the buffer no longer holds becomes a reset;
+- publishes one message per seq, an empty one for a malformed payload, so the stream stays contiguous.
+libzmq reconnects by itself with exponential backoff (``backoffInitial`` .. ``backoffMax``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from bridge.l1_publisher import L1Publisher, new_generation
+from bridge.vllm_events import MalformedPayload, decode_batch
+from cache_indexer.metrics import Metrics
+from schemas.config import L1IngestConfig
+
+log = logging.getLogger(__name__)
+
+END_SEQ = b"\xff" * 8
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    pod: str  # pod IP: the key the API is asked by
+    rank: int
+    pub: str  # tcp://host:port of the PUB socket
+    replay: str | None  # tcp://host:port of the ROUTER replay socket, None when not configured
+    name: str = ""
+
+
+class _BurstLog:
+    """Logs the first of a burst of similar problems, then a count at most every ``interval`` seconds."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last = 0.0
+        self._suppressed = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            extra = f" ({self._suppressed} similar suppressed)" if self._suppressed else ""
+            log.warning(msg + extra, *args)
+            self._last, self._suppressed = now, 0
+        else:
+            self._suppressed += 1
+
+
+class VllmSubscriber:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: Endpoint, cfg: L1IngestConfig, sink: L1Publisher,
+                 metrics: Metrics, replay_slots: asyncio.Semaphore) -> None:
+        self.ctx = ctx
+        self.ep = endpoint
+        self.cfg = cfg
+        self.sink = sink
+        self.metrics = metrics
+        self.replay_slots = replay_slots
+        self.gen: int | None = None
+        self.last: int | None = None  # last seq published
+        self.last_live: int | None = None  # last seq received on the live socket
+        self._last_failed_replay = float("-inf")
+        self._malformed_log = _BurstLog()
+        self._task: asyncio.Task | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self.cfg.rcvHwm)
+        sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.cfg.backoffInitial * 1000)))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.cfg.backoffMax * 1000)))
+        sock.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
+        sock.connect(self.ep.pub)
+        self._sock = sock
+        self._task = asyncio.create_task(self._run(), name=f"vllm-sub-{self.ep.pod}-{self.ep.rank}")
+        self.metrics.subscriptions.inc()
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+            self.metrics.subscriptions.dec()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    async def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.metrics.bridge_malformed.inc()
+                    self._malformed_log.warn("%s rank %d: unexpected frame layout (%d frames)", self.ep.pod,
+                                             self.ep.rank, len(frames))
+                    continue
+                await self.on_live(int.from_bytes(frames[1], "big"), frames[2])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one message kill the subscription
+                log.exception("%s rank %d: failed to handle a batch", self.ep.pod, self.ep.rank)
+
+    # -- sequence handling ---------------------------------------------------------------------------
+    async def on_live(self, seq: int, payload: bytes) -> None:
+        if self.gen is None:
+            await self._resync(seq, payload, want_from=0, new_gen=True, reason="subscribed")
+        elif seq == self.last + 1:
+            await self._publish(seq, payload)
+            self.last = self.last_live = seq
+        elif seq <= self.last:
+            if self.last_live is not None and seq <= self.last_live:
+                log.info("%s rank %d: seq went back %d -> %d: engine restarted", self.ep.pod, self.ep.rank,
+                         self.last_live, seq)
+                await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
+            else:
+                self.metrics.bridge_batches.labels("duplicate").inc()  # already published from a replay
+                self.last_live = seq
+        else:
+            self.metrics.bridge_gaps.inc()
+            log.info("%s rank %d: gap %d..%d", self.ep.pod, self.ep.rank, self.last + 1, seq - 1)
+            await self._resync(seq, payload, want_from=self.last + 1, new_gen=False, reason="gap")
+
+    async def _resync(self, live_seq: int, live_payload: bytes, want_from: int, new_gen: bool, reason: str) -> None:
+        run: list[tuple[int, bytes]] = []
+        if want_from < live_seq:
+            replayed = await self._replay(want_from)
+            # keep the contiguous run that ends right before the live message
+            for s, p in replayed:
+                if s >= live_seq:
+                    break
+                if run and s != run[-1][0] + 1:
+                    run = []
+                run.append((s, p))
+            if run and run[-1][0] != live_seq - 1:
+                run = []
+        covered = want_from == live_seq or (bool(run) and run[0][0] == want_from)
+        if new_gen or not covered:
+            if not new_gen:
+                reason = "gap-beyond-replay"
+            self.gen = new_generation()
+            start = run[0][0] if run else live_seq
+            await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason)
+            self.metrics.bridge_resets.labels(reason).inc()
+        for s, p in run:
+            await self._publish(s, p)
+        await self._publish(live_seq, live_payload)
+        self.last = self.last_live = live_seq
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]]:
+        """Everything vLLM's replay buffer holds from ``start`` on; empty when unavailable."""
+        if not self.ep.replay:
+            return []
+        if time.monotonic() - self._last_failed_replay < self.cfg.replayCooldown:
+            self.metrics.bridge_replays.labels("cooldown").inc()
+            return []
+        out: list[tuple[int, bytes]] = []
+        async with self.replay_slots:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(self.ep.replay)
+                await sock.send_multipart([b"", start.to_bytes(8, "big")])
+                deadline = time.monotonic() + self.cfg.replayTimeout
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not await sock.poll(remaining * 1000):
+                        self.metrics.bridge_replays.labels("timeout").inc()
+                        log.warning("%s rank %d: replay from %d timed out after %d batches", self.ep.pod,
+                                    self.ep.rank, start, len(out))
+                        self._last_failed_replay = time.monotonic()
+                        return out
+                    frames = await sock.recv_multipart()
+                    if frames and frames[0] == b"":
+                        frames = frames[1:]
+                    if len(frames) == 3:  # >= 0.26: topic, seq, payload
+                        seq_b, payload = frames[1], frames[2]
+                    elif len(frames) == 2:  # < 0.26: seq, payload
+                        seq_b, payload = frames
+                    else:
+                        self.metrics.bridge_malformed.inc()
+                        continue
+                    if seq_b == END_SEQ:
+                        break
+                    if len(seq_b) == 8:
+                        out.append((int.from_bytes(seq_b, "big"), payload))
+            finally:
+                sock.close(0)
+        out.sort(key=lambda x: x[0])
+        self.metrics.bridge_replays.labels("ok" if out else "empty").inc()
+        if not out:
+            self._last_failed_replay = time.monotonic()
+        return out
+
+    async def _publish(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+            events, ts = batch.events, batch.ts
+            outcome = "published"
+        except MalformedPayload as exc:
+            self.metrics.bridge_malformed.inc()
+            self._malformed_log.warn("%s rank %d seq %d: malformed payload: %s", self.ep.pod, self.ep.rank, seq, exc)
+            events, ts, outcome = [], None, "malformed"
+        await self.sink.batch(self.ep.pod, self.ep.rank, self.gen, seq, ts, events)
+        self.metrics.bridge_batches.labels(outcome).inc()
+        n = 0
+        for e in events:
+            n += len(e.get("hashes", ())) or 1
+        self.metrics.bridge_block_events.inc(n)

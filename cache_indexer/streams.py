@@ -1,0 +1,83 @@
+"""JetStream names and stream set-up shared by the bridge, the indexer and the inspect command.
+
+Subjects (prefix ``nats.l1Stream.subjectPrefix``, default ``kvcache.l1``): ``kvcache.l1.<pod>.<rank>``
+carries one (pod, rank)'s batches and resets; pod lifecycle messages go to ``kvcache.l1.<pod>.lifecycle``. Tokens are sanitised (``.`` and other characters NATS
+reserves become ``_``), so a pod IP 10.0.0.1 becomes ``10_0_0_1``; the exact IP is in the payload and
+the ``Kv-Pod`` header.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import nats
+from nats.js import api
+from nats.js.errors import BadRequestError
+
+from schemas.config import NatsConfig, StreamConfig
+
+log = logging.getLogger(__name__)
+
+_TOKEN_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def subject_token(value: str) -> str:
+    return _TOKEN_UNSAFE.sub("_", value) or "_"
+
+
+def l1_subject(prefix: str, pod: str, rank: int) -> str:
+    return f"{prefix}.{subject_token(pod)}.{rank}"
+
+
+def l1_lifecycle_subject(prefix: str, pod: str) -> str:
+    return f"{prefix}.{subject_token(pod)}.lifecycle"
+
+
+def stream_config(cfg: StreamConfig, subjects: list[str]) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=cfg.name,
+        subjects=subjects,
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE if cfg.storage == "file" else api.StorageType.MEMORY,
+        num_replicas=cfg.replicas,
+        max_age=cfg.maxAge,
+        max_bytes=cfg.maxBytes,
+        max_msg_size=cfg.maxMsgSize,
+        max_msgs_per_subject=-1,
+        discard=api.DiscardPolicy.OLD,
+        duplicate_window=cfg.duplicateWindow,
+        allow_rollup_hdrs=True,
+        deny_delete=True,
+        deny_purge=False,
+        allow_direct=True,
+    )
+
+
+async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.StreamInfo:
+    """Create the stream, or update it when it exists with another configuration (idempotent)."""
+    sc = stream_config(cfg, subjects)
+    try:
+        return await js.add_stream(sc)
+    except BadRequestError as exc:
+        if exc.err_code != 10058:
+            raise
+        log.info("updating stream %s to the configured limits", cfg.name)
+        return await js.update_stream(sc)
+
+
+async def ensure_l1_stream(js, cfg: NatsConfig) -> api.StreamInfo:
+    return await ensure_stream(js, cfg.l1Stream, [f"{cfg.l1Stream.subjectPrefix}.>"])
+
+
+async def connect(cfg: NatsConfig, name: str, **callbacks) -> nats.NATS:
+    """Connect with unlimited reconnects; callbacks (async) are passed through to nats-py."""
+
+    async def _error_cb(exc: Exception) -> None:
+        log.warning("nats: %s", exc)
+
+    opts = {"error_cb": _error_cb, **callbacks}
+    return await nats.connect(
+        cfg.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        connect_timeout=cfg.connectTimeout, **opts,
+    )

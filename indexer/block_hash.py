@@ -1,0 +1,213 @@
+"""vLLM-identical prefix-cache block hashing: the one implementation every component uses.
+
+vLLM (v1) hashes block i of a request as ``H((parent, tuple(tokens[i*B:(i+1)*B]), extra_keys_i))``
+with ``parent = NONE_HASH`` for block 0 and the previous block's full digest afterwards. A single
+wrong byte here turns every hit ratio into a silent 0, so this module follows
+``../shared/reference/vllm-hashing-and-events.md`` to the letter and is tested against vectors
+produced by vLLM's own code.
+
+The serialisation is assembled by hand for the hot path (the 3-tuple header and the parent digest are
+constant bytes), while token and extra-key encoding is delegated to ``cbor2`` / ``pickle`` so the bytes
+are produced by the same encoders vLLM uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import cbor2
+import xxhash
+
+HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+ExtraKeysEncoding = Literal["tagged", "untagged"]
+
+HASH_ALGOS: tuple[str, ...] = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
+#: vLLM >= 0.29 hashes this string when PYTHONHASHSEED is unset and the algorithm is sha256*.
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class LoRAKey:
+    """The LoRA adapter of a request: vLLM >= 0.31 hashes name and path, 0.11.1-0.30 the name only."""
+
+    name: str
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class MultiModalKey:
+    """A multimodal placeholder: its identifier (mm hash) and token span [offset, offset+length)."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+def event_block_hash(digest: bytes) -> int:
+    """The integer form vLLM publishes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): last 8 bytes, big-endian."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def normalize_event_hash(value: int | bytes) -> int:
+    """Canonical uint64 of a hash as found in events: ints (also negative, builtin-hash era) or raw bytes."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return int.from_bytes(bytes(value)[-8:], "big")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"block hash must be int or bytes, got {type(value).__name__}")
+    return value & _U64
+
+
+def _sha256_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+class BlockHasher:
+    """Computes a request's block-hash chain exactly as a vLLM engine configured the same way.
+
+    ``python_hash_seed`` mirrors the engine's ``$PYTHONHASHSEED`` (None = unset). ``extra_keys_encoding``
+    selects vLLM >= 0.31 tagged extra keys or the bare values of 0.11.1-0.30.
+    """
+
+    def __init__(
+        self,
+        algo: HashAlgo = "sha256_cbor",
+        python_hash_seed: str | None = None,
+        extra_keys_encoding: ExtraKeysEncoding = "tagged",
+    ) -> None:
+        if algo not in HASH_ALGOS:
+            raise ValueError(f"unknown hash algorithm {algo!r}; expected one of {', '.join(HASH_ALGOS)}")
+        if extra_keys_encoding not in ("tagged", "untagged"):
+            raise ValueError(f"unknown extra keys encoding {extra_keys_encoding!r}")
+        if python_hash_seed is None and algo.startswith("xxhash"):
+            raise ValueError(
+                f"{algo} needs python_hash_seed: with PYTHONHASHSEED unset vLLM seeds NONE_HASH randomly per "
+                "process, so no external index can reproduce its hashes"
+            )
+        self.algo = algo
+        self.python_hash_seed = python_hash_seed
+        self.extra_keys_encoding = extra_keys_encoding
+        self._cbor = algo.endswith("_cbor")
+        self._sha = algo.startswith("sha256")
+        self._digest = _sha256_digest if self._sha else xxhash.xxh3_128_digest
+        seed = python_hash_seed if python_hash_seed is not None else DEFAULT_NONE_HASH_SEED
+        self.none_hash: bytes = self.hash_object(seed)
+
+    # -- primitive ---------------------------------------------------------------------------------
+    def serialize(self, obj: object) -> bytes:
+        """The exact bytes vLLM feeds to the digest for ``obj``."""
+        if self._cbor:
+            return cbor2.dumps(obj, canonical=True)
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def hash_object(self, obj: object) -> bytes:
+        return self._digest(self.serialize(obj))
+
+    def hash_block(self, parent: bytes | None, tokens: Sequence[int], extra_keys: tuple | None = None) -> bytes:
+        """``hash_block_tokens``: one block given its parent digest (None for the first block)."""
+        return self.hash_object((parent or self.none_hash, tuple(tokens), extra_keys))
+
+    # -- extra keys ------------------------------------------------------------------------------
+    def block_extra_keys(
+        self,
+        start: int,
+        end: int,
+        cache_salt: str | None = None,
+        lora: LoRAKey | None = None,
+        mm_features: Sequence[MultiModalKey] = (),
+    ) -> tuple | None:
+        """``generate_block_hash_extra_keys`` for tokens [start, end): LoRA, MM, salt (first block only)."""
+        tagged = self.extra_keys_encoding == "tagged"
+        keys: list = []
+        if lora is not None:
+            keys.append(("lora", lora.name, lora.path) if tagged else lora.name)
+        for mm in mm_features:
+            if mm.offset < end and mm.offset + mm.length > start:
+                rel = mm.offset - start
+                keys.append(("mm", mm.identifier, rel) if tagged else (mm.identifier, rel))
+        if start == 0 and cache_salt:
+            keys.append(("cache_salt", cache_salt) if tagged else cache_salt)
+        return tuple(keys) if keys else None
+
+    # -- chains ---------------------------------------------------------------------------------
+    def iter_block_hashes(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        lora: LoRAKey | None = None,
+        mm_features: Sequence[MultiModalKey] = (),
+        lookahead_tokens: int = 0,
+    ) -> Iterator[bytes]:
+        """Lazily yields the digests of the request's full blocks, in order.
+
+        Stop iterating as soon as the caller knows no further block can matter: nothing after the
+        first miss is computed.
+        """
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        n_blocks = (len(token_ids) - lookahead_tokens) // block_size if lookahead_tokens else len(token_ids) // block_size
+        if n_blocks <= 0:
+            return
+        if lora is None and not mm_features and not lookahead_tokens:
+            yield from self._iter_plain(token_ids, block_size, n_blocks, cache_salt)
+            return
+        parent = self.none_hash
+        for i in range(n_blocks):
+            start, end = i * block_size, (i + 1) * block_size
+            extra = self.block_extra_keys(start, end + lookahead_tokens, cache_salt, lora, mm_features)
+            if lookahead_tokens:
+                extra = (extra, *token_ids[end : end + lookahead_tokens])
+                if lookahead_tokens == 1:
+                    extra = (extra[0], extra[1])
+            parent = self.hash_object((parent, tuple(token_ids[start:end]), extra))
+            yield parent
+
+    def _iter_plain(self, token_ids: Sequence[int], block_size: int, n_blocks: int, cache_salt: str | None) -> Iterator[bytes]:
+        """The hot path: no LoRA/MM/lookahead, salt only on block 0; serialisation assembled by hand."""
+        parent = self.none_hash
+        start = 0
+        if cache_salt:
+            parent = self.hash_block(parent, token_ids[0:block_size], self.block_extra_keys(0, block_size, cache_salt))
+            yield parent
+            start = 1
+        if not self._cbor:
+            dumps, proto = pickle.dumps, pickle.HIGHEST_PROTOCOL
+            digest = self._digest
+            for i in range(start, n_blocks):
+                parent = digest(dumps((parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), None), proto))
+                yield parent
+            return
+        # CBOR of the 3-tuple (parent, tokens, None): array(3) + bytes(len) + parent + array(tokens) + null.
+        head = b"\x83" + _cbor_bytes_head(len(parent))
+        dumps = cbor2.dumps
+        if self._sha:
+            sha256 = hashlib.sha256
+            for i in range(start, n_blocks):
+                parent = sha256(head + parent + dumps(token_ids[i * block_size : (i + 1) * block_size]) + b"\xf6").digest()
+                yield parent
+        else:
+            xx = self._digest
+            for i in range(start, n_blocks):
+                parent = xx(head + parent + dumps(token_ids[i * block_size : (i + 1) * block_size]) + b"\xf6")
+                yield parent
+
+    def block_hashes(self, token_ids: Sequence[int], block_size: int, **kwargs) -> list[bytes]:
+        return list(self.iter_block_hashes(token_ids, block_size, **kwargs))
+
+    def event_hashes(self, token_ids: Sequence[int], block_size: int, **kwargs) -> list[int]:
+        """The chain in the integer form vLLM puts in KV events (and the index keys on)."""
+        return [event_block_hash(d) for d in self.iter_block_hashes(token_ids, block_size, **kwargs)]
+
+
+def _cbor_bytes_head(n: int) -> bytes:
+    """CBOR major type 2 (byte string) header for length n."""
+    if n < 24:
+        return bytes([0x40 + n])
+    if n < 256:
+        return bytes([0x58, n])
+    return b"\x59" + n.to_bytes(2, "big")

@@ -1,0 +1,92 @@
+"""Hit-ratio computation: the longest consecutive run of a request's full blocks, from block 0, that a
+pod holds in a tier, divided by the request's number of full blocks.
+
+The hash chain is computed lazily and shared by all tiers; the walk stops at the first block that no
+candidate worker of any tier still matches, so a cold request costs one or two hashes, not the whole
+chain. A pod's ratio in a tier is the best of its data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from indexer.block_hash import BlockHasher
+
+
+class Tier(Protocol):
+    """What the scorer needs of an index: hash -> worker bitmask, and a pod's workers (rank -> id)."""
+
+    @property
+    def blocks(self) -> dict[int, int]: ...
+
+    def pod_workers(self, pod: str) -> dict[int, int]: ...
+
+
+@dataclass(slots=True)
+class PodScore:
+    pod: str
+    ratios: list[float]  # one per tier, in the order the tiers were given
+    known: bool  # the pod has at least one worker in some tier
+
+
+@dataclass(slots=True)
+class ScoreResult:
+    full_blocks: int
+    hashed_blocks: int
+    scores: list[PodScore]
+
+
+def _set_bits(mask: int):
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def score(hasher: BlockHasher, token_ids: Sequence[int], block_size: int, cache_salt: str,
+          pods: Sequence[str], tiers: Sequence[Tier | None]) -> ScoreResult:
+    n_blocks = len(token_ids) // block_size
+    pod_workers = [[t.pod_workers(p) if t is not None else {} for t in tiers] for p in pods]
+    alive: list[int] = []
+    for ti in range(len(tiers)):
+        m = 0
+        for workers in pod_workers:
+            for wid in workers[ti].values():
+                m |= 1 << wid
+        alive.append(m)
+    lengths: list[dict[int, int]] = [{} for _ in tiers]
+    hashed = 0
+    if n_blocks and any(alive):
+        blocks = [t.blocks if t is not None else {} for t in tiers]
+        tier_range = range(len(tiers))
+        for digest in hasher.iter_block_hashes(token_ids, block_size, cache_salt=cache_salt or None):
+            key = int.from_bytes(digest[-8:], "big")
+            any_alive = 0
+            for ti in tier_range:
+                a = alive[ti]
+                if not a:
+                    continue
+                m = blocks[ti].get(key, 0) & a
+                dead = a ^ m
+                if dead:
+                    rec = lengths[ti]
+                    for wid in _set_bits(dead):
+                        rec[wid] = hashed
+                alive[ti] = m
+                any_alive |= m
+            hashed += 1
+            if not any_alive:
+                break
+    for ti in range(len(tiers)):
+        for wid in _set_bits(alive[ti]):
+            lengths[ti][wid] = hashed
+    scores: list[PodScore] = []
+    for pod, workers in zip(pods, pod_workers):
+        ratios = []
+        for ti in range(len(tiers)):
+            best = max((lengths[ti].get(wid, 0) for wid in workers[ti].values()), default=0)
+            ratios.append(best / n_blocks if n_blocks else 0.0)
+        scores.append(PodScore(pod=pod, ratios=ratios, known=any(workers)))
+    return ScoreResult(full_blocks=n_blocks, hashed_blocks=hashed, scores=scores)

@@ -1,0 +1,126 @@
+"""The in-memory L1 index: which (pod, data-parallel rank) workers hold which block hashes.
+
+Layout, chosen for memory and for the query walk: one dict ``block hash (uint64) -> bitmask of worker
+ids``. A worker is a (pod, rank) pair interned to a small integer; single-bit masks are shared int
+objects, so an entry costs the dict slot plus the hash's int object (about 80 bytes), and a block held
+by several workers costs one entry, not one per worker. Clearing a worker walks the dict once: clears
+are rare (engine reset, gap, pod removal) and a reverse map would double the memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class WorkerTable:
+    """Interns (pod, rank) pairs to small worker ids; ids of workers that hold nothing are reused."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[str, int], int] = {}
+        self._by_pod: dict[str, dict[int, int]] = {}
+        self._free: list[int] = []
+        self._next = 0
+
+    def get(self, pod: str, rank: int) -> int | None:
+        return self._ids.get((pod, rank))
+
+    def intern(self, pod: str, rank: int) -> int:
+        wid = self._ids.get((pod, rank))
+        if wid is None:
+            wid = self._free.pop() if self._free else self._next
+            if wid == self._next:
+                self._next += 1
+            self._ids[(pod, rank)] = wid
+            self._by_pod.setdefault(pod, {})[rank] = wid
+        return wid
+
+    def release(self, pod: str, rank: int) -> None:
+        wid = self._ids.pop((pod, rank), None)
+        if wid is not None:
+            ranks = self._by_pod.get(pod, {})
+            ranks.pop(rank, None)
+            if not ranks:
+                self._by_pod.pop(pod, None)
+            self._free.append(wid)
+
+    def pod_workers(self, pod: str) -> dict[int, int]:
+        """rank -> worker id for a pod (empty when the pod is unknown)."""
+        return self._by_pod.get(pod, {})
+
+    def pods(self) -> list[str]:
+        return list(self._by_pod)
+
+    def items(self) -> Iterable[tuple[tuple[str, int], int]]:
+        return self._ids.items()
+
+
+class BlockIndex:
+    """Block hash -> bitmask of workers, with per-worker block counts."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, int] = {}
+        self._bits: list[int] = []
+        self.worker_blocks: dict[int, int] = {}
+
+    def _bit(self, wid: int) -> int:
+        bits = self._bits
+        while len(bits) <= wid:
+            bits.append(1 << len(bits))
+        return bits[wid]
+
+    def store(self, wid: int, hashes: Iterable[int]) -> None:
+        bit = self._bit(wid)
+        blocks = self.blocks
+        get = blocks.get
+        added = 0
+        for h in hashes:
+            m = get(h)
+            if m is None:
+                blocks[h] = bit
+                added += 1
+            elif not m & bit:
+                blocks[h] = m | bit
+                added += 1
+        if added:
+            self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) + added
+
+    def remove(self, wid: int, hashes: Iterable[int]) -> None:
+        bit = self._bit(wid)
+        blocks = self.blocks
+        get = blocks.get
+        removed = 0
+        for h in hashes:
+            m = get(h)
+            if m is not None and m & bit:
+                m ^= bit
+                if m:
+                    blocks[h] = self._bits[m.bit_length() - 1] if m & (m - 1) == 0 else m
+                else:
+                    del blocks[h]
+                removed += 1
+        if removed:
+            self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) - removed
+
+    def clear(self, wid: int) -> int:
+        """Drop every block of one worker; returns how many it held."""
+        held = self.worker_blocks.pop(wid, 0)
+        if not held:
+            return 0
+        bit = self._bit(wid)
+        blocks = self.blocks
+        bits = self._bits
+        touched = [(h, m) for h, m in blocks.items() if m & bit]
+        for h, m in touched:
+            m ^= bit
+            if m:
+                blocks[h] = bits[m.bit_length() - 1] if m & (m - 1) == 0 else m
+            else:
+                del blocks[h]
+        return held
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def entries(self) -> int:
+        """Number of (block, worker) pairs held."""
+        return sum(self.worker_blocks.values())

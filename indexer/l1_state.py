@@ -1,0 +1,163 @@
+"""Applies L1 stream messages to the index, in each (pod, rank)'s own order.
+
+The stream is the source of truth and every replica applies the same rules to the same message order,
+so replicas agree. The rules make the index robust to what a retrying publisher can do to order:
+- a batch carries (gen, seq); per worker only ``seq == next`` is applied, lower seqs are duplicates;
+- a batch that arrives early (seq > next) is held until the missing ones arrive; if more than
+  ``max_held`` pile up the missing ones are declared lost: the worker is cleared and resumes at the
+  first held seq;
+- a ``reset`` (or a batch of a newer generation) clears the worker and starts the new generation;
+  anything of an older generation is stale and dropped;
+- ``pod_removed`` clears every rank of the pod; later batches of the same generations are dropped.
+Only GPU events (medium GPU or absent) change L1; other media stay in the stream for other tiers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from indexer.l1_index import BlockIndex, WorkerTable
+
+_DEAD = 1 << 64  # next_seq of a removed pod: every batch of its generation is stale
+
+
+@dataclass(slots=True)
+class _Cursor:
+    gen: int
+    next_seq: int
+    reset_seen: bool = False
+    held: dict[int, dict] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ApplyStats:
+    batches: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    held: int = 0
+    lost_gaps: int = 0
+    resets: int = 0
+    block_events: int = 0
+    ignored_medium: int = 0
+
+
+class L1State:
+    def __init__(self, max_held: int = 1024) -> None:
+        self.workers = WorkerTable()
+        self.index = BlockIndex()
+        self.cursors: dict[tuple[str, int], _Cursor] = {}
+        self.max_held = max_held
+        self.stats = ApplyStats()
+
+    # -- stream messages ---------------------------------------------------------------------------
+    def apply(self, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == "batch":
+            self._on_batch(msg)
+        elif kind == "reset":
+            self._on_reset(msg)
+        elif kind == "pod_removed":
+            self._on_pod_removed(msg["pod"])
+        else:
+            raise ValueError(f"unknown L1 message type {kind!r}")
+
+    def _on_batch(self, msg: dict) -> None:
+        key = (msg["pod"], msg["rank"])
+        gen, seq = msg["gen"], msg["seq"]
+        cur = self.cursors.get(key)
+        if cur is None or gen > cur.gen:
+            # First sight of this worker, or a newer generation whose reset has not arrived (yet).
+            if cur is not None:
+                self._clear(key)
+            cur = self.cursors[key] = _Cursor(gen=gen, next_seq=seq)
+        elif gen < cur.gen:
+            self.stats.stale += 1
+            return
+        if seq < cur.next_seq:
+            self.stats.duplicates += 1
+            return
+        if seq > cur.next_seq:
+            if cur.next_seq == _DEAD:
+                self.stats.stale += 1
+                return
+            cur.held[seq] = msg
+            self.stats.held += 1
+            if len(cur.held) > self.max_held:
+                self.stats.lost_gaps += 1
+                self._clear(key)
+                cur.next_seq = min(cur.held)
+                self._drain(key, cur)
+            return
+        self._apply_events(key, msg["events"])
+        cur.next_seq = seq + 1
+        if cur.held:
+            self._drain(key, cur)
+
+    def _drain(self, key: tuple[str, int], cur: _Cursor) -> None:
+        held = cur.held
+        while cur.next_seq in held:
+            self._apply_events(key, held.pop(cur.next_seq)["events"])
+            cur.next_seq += 1
+        for s in [s for s in held if s < cur.next_seq]:
+            del held[s]
+
+    def _on_reset(self, msg: dict) -> None:
+        key = (msg["pod"], msg["rank"])
+        gen = msg["gen"]
+        cur = self.cursors.get(key)
+        if cur is not None and (gen < cur.gen or (gen == cur.gen and cur.reset_seen)):
+            self.stats.stale += 1
+            return
+        self.stats.resets += 1
+        if cur is not None and gen == cur.gen:
+            cur.reset_seen = True  # its batches already started this generation
+            return
+        self._clear(key)
+        self.cursors[key] = _Cursor(gen=gen, next_seq=msg["next_seq"], reset_seen=True)
+
+    def _on_pod_removed(self, pod: str) -> None:
+        for rank in list(self.workers.pod_workers(pod)):
+            self._clear((pod, rank))
+        for key, cur in self.cursors.items():
+            if key[0] == pod:
+                cur.next_seq = _DEAD
+                cur.held.clear()
+
+    # -- block events ------------------------------------------------------------------------------
+    def _apply_events(self, key: tuple[str, int], events: list[dict]) -> None:
+        self.stats.batches += 1
+        wid = None
+        for ev in events:
+            medium = ev.get("medium")
+            if medium is not None and medium != "GPU":
+                self.stats.ignored_medium += 1
+                continue
+            kind = ev["kind"]
+            if kind == "stored":
+                if wid is None:
+                    wid = self.workers.intern(*key)
+                self.index.store(wid, ev["hashes"])
+                self.stats.block_events += len(ev["hashes"])
+            elif kind == "removed":
+                w = self.workers.get(*key)
+                if w is not None:
+                    self.index.remove(w, ev["hashes"])
+                self.stats.block_events += len(ev["hashes"])
+            elif kind == "cleared":
+                self._clear(key)
+                wid = None
+                self.stats.block_events += 1
+
+    def _clear(self, key: tuple[str, int]) -> None:
+        wid = self.workers.get(*key)
+        if wid is not None:
+            self.index.clear(wid)
+            self.workers.release(*key)
+
+    # -- queries -----------------------------------------------------------------------------------
+    @property
+    def blocks(self) -> dict[int, int]:
+        return self.index.blocks
+
+    def pod_workers(self, pod: str) -> dict[int, int]:
+        return self.workers.pod_workers(pod)

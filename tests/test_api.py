@@ -1,0 +1,184 @@
+"""The HTTP contract of the API, over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from api.app import UNKNOWN_POD_MESSAGE, HitRateApi
+from api.server import HttpServer
+from cache_indexer.metrics import Metrics
+from indexer.block_hash import BlockHasher
+from indexer.l1_state import L1State
+from schemas.api import HitRateResponse
+from schemas.config import HttpConfig
+
+HASHER = BlockHasher("sha256_cbor", "0")
+TOKENS = list(range(1000, 1064))  # 4 blocks of 16
+
+
+class Broken:
+    blocks: dict = {}
+
+    def pod_workers(self, pod):
+        raise RuntimeError("index exploded")
+
+
+def batch(pod, rank, seq, hashes):
+    return {"type": "batch", "pod": pod, "rank": rank, "gen": 1, "seq": seq,
+            "events": [{"kind": "stored", "medium": "GPU", "hashes": hashes}]}
+
+
+@pytest.fixture
+async def api():
+    l1 = L1State()
+    chain = HASHER.event_hashes(TOKENS, 16)
+    l1.apply(batch("127.0.1.1", 0, 0, chain[:3]))
+    l1.apply(batch("127.0.1.2", 0, 0, [chain[0], chain[2]]))
+    l1.apply(batch("127.0.1.3", 0, 0, chain[:1]))
+    l1.apply(batch("127.0.1.3", 1, 0, chain))  # rank 1 holds everything: best of ranks
+    salted = HASHER.event_hashes(TOKENS, 16, cache_salt="tenant-a")
+    l1.apply(batch("127.0.1.4", 0, 0, salted[:2]))
+    state = {"ready": False, "tiers": (l1, None)}
+    http = HttpConfig(host="127.0.0.1", port=0, maxHitRateBodyBytes=64 * 1024, readTimeout=2)
+    metrics = Metrics()
+    app = HitRateApi(http, HASHER, tiers=lambda: state["tiers"], ready=lambda: state["ready"], metrics=metrics)
+    server = HttpServer(app.make_app(), http)
+    await server.start()
+    async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{server.port}") as session:
+        yield session, state
+    await server.stop()
+
+
+async def post(session, payload, raw=None, **kw):
+    data = raw if raw is not None else json.dumps(payload)
+    async with session.post("/kv-cache/hit-rate", data=data, headers={"Content-Type": "application/json"}, **kw) as r:
+        return r.status, await r.json()
+
+
+def req(ips, tokens=TOKENS, salt="", bs=16):
+    return {"server_ip": ips, "body": {"token_ids": tokens, "cache_salt": salt, "block_size": bs}}
+
+
+async def test_ratios_in_input_order(api):
+    session, _ = api
+    status, body = await post(session, req(["127.0.1.2", "127.0.1.9", "127.0.1.1", "127.0.1.3"]))
+    assert status == 200
+    HitRateResponse.model_validate(body)
+    assert body["status"] == 0
+    got = [(s["server_ip"], s["l1_hit_ratio"], s["l3_hit_ratio"], s["status"]) for s in body["server_score_list"]]
+    assert got == [("127.0.1.2", 0.25, 0.0, 0), ("127.0.1.9", 0.0, 0.0, 0), ("127.0.1.1", 0.75, 0.0, 0),
+                   ("127.0.1.3", 1.0, 0.0, 0)]
+    assert body["server_score_list"][1]["message"] == UNKNOWN_POD_MESSAGE
+    assert body["server_score_list"][0]["message"] == ""
+
+
+async def test_partial_trailing_block_is_not_counted(api):
+    session, _ = api
+    _, body = await post(session, req(["127.0.1.1"], tokens=TOKENS + [1, 2, 3]))
+    assert body["server_score_list"][0]["l1_hit_ratio"] == 0.75
+
+
+async def test_cache_salt_selects_the_salted_chain(api):
+    session, _ = api
+    _, salted = await post(session, req(["127.0.1.4", "127.0.1.1"], salt="tenant-a"))
+    assert [s["l1_hit_ratio"] for s in salted["server_score_list"]] == [0.5, 0.0]
+    _, plain = await post(session, req(["127.0.1.4"]))
+    assert plain["server_score_list"][0]["l1_hit_ratio"] == 0.0
+
+
+async def test_no_full_block_gives_zero(api):
+    session, _ = api
+    status, body = await post(session, req(["127.0.1.1"], tokens=TOKENS[:15]))
+    assert status == 200 and body["server_score_list"][0]["l1_hit_ratio"] == 0.0
+    status, body = await post(session, req(["127.0.1.1"], tokens=[]))
+    assert status == 200 and body["server_score_list"][0]["l1_hit_ratio"] == 0.0
+
+
+BAD_REQUESTS = {
+    "empty body": b"",
+    "whitespace body": b"  \n",
+    "invalid json": b'{"server_ip": [',
+    "not an object": b"[1, 2]",
+    "unknown top-level field": json.dumps({**req(["a"]), "extra": 1}).encode(),
+    "unknown body field": json.dumps({"server_ip": ["a"], "body": {**req(["a"])["body"], "model": "x"}}).encode(),
+    "empty server_ip": json.dumps(req([])).encode(),
+    "missing body": json.dumps({"server_ip": ["a"]}).encode(),
+    "block_size zero": json.dumps(req(["a"], bs=0)).encode(),
+    "block_size negative": json.dumps(req(["a"], bs=-16)).encode(),
+    "block_size string": json.dumps(req(["a"], bs="16")).encode(),
+    "block_size float": json.dumps(req(["a"], bs=16.5)).encode(),
+    "token_ids strings": json.dumps(req(["a"], tokens=["1", "2"])).encode(),
+    "token_ids negative": json.dumps(req(["a"], tokens=[1, -2])).encode(),
+    "token_ids bool": json.dumps(req(["a"], tokens=[True])).encode(),
+    "server_ip not a list": json.dumps({**req(["a"]), "server_ip": "127.0.1.1"}).encode(),
+    "server_ip numbers": json.dumps({**req(["a"]), "server_ip": [1]}).encode(),
+    "cache_salt number": json.dumps(req(["a"], salt=5)).encode(),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+async def test_bad_requests_get_400(api, name):
+    session, _ = api
+    status, body = await post(session, None, raw=BAD_REQUESTS[name])
+    assert status == 400 and body["status"] == 400, body
+    assert body["message"] and body["server_score_list"] == []
+
+
+async def test_error_messages_name_the_problem(api):
+    session, _ = api
+    _, body = await post(session, None, raw=BAD_REQUESTS["block_size zero"])
+    assert "block_size" in body["message"]
+    _, body = await post(session, None, raw=BAD_REQUESTS["invalid json"])
+    assert body["message"].startswith("invalid JSON")
+    _, body = await post(session, None, raw=BAD_REQUESTS["unknown body field"])
+    assert "body.model" in body["message"]
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "PATCH"])
+async def test_other_methods_get_405(api, method):
+    session, _ = api
+    async with session.request(method, "/kv-cache/hit-rate") as r:
+        body = await r.json()
+        assert r.status == 405 and body["status"] == 405 and "POST" in body["message"]
+
+
+async def test_oversized_body_gets_413(api):
+    session, _ = api
+    big = json.dumps(req(["127.0.1.1"], tokens=list(range(40000)))).encode()
+    status, body = await post(session, None, raw=big)
+    assert status == 413 and body["status"] == 413 and "limit" in body["message"]
+
+    async def chunks():  # no Content-Length: the limit applies while reading
+        for i in range(0, len(big), 8192):
+            yield big[i:i + 8192]
+    status, body = await post(session, None, raw=chunks())
+    assert status == 413 and body["status"] == 413
+
+
+async def test_computation_failure_gets_500(api):
+    session, state = api
+    state["tiers"] = (Broken(), None)
+    status, body = await post(session, req(["127.0.1.1"]))
+    assert status == 500 and body["status"] == 500 and "index exploded" in body["message"]
+
+
+async def test_health_readiness_metrics(api):
+    session, state = api
+    async with session.get("/healthz") as r:
+        assert r.status == 200
+    async with session.get("/readyz") as r:
+        assert r.status == 503
+    state["ready"] = True
+    async with session.get("/readyz") as r:
+        assert r.status == 200
+    await post(session, req(["127.0.1.1"]))
+    await post(session, None, raw=b"")
+    async with session.get("/metrics") as r:
+        text = await r.text()
+    assert r.status == 200
+    assert 'cache_indexer_http_requests_total{path="/kv-cache/hit-rate",status="200"} 1.0' in text
+    assert 'cache_indexer_http_requests_total{path="/kv-cache/hit-rate",status="400"} 1.0' in text
+    assert "cache_indexer_http_request_duration_seconds_bucket" in text

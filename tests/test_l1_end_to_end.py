@@ -1,0 +1,203 @@
+"""The L1 path end to end: vLLM ZMQ frames -> bridge -> JetStream -> indexer -> POST /kv-cache/hit-rate.
+
+Real sockets everywhere: fake engines speak vLLM's exact frames (live PUB and replay ROUTER), the
+bridge and indexer talk to a real nats-server, ratios are read over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+
+from indexer.block_hash import BlockHasher
+from tests.conftest import SHARED, make_config, wait_for
+from tests.l1_stack import L1Stack
+from tests.vllm_fake import batch_payload, cleared, removed, stored
+
+H = BlockHasher("sha256_cbor", "0")
+BS = 16
+TOKENS = list(range(5000, 5000 + 8 * BS))  # 8 blocks
+CHAIN = H.event_hashes(TOKENS, BS)
+POD, POD2 = "127.0.0.11", "127.0.0.12"
+
+
+@pytest.fixture
+async def stack(nats_url, stream_prefix):
+    s = await L1Stack(make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"})).start()
+    yield s
+    await s.stop()
+
+
+async def until_ratio(stack, pod, expected, tokens=TOKENS, what=""):
+    async def check():
+        return (await stack.ratios([pod], tokens, BS))[0] == expected
+    await wait_for(check, 10, what or f"{pod} ratio {expected}")
+
+
+async def test_stored_removed_cleared(stack):
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:4])])
+    await until_ratio(stack, POD, 0.5)
+    await eng.publish([stored(CHAIN[4:6], parent=CHAIN[3])])
+    await until_ratio(stack, POD, 0.75)
+    await eng.publish([removed([CHAIN[2]])])
+    await until_ratio(stack, POD, 0.25)
+    await eng.publish([cleared()])
+    await until_ratio(stack, POD, 0.0)
+    assert stack.replica.indexer.l1.pod_workers(POD) == {}
+
+
+async def test_gap_is_filled_from_the_replay_socket(stack):
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:1])])
+    await until_ratio(stack, POD, 1 / 8)
+    await eng.publish([stored(CHAIN[1:3])], send=False)  # lost on the wire, still in vLLM's buffer
+    await eng.publish([stored(CHAIN[3:5])], send=False)
+    await eng.publish([stored(CHAIN[5:8])])
+    await until_ratio(stack, POD, 1.0)
+    assert 1 in eng.replay_requests
+    assert stack.bridge_metrics.bridge_gaps._value.get() == 1
+
+
+async def test_gap_beyond_the_replay_buffer_resets_the_worker(stack):
+    eng = stack.engine(POD, buffer_steps=2)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:4])])
+    await until_ratio(stack, POD, 0.5)
+    other = H.event_hashes(list(range(9000, 9000 + 4 * BS)), BS)
+    await eng.publish([removed([CHAIN[0]])], send=False)  # lost and evicted from the buffer
+    await eng.publish([stored(other[3:4])], send=False)  # lost and evicted from the buffer
+    await eng.publish([stored(other[:2])], send=False)  # lost, still in the buffer: replayed
+    await eng.publish([stored(other[2:3])])
+    # the index can no longer vouch for CHAIN (its removal may be lost): reset, keep what was replayed
+    await until_ratio(stack, POD, 0.0)
+    await until_ratio(stack, POD, 0.75, tokens=list(range(9000, 9000 + 4 * BS)))
+    resets = stack.bridge_metrics.bridge_resets.labels("gap-beyond-replay")._value.get()
+    assert resets == 1
+
+
+async def test_sequence_going_back_means_engine_restart(stack):
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    for i in range(3):
+        await eng.publish([stored(CHAIN[i:i + 1])])
+    await until_ratio(stack, POD, 3 / 8)
+    eng.restart_engine()
+    await eng.publish([stored(CHAIN[5:6])])  # seq 0 again: a new engine, old blocks are gone
+    await until_ratio(stack, POD, 0.0)
+    await eng.publish([stored(CHAIN[:1])])
+    await until_ratio(stack, POD, 1 / 8)
+    assert stack.bridge_metrics.bridge_resets.labels("engine-restart")._value.get() == 1
+
+
+async def test_cpu_and_storage_media_do_not_feed_l1_but_stay_in_the_stream(stack):
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:4], medium="CPU"), stored(CHAIN[:8], medium="STORAGE")])
+    await eng.publish([stored(CHAIN[:1])])
+    await until_ratio(stack, POD, 1 / 8)
+    js = stack.replica.indexer.js
+    info = await js.stream_info(stack.cfg.nats.l1Stream.name)
+    msgs = [await js.get_msg(stack.cfg.nats.l1Stream.name, seq) for seq in range(1, info.state.last_seq + 1)]
+    media = [e["medium"] for m in msgs for e in msgpack.unpackb(m.data).get("events", [])]
+    assert "CPU" in media and "STORAGE" in media
+
+
+async def test_two_data_parallel_ranks_best_rank_wins(stack):
+    r0 = stack.engine(POD, dp_rank=0)
+    r1 = stack.engine(POD, dp_rank=1)
+    await stack.connect((r0, POD, 0), (r1, POD, 1))
+    await r0.publish([stored(CHAIN[:2])])
+    await r1.publish([stored(CHAIN[:6])])
+    await until_ratio(stack, POD, 0.75)
+    await r1.publish([cleared()])
+    await until_ratio(stack, POD, 0.25)
+    assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0}
+
+
+async def test_replay_without_topic_frame_pre_0_26(stack):
+    eng = stack.engine(POD, legacy_replay=True, topic="kv-events")
+    stack.cfg.ingest.l1.topic = "kv-events"
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:1])])
+    await eng.publish([stored(CHAIN[1:4])], send=False)
+    await eng.publish([stored(CHAIN[4:5])])
+    await until_ratio(stack, POD, 5 / 8)
+
+
+async def test_real_vllm_payloads_drive_the_ratio(stack):
+    """The shared payloads from vLLM's own code (sha256_cbor, PYTHONHASHSEED=0, block size 4)."""
+    ev = SHARED / "vectors" / "vllm-events"
+    tokens = [t for e in json.loads((ev / "01_block_stored_with_parent.json").read_text())["decoded"][1]
+              for t in e["token_ids"]]
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish_payload((ev / "01_block_stored_with_parent.bin").read_bytes())
+
+    async def ratio():
+        return (await stack.ratios([POD], tokens, 4))[0]
+    await wait_for(lambda: ratio(), 10, "ratio from real payloads")
+    assert await ratio() == 1.0
+    await eng.publish_payload((ev / "03_block_removed.bin").read_bytes())
+    await wait_for(lambda: _eq(ratio(), 0.0), 10, "removal from real payloads")
+
+
+async def _eq(coro, value):
+    return (await coro) == value
+
+
+async def test_malformed_payload_is_counted_and_the_subscription_survives(stack):
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish_payload(b"\xc1 definitely not msgpack")
+    await eng.pub.send_multipart([b"", b"short"])  # bad frame layout
+    await eng.publish([stored(CHAIN[:2])])
+    await until_ratio(stack, POD, 0.25)
+    assert stack.bridge_metrics.bridge_malformed._value.get() == 2
+
+
+async def test_pod_leaving_discovery_is_dropped_through_the_stream(stack):
+    a, b = stack.engine(POD), stack.engine(POD2)
+    await stack.connect((a, POD, 0), (b, POD2, 0))
+    await a.publish([stored(CHAIN[:8])])
+    await b.publish([stored(CHAIN[:4])])
+    await until_ratio(stack, POD, 1.0)
+    await until_ratio(stack, POD2, 0.5)
+    await stack.bridge.set_endpoints([b.endpoint(POD2, 0)])
+    await until_ratio(stack, POD, 0.0)
+    assert (await stack.ratios([POD2], TOKENS, BS)) == [0.5]
+
+
+async def test_nats_restart_mid_stream_loses_and_duplicates_nothing(restartable_nats, stream_prefix):
+    cfg = make_config(restartable_nats.url, stream_prefix, blockKey={"pythonHashSeed": "0"})
+    stack = await L1Stack(cfg).start()
+    try:
+        eng = stack.engine(POD)
+        await stack.connect((eng, POD, 0))
+        tokens = list(range(100, 100 + 400 * 4))
+        chain = H.event_hashes(tokens, 4)
+        for i in range(200):
+            await eng.publish([stored(chain[i:i + 1])])
+        restartable_nats.restart()
+        for i in range(200, 400):
+            await eng.publish([stored(chain[i:i + 1])])
+
+        async def full():
+            return (await stack.ratios([POD], tokens, 4))[0] == 1.0
+        await wait_for(full, 60, "all 400 batches indexed after the restart")
+        assert await stack.bridge.publisher.flush(30)
+        js = stack.replica.indexer.js
+        name = cfg.nats.l1Stream.name
+        info = await js.stream_info(name)
+        seqs = []
+        for s in range(1, info.state.last_seq + 1):
+            m = msgpack.unpackb((await js.get_msg(name, s)).data)
+            if m["type"] == "batch":
+                seqs.append(m["seq"])
+        assert sorted(seqs) == list(range(400)), "every vLLM batch exactly once in the stream"
+    finally:
+        await stack.stop()

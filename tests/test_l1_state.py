@@ -1,0 +1,120 @@
+"""Ordering rules of the L1 applier and the index structure."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer.l1_index import BlockIndex
+from indexer.l1_state import L1State
+
+
+def batch(seq, events, pod="127.0.1.1", rank=0, gen=1):
+    return {"v": 1, "type": "batch", "pod": pod, "rank": rank, "gen": gen, "seq": seq, "ts": 0.0, "events": events}
+
+
+def stored(*hashes, medium="GPU"):
+    return {"kind": "stored", "medium": medium, "hashes": list(hashes), "parent": None}
+
+
+def removed(*hashes, medium="GPU"):
+    return {"kind": "removed", "medium": medium, "hashes": list(hashes)}
+
+
+def held(state, pod="127.0.1.1", rank=0):
+    wid = state.workers.get(pod, rank)
+    return set() if wid is None else {h for h, m in state.blocks.items() if m >> wid & 1}
+
+
+def test_store_remove_clear():
+    s = L1State()
+    s.apply(batch(0, [stored(1, 2, 3)]))
+    s.apply(batch(1, [removed(2)]))
+    assert held(s) == {1, 3}
+    s.apply(batch(2, [{"kind": "cleared", "medium": None}, stored(9)]))
+    assert held(s) == {9}
+
+
+def test_non_gpu_media_do_not_touch_l1():
+    s = L1State()
+    s.apply(batch(0, [stored(1, medium="CPU"), stored(2, medium="STORAGE"), stored(3, medium=None)]))
+    assert held(s) == {3}
+    assert s.stats.ignored_medium == 2
+
+
+def test_duplicates_are_dropped_and_early_batches_wait_for_the_missing_one():
+    s = L1State()
+    s.apply(batch(0, [stored(1)]))
+    s.apply(batch(0, [stored(99)]))  # duplicate
+    s.apply(batch(2, [removed(5)]))  # early: waits for seq 1
+    assert held(s) == {1}
+    s.apply(batch(1, [stored(5)]))
+    assert held(s) == {1}  # stored then removed, in seq order
+    assert s.stats.duplicates == 1
+
+
+def test_reset_clears_and_older_generations_are_stale():
+    s = L1State()
+    s.apply(batch(0, [stored(1)], gen=1))
+    s.apply({"type": "reset", "pod": "127.0.1.1", "rank": 0, "gen": 2, "next_seq": 7, "reason": "gap"})
+    assert held(s) == set()
+    s.apply(batch(5, [stored(4)], gen=1))  # stale
+    s.apply(batch(7, [stored(8)], gen=2))
+    assert held(s) == {8}
+    # a reset arriving after its generation's first batch does not wipe it
+    s.apply(batch(0, [stored(11)], gen=3))
+    s.apply({"type": "reset", "pod": "127.0.1.1", "rank": 0, "gen": 3, "next_seq": 0, "reason": "subscribed"})
+    assert held(s) == {11}
+
+
+def test_pod_removed_drops_all_ranks_and_late_batches():
+    s = L1State()
+    s.apply(batch(0, [stored(1)], rank=0))
+    s.apply(batch(0, [stored(2)], rank=1))
+    s.apply({"type": "pod_removed", "pod": "127.0.1.1", "reason": "discovery"})
+    assert s.pod_workers("127.0.1.1") == {} and not s.blocks
+    s.apply(batch(1, [stored(3)], rank=0))
+    assert not s.blocks
+    s.apply(batch(0, [stored(4)], rank=0, gen=2))  # the pod came back
+    assert held(s) == {4}
+
+
+def test_too_many_held_batches_declare_the_gap_lost():
+    s = L1State(max_held=3)
+    s.apply(batch(0, [stored(1)]))
+    for seq in range(5, 9):
+        s.apply(batch(seq, [stored(seq * 10)]))
+    assert s.stats.lost_gaps == 1
+    assert held(s) == {50, 60, 70, 80}
+
+
+def test_block_shared_by_workers_and_worker_ids_reused():
+    idx = BlockIndex()
+    idx.store(0, [1, 2])
+    idx.store(5, [2, 3])
+    assert idx.blocks == {1: 1, 2: 1 | 32, 3: 32}
+    assert idx.entries() == 4
+    idx.clear(5)
+    assert idx.blocks == {1: 1, 2: 1}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["s", "r", "c"]), st.integers(0, 3), st.lists(st.integers(0, 20), max_size=5)),
+                max_size=40))
+def test_index_matches_a_model_of_sets(ops):
+    idx = BlockIndex()
+    model = {w: set() for w in range(4)}
+    for op, wid, hashes in ops:
+        if op == "s":
+            idx.store(wid, hashes)
+            model[wid] |= set(hashes)
+        elif op == "r":
+            idx.remove(wid, hashes)
+            model[wid] -= set(hashes)
+        else:
+            idx.clear(wid)
+            model[wid] = set()
+    for wid, hs in model.items():
+        assert {h for h, m in idx.blocks.items() if m >> wid & 1} == hs
+        assert idx.worker_blocks.get(wid, 0) == len(hs)
+    assert all(m for m in idx.blocks.values())

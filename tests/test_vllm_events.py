@@ -1,0 +1,122 @@
+"""The tolerant decoder against the real vLLM payloads in ../shared/vectors/vllm-events/."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+
+from bridge.vllm_events import MalformedPayload, decode_batch
+from indexer.block_hash import BlockHasher, event_block_hash
+from tests.conftest import SHARED
+
+EVENTS = SHARED / "vectors" / "vllm-events"
+FILES = sorted(EVENTS.glob("*.bin")) + sorted((EVENTS / "legacy").glob("*.bin"))
+
+
+def _norm_hash(v):
+    if isinstance(v, dict):
+        return int.from_bytes(bytes.fromhex(v["bytes_hex"])[-8:], "big")
+    return v & ((1 << 64) - 1)
+
+
+def _expected(decoded_event):
+    """The normalized form of a sidecar's decoded event (map or tagged array)."""
+    if isinstance(decoded_event, list):
+        tag = decoded_event[0]
+        names = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                                 "lora_name", "extra_keys", "group_idx"],
+                 "BlockRemoved": ["block_hashes", "medium", "group_idx"], "AllBlocksCleared": []}[tag]
+        decoded_event = {"type": tag, **dict(zip(names, decoded_event[1:]))}
+    tag = decoded_event["type"]
+    if tag == "AllBlocksCleared":
+        return {"kind": "cleared", "medium": decoded_event.get("medium")}
+    out = {"kind": "stored" if tag == "BlockStored" else "removed", "medium": decoded_event.get("medium"),
+           "hashes": [_norm_hash(h) for h in decoded_event["block_hashes"]]}
+    if tag == "BlockStored":
+        p = decoded_event.get("parent_block_hash")
+        out["parent"] = None if p is None else _norm_hash(p)
+    return out
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_decodes_every_shared_payload(path):
+    sidecar = json.loads(path.with_suffix(".json").read_text())
+    batch = decode_batch(path.read_bytes())
+    decoded = sidecar["decoded"]
+    assert batch.ts == decoded[0]
+    assert batch.dp_rank == (decoded[2] if len(decoded) > 2 else None)
+    assert batch.unknown_events == 0
+    assert len(batch.events) == len(decoded[1])
+    for got, raw in zip(batch.events, decoded[1]):
+        exp = _expected(raw)
+        assert {k: got.get(k) for k in exp} == exp
+
+
+def test_legacy_and_current_shapes_agree():
+    """Every legacy encoding of the same logical events decodes to the same hashes and kinds."""
+    seen = {}
+    for path in sorted((EVENTS / "legacy").glob("*.bin")):
+        batch = decode_batch(path.read_bytes())
+        seen[path.name] = [(e["kind"], tuple(e.get("hashes", ())), e.get("parent")) for e in batch.events]
+    assert len(set(map(tuple, seen.values()))) == 1, seen
+
+
+def test_bytes_hashes_equal_int_hashes_and_our_chain():
+    ints = decode_batch((EVENTS / "01_block_stored_with_parent.bin").read_bytes())
+    raw = decode_batch((EVENTS / "06_bytes_hashes.bin").read_bytes())
+    stored = lambda b: [e["hashes"] for e in b.events if e["kind"] == "stored"]  # noqa: E731
+    assert stored(ints) == stored(raw)
+    ctx = json.loads((EVENTS / "01_block_stored_with_parent.json").read_text())
+    tokens = [t for e in ctx["decoded"][1] for t in e["token_ids"]]
+    ours = BlockHasher("sha256_cbor", "0").block_hashes(tokens, 4)
+    assert [event_block_hash(d) for d in ours] == [h for e in ints.events for h in e["hashes"]]
+
+
+def test_lora_salt_payload_matches_hasher():
+    from indexer.block_hash import LoRAKey
+
+    ctx = json.loads((EVENTS / "02_block_stored_lora_salt.json").read_text())["context"]
+    batch = decode_batch((EVENTS / "02_block_stored_lora_salt.bin").read_bytes())
+    h = BlockHasher("sha256_cbor", "0")
+    digests = h.block_hashes(ctx["token_ids"], ctx["block_size"], cache_salt=ctx["cache_salt"],
+                             lora=LoRAKey(ctx["lora"]["lora_name"], ctx["lora"]["lora_path"]))
+    assert batch.events[0]["hashes"] == [event_block_hash(d) for d in digests]
+    assert batch.events[0]["lora_name"] == "my-lora"
+
+
+def test_cpu_offload_events_keep_their_medium():
+    batch = decode_batch((EVENTS / "07_cpu_offload_events.bin").read_bytes())
+    assert {e["medium"] for e in batch.events} == {"CPU"}
+
+
+def test_zmq_capture_frames_decode():
+    cap = json.loads((EVENTS / "zmq_capture.json").read_text())
+    for msg in cap["live_pub_frames"]:
+        topic, seq, payload = (bytes.fromhex(f) for f in msg["frames_hex"])
+        assert topic == b"kv-events" and int.from_bytes(seq, "big") == msg["seq_be_u64"]
+        assert decode_batch(payload).events
+
+
+def test_unknown_fields_and_event_types_are_tolerated():
+    payload = msgpack.packb([1.0, [
+        {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [], "block_size": 2,
+         "lora_id": None, "medium": "GPU", "lora_name": None, "future_field": {"x": 1}},
+        {"type": "SomethingNew", "payload": 1},
+        ["BlockRemoved", [1], "GPU", 0, "LOCAL", "owner", "trailing"],
+    ], 3])
+    batch = decode_batch(payload)
+    assert batch.dp_rank == 3 and batch.unknown_events == 1
+    assert [e["kind"] for e in batch.events] == ["stored", "removed"]
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"\xc1", msgpack.packb({"not": "a batch"}), msgpack.packb([1.0]), msgpack.packb([1.0, "x"]),
+    msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": "nope"}]]),
+    msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1.5]}]]),
+    msgpack.packb([1.0, [{"no_type": 1}]]), msgpack.packb([1.0, [42]]),
+])
+def test_malformed_payloads_raise_a_clear_error(payload):
+    with pytest.raises(MalformedPayload):
+        decode_batch(payload)

@@ -1,0 +1,130 @@
+"""A stand-in vLLM KV-event publisher speaking vLLM's exact ZMQ frames (ZmqEventPublisher, 0.33).
+
+- live: ``[topic, seq (8-byte big-endian), msgpack KVEventBatch]`` on a PUB-compatible socket (XPUB,
+  so a test can wait until the bridge has subscribed instead of sleeping);
+- replay: a ROUTER that answers ``[client, b"", start_seq]`` with ``[client, b"", topic, seq, payload]``
+  per buffered batch with seq >= start, then ``[client, b"", b"", END_SEQ, b""]``; ``legacy_replay``
+  drops the topic frame as vLLM < 0.26 did;
+- payloads: map-shaped events as vLLM >= 0.24 encodes them, or raw bytes (e.g. the shared vectors).
+Helpers can skip live sends (to make gaps), restart the engine (seq back to 0) and bound the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def stored(hashes: list[int], parent: int | None = None, medium: str | None = "GPU", block_size: int = 16,
+           lora_name: str | None = None) -> dict:
+    return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
+            "token_ids": list(range(block_size * len(hashes))), "block_size": block_size, "lora_id": None,
+            "medium": medium, "lora_name": lora_name, "extra_keys": [None] * len(hashes), "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention"}
+
+
+def removed(hashes: list[int], medium: str | None = "GPU") -> dict:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium, "group_idx": 0}
+
+
+def cleared() -> dict:
+    return {"type": "AllBlocksCleared"}
+
+
+def batch_payload(events: list[dict], dp_rank: int = 0, ts: float | None = None) -> bytes:
+    return msgpack.packb([ts if ts is not None else time.time(), events, dp_rank], use_bin_type=True)
+
+
+class FakeVllmPublisher:
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, pub_port: int, replay_port: int | None = None,
+                 topic: str = "", dp_rank: int = 0, buffer_steps: int = 10000, legacy_replay: bool = False) -> None:
+        self.ctx = ctx
+        self.host = host
+        self.topic = topic.encode()
+        self.dp_rank = dp_rank
+        self.legacy_replay = legacy_replay
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.seq = 0
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 100000)
+        if pub_port:
+            self.pub.bind(f"tcp://{host}:{pub_port}")
+        else:
+            pub_port = self.pub.bind_to_random_port(f"tcp://{host}")
+        self.pub_port = pub_port
+        self.replay_port = replay_port
+        self.router = None
+        self._replay_task = None
+        self.replay_requests: list[int] = []
+        self.subscribers = 0
+        if replay_port is not None:  # 0: a random port
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            if replay_port > 0:
+                self.router.bind(f"tcp://{host}:{replay_port}")
+            else:
+                self.replay_port = self.router.bind_to_random_port(f"tcp://{host}")
+            self._replay_task = asyncio.create_task(self._serve_replay())
+
+    async def wait_subscribed(self, timeout: float = 10.0) -> None:
+        """Wait for a subscription message on the XPUB socket (the bridge's SUB has joined)."""
+        async def _recv() -> None:
+            while True:
+                msg = await self.pub.recv()
+                if msg[:1] == b"\x01":
+                    self.subscribers += 1
+                    return
+        await asyncio.wait_for(_recv(), timeout)
+
+    async def _serve_replay(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"":
+                continue
+            client, start = frames[0], int.from_bytes(frames[2], "big")
+            self.replay_requests.append(start)
+            for seq, payload in list(self.buffer):
+                if seq >= start:
+                    body = [seq.to_bytes(8, "big"), payload] if self.legacy_replay else [self.topic, seq.to_bytes(8, "big"), payload]
+                    await self.router.send_multipart([client, b"", *body])
+            end = [END_SEQ, b""] if self.legacy_replay else [b"", END_SEQ, b""]
+            await self.router.send_multipart([client, b"", *end])
+
+    def endpoint(self, pod: str | None = None, rank: int = 0):
+        from bridge.vllm_subscriber import Endpoint
+
+        return Endpoint(pod=pod or self.host, rank=rank, pub=f"tcp://{self.host}:{self.pub_port}",
+                        replay=f"tcp://{self.host}:{self.replay_port}" if self.router is not None else None)
+
+    async def publish_payload(self, payload: bytes, send: bool = True) -> int:
+        """Buffer the batch under the next seq; send it live unless ``send`` is False (a lost message)."""
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, payload))
+        if send:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    async def publish(self, events: list[dict], send: bool = True) -> int:
+        return await self.publish_payload(batch_payload(events, self.dp_rank), send)
+
+    def restart_engine(self) -> None:
+        """What a restarted vLLM engine looks like: seq from 0 again and an empty replay buffer."""
+        self.seq = 0
+        self.buffer.clear()
+
+    async def close(self) -> None:
+        if self._replay_task:
+            self._replay_task.cancel()
+            await asyncio.gather(self._replay_task, return_exceptions=True)
+        self.pub.close(0)
+        if self.router is not None:
+            self.router.close(0)
