@@ -6,9 +6,10 @@ wrong byte here turns every hit ratio into a silent 0, so this module follows
 ``../shared/reference/vllm-hashing-and-events.md`` to the letter and is tested against vectors
 produced by vLLM's own code.
 
-The serialisation is assembled by hand for the hot path (the 3-tuple header and the parent digest are
-constant bytes), while token and extra-key encoding is delegated to ``cbor2`` / ``pickle`` so the bytes
-are produced by the same encoders vLLM uses.
+Blocks without extra keys (all but a salted first block, for plain requests) take a fast path: the
+optional C accelerator ``indexer._blockhash`` serialises runs of blocks exactly like cbor2 / pickle and
+calls the same digest function; without it the tuple header is assembled by hand around
+``cbor2.dumps(tokens)``. Blocks with extra keys always go through ``cbor2`` / ``pickle`` themselves.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from typing import Literal
 
 import cbor2
 import xxhash
+
+try:
+    from indexer import _blockhash
+except ImportError:  # built optionally (setup.py); the pure-Python path is exact, only slower
+    _blockhash = None
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 ExtraKeysEncoding = Literal["tagged", "untagged"]
@@ -78,6 +84,7 @@ class BlockHasher:
         algo: HashAlgo = "sha256_cbor",
         python_hash_seed: str | None = None,
         extra_keys_encoding: ExtraKeysEncoding = "tagged",
+        accelerate: bool = True,
     ) -> None:
         if algo not in HASH_ALGOS:
             raise ValueError(f"unknown hash algorithm {algo!r}; expected one of {', '.join(HASH_ALGOS)}")
@@ -93,6 +100,7 @@ class BlockHasher:
         self.extra_keys_encoding = extra_keys_encoding
         self._cbor = algo.endswith("_cbor")
         self._sha = algo.startswith("sha256")
+        self._accel = _blockhash if accelerate else None
         self._digest = _sha256_digest if self._sha else xxhash.xxh3_128_digest
         seed = python_hash_seed if python_hash_seed is not None else DEFAULT_NONE_HASH_SEED
         self.none_hash: bytes = self.hash_object(seed)
@@ -168,13 +176,34 @@ class BlockHasher:
             yield parent
 
     def _iter_plain(self, token_ids: Sequence[int], block_size: int, n_blocks: int, cache_salt: str | None) -> Iterator[bytes]:
-        """The hot path: no LoRA/MM/lookahead, salt only on block 0; serialisation assembled by hand."""
+        """The hot path: no LoRA/MM/lookahead, salt only on block 0."""
         parent = self.none_hash
         start = 0
         if cache_salt:
             parent = self.hash_block(parent, token_ids[0:block_size], self.block_extra_keys(0, block_size, cache_salt))
             yield parent
             start = 1
+        if self._accel is not None and start < n_blocks:
+            if not isinstance(token_ids, (list, tuple)):
+                token_ids = list(token_ids)
+            digest_fn, sha_mode = (hashlib.sha256, True) if self._sha else (self._digest, False)
+            chunk = 8  # grows, so an early stop stays cheap and a long chain amortises the call
+            while start < n_blocks:
+                n = min(chunk, n_blocks - start)
+                try:
+                    digests = self._accel.chain(parent, token_ids, block_size, start, n, self._cbor, digest_fn, sha_mode)
+                except (OverflowError, TypeError):
+                    break  # a token the C encoder does not take (huge or not an int): Python path below
+                yield from digests
+                parent = digests[-1]
+                start += n
+                chunk = min(chunk * 2, 512)
+            if start >= n_blocks:
+                return
+        yield from self._iter_python(token_ids, block_size, start, n_blocks, parent)
+
+    def _iter_python(self, token_ids: Sequence[int], block_size: int, start: int, n_blocks: int,
+                     parent: bytes) -> Iterator[bytes]:
         if not self._cbor:
             dumps, proto = pickle.dumps, pickle.HIGHEST_PROTOCOL
             digest = self._digest

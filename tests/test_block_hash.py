@@ -95,11 +95,23 @@ tokens_st = st.lists(st.integers(min_value=0, max_value=(1 << 40)), max_size=80)
 
 
 @settings(max_examples=150, deadline=None)
-@given(tokens=tokens_st, bs=st.integers(1, 9), salt=st.one_of(st.none(), st.text(max_size=5)),
-       algo=st.sampled_from(["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"]))
-def test_fast_path_equals_reference(tokens, bs, salt, algo):
-    h = BlockHasher(algo, "0")
+@given(tokens=st.lists(st.one_of(st.integers(min_value=0, max_value=1 << 70), st.integers(0, 300)), max_size=80),
+       bs=st.integers(1, 9), salt=st.one_of(st.none(), st.text(max_size=5)),
+       algo=st.sampled_from(["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"]), accelerate=st.booleans())
+def test_fast_paths_equal_reference(tokens, bs, salt, algo, accelerate):
+    h = BlockHasher(algo, "0", accelerate=accelerate)
     assert h.block_hashes(tokens, bs, cache_salt=salt) == _reference_chain(h, tokens, bs, salt)
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"])
+def test_accelerator_is_built_and_exact_on_long_chains(algo):
+    from indexer import block_hash
+
+    assert block_hash._blockhash is not None, "the C accelerator did not build (needs a C compiler)"
+    tokens = [(i * 7919) % 152_000 for i in range(5000)] + [0, 23, 24, 255, 256, 65535, 65536, 2**31, 2**32]
+    fast, slow = BlockHasher(algo, "0"), BlockHasher(algo, "0", accelerate=False)
+    for bs in (1, 3, 4, 16, 128):
+        assert fast.block_hashes(tokens, bs) == slow.block_hashes(tokens, bs) == _reference_chain(slow, tokens, bs, None)
 
 
 @settings(max_examples=100, deadline=None)
@@ -139,7 +151,7 @@ def test_changing_a_token_changes_its_block_and_all_later_ones(tokens, pos):
     assert all(x != y for x, y in zip(a[blk:], b[blk:]))
 
 
-def test_iteration_is_lazy():
+def test_iteration_is_lazy():  # noqa: D103
     h = BlockHasher("sha256_cbor", "0")
     it = h.iter_block_hashes(list(range(1 << 16)), 16)
     first = next(it)

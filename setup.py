@@ -1,0 +1,9 @@
+"""Builds the optional C accelerator of the block hasher; everything else is in pyproject.toml.
+
+``optional=True``: without a C compiler the install still succeeds and the pure-Python path is used.
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("indexer._blockhash", ["indexer/_blockhash.c"], optional=True,
+                             extra_compile_args=["-O3"])])
