@@ -15,12 +15,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from aiohttp import web
-from pydantic import ValidationError
 
+from api.hit_rate_request import RequestError, decode_hit_rate_request
 from cache_indexer.metrics import Metrics
 from indexer.block_hash import BlockHasher
 from indexer.hit_rate import Tier, score
-from schemas.api import HitRateRequest
 from schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
@@ -32,17 +31,6 @@ UNKNOWN_POD_MESSAGE = "no KV-cache events seen for this server"
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"status": status, "message": message, "server_score_list": []}, status=status)
-
-
-def _validation_message(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors(include_url=False)[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "body"
-        if err.get("type") == "json_invalid":
-            return f"invalid JSON: {err.get('msg')}"
-        parts.append(f"{loc}: {err.get('msg')}")
-    more = len(exc.errors()) - len(parts)
-    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 class HitRateApi:
@@ -107,12 +95,11 @@ class HitRateApi:
         if not body.strip():
             return _error(400, "empty request body")
         try:
-            req = HitRateRequest.model_validate_json(body)
-        except ValidationError as exc:
-            return _error(400, _validation_message(exc))
+            req = decode_hit_rate_request(body)
+        except RequestError as exc:
+            return _error(400, str(exc))
         try:
-            result = score(self.hasher, req.body.token_ids, req.body.block_size, req.body.cache_salt,
-                           req.server_ip, self.tiers())
+            result = score(self.hasher, req.token_ids, req.block_size, req.cache_salt, req.server_ip, self.tiers())
         except Exception as exc:
             log.exception("hit-rate computation failed")
             return _error(500, f"hit-rate computation failed: {exc}")

@@ -104,17 +104,34 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     int cbor, sha_mode;
     if (!PyArg_ParseTuple(args, "SOnnnpOp", &parent, &tokens, &bs, &first, &n, &cbor, &digest_fn, &sha_mode))
         return NULL;
-    PyObject *seq = PySequence_Fast(tokens, "tokens must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t total = PySequence_Fast_GET_SIZE(seq);
+    /* tokens: a list/tuple of ints, or a buffer of native uint64 (array('Q'), see parse_token_array) */
+    Py_buffer view;
+    const uint64_t *u64 = NULL;
+    PyObject *seq = NULL;
+    PyObject **items = NULL;
+    Py_ssize_t total;
+    if (PyObject_CheckBuffer(tokens) && !PyBytes_Check(tokens)) {
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+        if (view.itemsize != 8 || !view.format || (strcmp(view.format, "Q") != 0 && strcmp(view.format, "L") != 0)) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_TypeError, "token buffer must hold unsigned 64-bit integers");
+            return NULL;
+        }
+        u64 = (const uint64_t *)view.buf;
+        total = view.len / 8;
+    } else {
+        seq = PySequence_Fast(tokens, "tokens must be a sequence");
+        if (!seq) return NULL;
+        total = PySequence_Fast_GET_SIZE(seq);
+        items = PySequence_Fast_ITEMS(seq);
+    }
     if (bs <= 0 || first < 0 || n < 0 || (first + n) * bs > total) {
-        Py_DECREF(seq);
+        if (seq) Py_DECREF(seq); else PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "block range outside the token list");
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *out = PyList_New(n);
-    if (!out) { Py_DECREF(seq); return NULL; }
+    if (!out) { if (seq) Py_DECREF(seq); else PyBuffer_Release(&view); return NULL; }
     Buf b = {0};
     Py_INCREF(parent);
     PyObject *digest_name = PyUnicode_InternFromString("digest");
@@ -122,8 +139,16 @@ static PyObject *chain(PyObject *self, PyObject *args) {
         Py_ssize_t plen = PyBytes_GET_SIZE(parent);
         if (buf_reserve(&b, 64 + plen + 10 * bs) < 0) goto fail;
         b.len = 0;
-        PyObject **tok = items + (first + k) * bs;
-        if (cbor) {
+        PyObject **tok = items ? items + (first + k) * bs : NULL;
+        const uint64_t *utok = u64 ? u64 + (first + k) * bs : NULL;
+        if (cbor && utok) {
+            put1(&b, 0x83);
+            cbor_head(&b, 0x40, (uint64_t)plen);
+            put(&b, PyBytes_AS_STRING(parent), plen);
+            cbor_head(&b, 0x80, (uint64_t)bs);
+            for (Py_ssize_t i = 0; i < bs; i++) cbor_head(&b, 0x00, utok[i]);
+            put1(&b, 0xf6);
+        } else if (cbor) {
             put1(&b, 0x83);
             cbor_head(&b, 0x40, (uint64_t)plen);
             put(&b, PyBytes_AS_STRING(parent), plen);
@@ -164,8 +189,20 @@ static PyObject *chain(PyObject *self, PyObject *args) {
             put(&b, PyBytes_AS_STRING(parent), plen);
             put1(&b, 0x94);
             if (bs > 3) put1(&b, '(');
-            for (Py_ssize_t i = 0; i < bs; i++)
-                if (pickle_int(&b, tok[i]) < 0) goto fail;
+            for (Py_ssize_t i = 0; i < bs; i++) {
+                if (utok) {
+                    uint64_t v = utok[i];
+                    if (v < 0x100) { put1(&b, 'K'); put1(&b, (unsigned char)v); }
+                    else if (v < 0x10000) { put1(&b, 'M'); put1(&b, (unsigned char)v); put1(&b, (unsigned char)(v >> 8)); }
+                    else if (v <= 2147483647ULL) {
+                        put1(&b, 'J');
+                        for (int s = 0; s < 32; s += 8) put1(&b, (unsigned char)(v >> s));
+                    } else {
+                        PyErr_SetString(PyExc_OverflowError, "token id needs LONG1; left to the Python path");
+                        goto fail;
+                    }
+                } else if (pickle_int(&b, tok[i]) < 0) goto fail;
+            }
             if (bs > 3) put1(&b, 't');
             else put1(&b, (unsigned char)(0x84 + bs)); /* TUPLE1..3 = 0x85..0x87 */
             put1(&b, 0x94);
@@ -200,19 +237,81 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     Py_DECREF(parent);
     Py_DECREF(digest_name);
     PyMem_Free(b.buf);
-    Py_DECREF(seq);
+    if (seq) Py_DECREF(seq); else PyBuffer_Release(&view);
     return out;
 fail:
     Py_DECREF(parent);
     Py_XDECREF(digest_name);
     PyMem_Free(b.buf);
-    Py_DECREF(seq);
+    if (seq) Py_DECREF(seq); else PyBuffer_Release(&view);
     Py_DECREF(out);
     return NULL;
 }
 
+/* parse_token_array(json_array_bytes) -> bytes of native uint64: a JSON array of non-negative
+ * integers (no sign, fraction, exponent, or other types), parsed without creating Python ints. */
+static PyObject *parse_token_array(PyObject *self, PyObject *arg) {
+    Py_buffer in;
+    if (PyObject_GetBuffer(arg, &in, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *p = in.buf, *end = p + in.len, *start = p;
+    Buf b = {0};
+    const char *err = NULL;
+#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
+    WS();
+    if (p >= end || *p != '[') { err = "token_ids must be an array"; goto done; }
+    p++;
+    WS();
+    if (p < end && *p == ']') { p++; goto tail; }
+    for (;;) {
+        WS();
+        if (p >= end) { err = "unterminated token_ids array"; goto done; }
+        if (*p == '-') { err = "token_ids must be non-negative integers"; goto done; }
+        if (*p < '0' || *p > '9') { err = "token_ids must be integers"; goto done; }
+        if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') { err = "invalid number in token_ids"; goto done; }
+        uint64_t v = 0;
+        const unsigned char *digits = p;
+        while (p < end && *p >= '0' && *p <= '9' && p - digits < 19) v = v * 10 + (unsigned)(*p++ - '0');
+        if (p < end && *p >= '0' && *p <= '9') { /* a 20th digit: the only place uint64 can overflow */
+            unsigned d = *p - '0';
+            if (v > (UINT64_MAX - d) / 10 || (p + 1 < end && p[1] >= '0' && p[1] <= '9')) {
+                err = "token id out of range";
+                goto done;
+            }
+            v = v * 10 + d;
+            p++;
+        }
+        if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) { err = "token_ids must be integers"; goto done; }
+        if (b.len + 8 > b.cap && buf_reserve(&b, 8 + (end - p) * 4) < 0) {
+            PyBuffer_Release(&in);
+            PyMem_Free(b.buf);
+            return NULL;
+        }
+        memcpy(b.buf + b.len, &v, 8);
+        b.len += 8;
+        WS();
+        if (p < end && *p == ',') { p++; continue; }
+        if (p < end && *p == ']') { p++; break; }
+        err = "invalid token_ids array";
+        goto done;
+    }
+tail:
+    WS();
+    if (p != end) err = "trailing data after token_ids";
+done:
+#undef WS
+    {
+        PyObject *res = NULL;
+        if (err) PyErr_Format(PyExc_ValueError, "%s (at byte %zd of the array)", err, (Py_ssize_t)(p - start));
+        else res = PyBytes_FromStringAndSize((const char *)b.buf, b.len);
+        PyBuffer_Release(&in);
+        PyMem_Free(b.buf);
+        return res;
+    }
+}
+
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS, "Digests of consecutive blocks without extra keys."},
+    {"parse_token_array", parse_token_array, METH_O, "JSON array of non-negative ints -> native uint64 bytes."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -184,7 +185,7 @@ class BlockHasher:
             yield parent
             start = 1
         if self._accel is not None and start < n_blocks:
-            if not isinstance(token_ids, (list, tuple)):
+            if not isinstance(token_ids, (list, tuple)) and not (isinstance(token_ids, array) and token_ids.typecode == "Q"):
                 token_ids = list(token_ids)
             digest_fn, sha_mode = (hashlib.sha256, True) if self._sha else (self._digest, False)
             chunk = 8  # grows, so an early stop stays cheap and a long chain amortises the call
@@ -204,6 +205,8 @@ class BlockHasher:
 
     def _iter_python(self, token_ids: Sequence[int], block_size: int, start: int, n_blocks: int,
                      parent: bytes) -> Iterator[bytes]:
+        if isinstance(token_ids, array):
+            token_ids = token_ids.tolist()  # cbor2 encodes lists, not arrays
         if not self._cbor:
             dumps, proto = pickle.dumps, pickle.HIGHEST_PROTOCOL
             digest = self._digest

@@ -116,7 +116,44 @@ BAD_REQUESTS = {
     "server_ip not a list": json.dumps({**req(["a"]), "server_ip": "127.0.1.1"}).encode(),
     "server_ip numbers": json.dumps({**req(["a"]), "server_ip": [1]}).encode(),
     "cache_salt number": json.dumps(req(["a"], salt=5)).encode(),
+    "token_ids float": json.dumps(req(["a"], tokens=[1, 2.5])).encode(),
+    "token_ids exponent": b'{"server_ip": ["a"], "body": {"token_ids": [1e3], "block_size": 16}}',
+    "token_ids null": json.dumps(req(["a"], tokens=[None])).encode(),
+    "token_ids not a list": json.dumps(req(["a"], tokens=5)).encode(),
+    "token_ids too large": json.dumps(req(["a"], tokens=[1 << 64])).encode(),
+    "missing block_size": json.dumps({"server_ip": ["a"], "body": {"token_ids": [1]}}).encode(),
 }
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_fast_decoder_rejects_what_the_contract_rejects(name):
+    """The msgspec hot path and the pydantic contract agree on every bad request."""
+    from pydantic import ValidationError
+
+    from api.hit_rate_request import RequestError, decode_hit_rate_request
+    from schemas.api import HitRateRequest
+
+    with pytest.raises(ValidationError):
+        HitRateRequest.model_validate_json(BAD_REQUESTS[name])
+    with pytest.raises(RequestError):
+        decode_hit_rate_request(BAD_REQUESTS[name])
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_fast_decoder_accepts_what_the_contract_accepts(accelerated, monkeypatch):
+    from api.hit_rate_request import decode_hit_rate_request
+    from indexer import block_hash
+    from schemas.api import HitRateRequest
+
+    if not accelerated:
+        monkeypatch.setattr(block_hash, "_blockhash", None)
+    for payload in (req(["a", "b"]), req(["a"], tokens=[], salt="s", bs=1),
+                    req(["a"], tokens=[0, 23, 24, (1 << 64) - 1]), {"server_ip": ["x"], "body": {"token_ids": [1], "block_size": 4}}):
+        raw = json.dumps(payload).encode()
+        ref = HitRateRequest.model_validate_json(raw)
+        got = decode_hit_rate_request(raw)
+        assert (got.server_ip, list(got.token_ids), got.block_size, got.cache_salt) == \
+            (ref.server_ip, ref.body.token_ids, ref.body.block_size, ref.body.cache_salt)
 
 
 @pytest.mark.parametrize("name", BAD_REQUESTS)
@@ -134,7 +171,9 @@ async def test_error_messages_name_the_problem(api):
     _, body = await post(session, None, raw=BAD_REQUESTS["invalid json"])
     assert body["message"].startswith("invalid JSON")
     _, body = await post(session, None, raw=BAD_REQUESTS["unknown body field"])
-    assert "body.model" in body["message"]
+    assert "unknown field `model`" in body["message"] and "`body`" in body["message"]
+    _, body = await post(session, None, raw=BAD_REQUESTS["token_ids negative"])
+    assert "token_ids" in body["message"] and "non-negative" in body["message"]
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "PATCH"])

@@ -1,0 +1,78 @@
+"""Fast decoding of ``POST /kv-cache/hit-rate`` bodies.
+
+The contract is ``schemas.api.HitRateRequest`` (pydantic; it generates the OpenAPI document). Decoding
+a 240k-token body through pydantic or ``json`` costs 15-17 ms, mostly creating a Python int per token,
+so the hot path decodes the envelope with msgspec (same strictness: unknown fields, wrong types and
+bools-as-ints are rejected) and leaves ``token_ids`` raw; the C accelerator then parses the array
+straight into native uint64s that the hasher reads without ever creating the ints. A test checks that
+this decoder and the pydantic model accept and reject the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+
+from indexer import block_hash
+
+_U64_LIMIT = 1 << 64
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
+    token_ids: msgspec.Raw
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
+    cache_salt: str = ""
+
+
+class _Request(msgspec.Struct, forbid_unknown_fields=True):
+    server_ip: Annotated[list[str], msgspec.Meta(min_length=1)]
+    body: _Body
+
+
+_decoder = msgspec.json.Decoder(_Request)
+
+
+class RequestError(ValueError):
+    """The request does not follow the contract; the message says where."""
+
+
+@dataclass(slots=True)
+class HitRateQuery:
+    server_ip: list[str]
+    token_ids: array  # typecode 'Q'
+    block_size: int
+    cache_salt: str
+
+
+def _tokens(raw: bytes) -> array:
+    accel = block_hash._blockhash
+    out = array("Q")
+    if accel is not None:
+        try:
+            out.frombytes(accel.parse_token_array(raw))
+        except ValueError as exc:
+            raise RequestError(f"body.token_ids: {exc}") from None
+        return out
+    values = json.loads(raw)
+    if not isinstance(values, list):
+        raise RequestError("body.token_ids: token_ids must be an array")
+    for v in values:
+        if type(v) is not int or v < 0 or v >= _U64_LIMIT:
+            raise RequestError("body.token_ids: token_ids must be non-negative integers below 2**64")
+    out.extend(values)
+    return out
+
+
+def decode_hit_rate_request(body: bytes) -> HitRateQuery:
+    try:
+        req = _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise RequestError(str(exc).replace("`$.", "`").replace("`$`", "`request`")) from None
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"invalid JSON: {exc}") from None
+    return HitRateQuery(server_ip=req.server_ip, token_ids=_tokens(bytes(req.body.token_ids)),
+                        block_size=req.body.block_size, cache_salt=req.body.cache_salt)
