@@ -46,7 +46,7 @@ def _shared(n_entries: int, workers: int = 16) -> BlockIndex:
     return idx
 
 
-def run(n_entries: int = 1_000_000) -> list[dict]:
+def run(quick: bool = False, n_entries: int = 1_000_000) -> list[dict]:
     rows = []
     for name, build in (("no sharing (worst case)", _unique), ("40% shared prefixes", _shared)):
         used, entries, keys = _measure(lambda b=build: b(n_entries))
