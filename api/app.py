@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from api.hit_rate_request import RequestError, decode_hit_rate_request
+from api.ops import add_ops_routes
 from cache_indexer.metrics import Metrics
 from indexer.block_hash import BlockHasher
 from indexer.hit_rate import Tier, score
@@ -48,9 +49,7 @@ class HitRateApi:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
                               middlewares=[self._observe])
         app.router.add_route("*", HIT_RATE_PATH, self.hit_rate)
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/readyz", self.readyz)
-        app.router.add_get("/metrics", self.metrics_handler)
+        add_ops_routes(app, self.metrics, self.ready, "catching up with the event streams")
         return app
 
     @web.middleware
@@ -108,14 +107,3 @@ class HitRateApi:
                   "message": "" if s.known else UNKNOWN_POD_MESSAGE, "status": 0} for s in result.scores]
         return web.Response(body=json.dumps({"status": 0, "message": "success", "server_score_list": items}),
                             content_type="application/json")
-
-    async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def readyz(self, request: web.Request) -> web.Response:
-        if self.ready():
-            return web.json_response({"status": "ready"})
-        return web.json_response({"status": "catching up with the event streams"}, status=503)
-
-    async def metrics_handler(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})

@@ -48,6 +48,9 @@ class Bridge:
         else:
             raise NotImplementedError("discovery.mode=kubernetes is not implemented yet; use static")
 
+    def is_ready(self) -> bool:
+        return self.publisher is not None and self.nc is not None and self.nc.is_connected
+
     async def _watch_static(self) -> None:
         targets = StaticTargets(self.cfg.discovery.static.file)
         interval = min(1.0, self.cfg.discovery.refreshInterval)

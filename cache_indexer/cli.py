@@ -60,11 +60,15 @@ async def _until_signalled(stop_fns) -> None:
 
 
 async def run_bridge(cfg: Config) -> None:
+    from api.ops import make_ops_app
+    from api.server import HttpServer
     from bridge.service import Bridge
 
     bridge = Bridge(cfg)
+    http = HttpServer(make_ops_app(bridge.metrics, bridge.is_ready, "not connected to NATS"), cfg.http)
+    await http.start()  # health and metrics of the bridge
     await bridge.start()
-    await _until_signalled([bridge.stop])
+    await _until_signalled([http.stop, bridge.stop])
 
 
 async def run_indexer(cfg: Config) -> None:
