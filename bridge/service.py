@@ -12,6 +12,7 @@ import logging
 import zmq.asyncio
 
 from bridge.jetstream_publisher import JetStreamPublisher
+from bridge.k8s_discovery import KubernetesDiscovery
 from bridge.l1_publisher import L1Publisher
 from bridge.static_targets import StaticTargets
 from bridge.vllm_subscriber import Endpoint, VllmSubscriber
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class Bridge:
-    def __init__(self, cfg: Config, metrics: Metrics | None = None) -> None:
+    def __init__(self, cfg: Config, metrics: Metrics | None = None, kube_client=None) -> None:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.ctx = zmq.asyncio.Context()
@@ -34,6 +35,8 @@ class Bridge:
         self._replay_slots = asyncio.Semaphore(cfg.ingest.l1.maxConcurrentReplays)
         self._watch_task: asyncio.Task | None = None
         self._known: set[Endpoint] = set()
+        self._kube_client = kube_client  # a kubernetes_asyncio ApiClient; None: in-cluster or kubeconfig
+        self.discovery: KubernetesDiscovery | None = None
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge")
@@ -46,7 +49,8 @@ class Bridge:
         if self.cfg.discovery.mode == "static":
             self._watch_task = asyncio.create_task(self._watch_static(), name="bridge-static-targets")
         else:
-            raise NotImplementedError("discovery.mode=kubernetes is not implemented yet; use static")
+            self.discovery = KubernetesDiscovery(self.cfg.discovery, self.set_endpoints, self._kube_client)
+            self.discovery.start()
 
     def is_ready(self) -> bool:
         return self.publisher is not None and self.nc is not None and self.nc.is_connected
@@ -87,6 +91,8 @@ class Bridge:
         if self._watch_task:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
+        if self.discovery:
+            await self.discovery.stop()
         for sub in self.subscribers.values():
             await sub.stop()
         self.subscribers.clear()

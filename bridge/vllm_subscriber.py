@@ -37,6 +37,9 @@ class Endpoint:
     pub: str  # tcp://host:port of the PUB socket
     replay: str | None  # tcp://host:port of the ROUTER replay socket, None when not configured
     name: str = ""
+    #: Changes when the engine behind the endpoint restarts (pod uid + container restarts); a new
+    #: epoch is a new endpoint, so the bridge starts a fresh subscription (reset + replay from 0).
+    epoch: str = ""
 
 
 class _BurstLog:

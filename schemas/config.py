@@ -92,7 +92,8 @@ class VllmDiscoveryConfig(_Section):
     pdRoles: list[str] = ["prefill", "aggregate"]
     zmqPortName: str = "zmq-pub"
     zmqPort: int = 5557
-    #: Replay (ROUTER) port; 0 disables gap replay.
+    #: Replay (ROUTER) port by container port name, else this number; 0 disables gap replay.
+    replayPortName: str = "zmq-replay"
     replayPort: int = 0
     dpRanks: int = Field(1, ge=1)
     dpRanksAnnotation: str = "openfuyao.com/dp-ranks"

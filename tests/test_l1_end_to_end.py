@@ -201,3 +201,20 @@ async def test_nats_restart_mid_stream_loses_and_duplicates_nothing(restartable_
         assert sorted(seqs) == list(range(400)), "every vLLM batch exactly once in the stream"
     finally:
         await stack.stop()
+
+
+async def test_new_epoch_resubscribes_and_rebuilds_from_the_replay_buffer(stack):
+    """A container restart seen by discovery (new epoch) restarts the subscription: reset, replay from 0."""
+    import dataclasses
+
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:4])])
+    await until_ratio(stack, POD, 0.5)
+    ep = dataclasses.replace(eng.endpoint(POD, 0), epoch="uid-1:1")
+    await stack.bridge.set_endpoints([ep])
+    await eng.wait_subscribed()
+    await eng.publish([stored(CHAIN[4:6])])
+    await until_ratio(stack, POD, 0.75)
+    assert stack.bridge_metrics.bridge_resets.labels("subscribed")._value.get() == 2
+    assert 0 in eng.replay_requests
