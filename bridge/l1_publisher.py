@@ -37,24 +37,46 @@ def _headers(pod: str, msg_id: str, kind: str, **extra: str) -> dict[str, str]:
 
 
 class L1Publisher:
-    def __init__(self, publisher: JetStreamPublisher, subject_prefix: str) -> None:
+    def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, js=None, stream: str = "") -> None:
         self._pub = publisher
         self._prefix = subject_prefix
+        self._js = js
+        self._stream = stream
 
-    async def batch(self, pod: str, rank: int, gen: int, seq: int, ts: float | None, events: list[dict]) -> None:
+    async def last_position(self, pod: str, rank: int) -> tuple[int, int, str] | None:
+        """(gen, last published vLLM seq, epoch) of a (pod, rank) from the stream's last message on its
+        subject, so a restarted bridge continues where the previous one stopped; None when unknown."""
+        if self._js is None:
+            return None
+        try:
+            msg = await self._js.get_last_msg(self._stream, l1_subject(self._prefix, pod, rank))
+        except Exception:  # no message on the subject (or the stream is unreachable): start fresh
+            return None
+        h = msg.headers or {}
+        try:
+            gen, seq = int(h["Kv-Gen"]), int(h["Kv-Seq"])
+        except (KeyError, ValueError):
+            return None
+        if h.get("Kv-Type") == "reset":
+            seq -= 1  # a reset names the next seq
+        return gen, seq, h.get("Kv-Epoch", "")
+
+    async def batch(self, pod: str, rank: int, gen: int, seq: int, ts: float | None, events: list[dict],
+                    epoch: str = "") -> None:
         payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "batch", "pod": pod, "rank": rank, "gen": gen,
                                  "seq": seq, "ts": ts, "events": events})
         kinds = ",".join(sorted({e["kind"] for e in events}))
         headers = _headers(pod, f"{pod}:{rank}:{gen}:{seq}", "batch", **{
-            "Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(seq),
+            "Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(seq), "Kv-Epoch": epoch or "-",
             "Kv-Events": str(len(events)), "Kv-Kinds": kinds or "-"})
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers)
 
-    async def reset(self, pod: str, rank: int, gen: int, next_seq: int, reason: str) -> None:
+    async def reset(self, pod: str, rank: int, gen: int, next_seq: int, reason: str, epoch: str = "") -> None:
         payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "reset", "pod": pod, "rank": rank, "gen": gen,
                                  "next_seq": next_seq, "reason": reason})
         headers = _headers(pod, f"{pod}:{rank}:{gen}:reset", "reset", **{
-            "Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(next_seq), "Kv-Reason": reason})
+            "Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(next_seq), "Kv-Epoch": epoch or "-",
+            "Kv-Reason": reason})
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers)
 
     async def pod_removed(self, pod: str, reason: str) -> None:

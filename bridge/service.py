@@ -2,17 +2,27 @@
 
 When an endpoint's pod leaves discovery the bridge stops its subscribers and publishes ``pod_removed``
 on the stream, so every indexer drops the pod through the same ordered log.
+
+Several bridges run active/standby (``ingest.leaderElection``): only the holder of a KV lease
+discovers and subscribes. Active/active would also be correct (message ids dedupe identical
+batches), but each bridge starts its own sequence generation, so two writers make indexers throw
+away the older one's work and double the stream traffic; a standby that resumes from the stream
+costs one lease TTL of delay and nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import uuid
 
 import zmq.asyncio
 
 from bridge.jetstream_publisher import JetStreamPublisher
 from bridge.k8s_discovery import KubernetesDiscovery
+from cache_indexer.lease import Lease
 from bridge.l1_publisher import L1Publisher
 from bridge.static_targets import StaticTargets
 from bridge.vllm_subscriber import Endpoint, VllmSubscriber
@@ -37,6 +47,8 @@ class Bridge:
         self._known: set[Endpoint] = set()
         self._kube_client = kube_client  # a kubernetes_asyncio ApiClient; None: in-cluster or kubeconfig
         self.discovery: KubernetesDiscovery | None = None
+        self.lease: Lease | None = None
+        self._lease_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge")
@@ -45,12 +57,45 @@ class Bridge:
         self.publisher = JetStreamPublisher(js, self.metrics, self.cfg.nats.publish.window,
                                             self.cfg.nats.publish.ackTimeout)
         self.publisher.start()
-        self.l1 = L1Publisher(self.publisher, self.cfg.nats.l1Stream.subjectPrefix)
+        self.l1 = L1Publisher(self.publisher, self.cfg.nats.l1Stream.subjectPrefix, js, self.cfg.nats.l1Stream.name)
+        if self.cfg.ingest.leaderElection:
+            holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            self.lease = Lease(js, self.cfg.nats.lease.bucket, "bridge-l1-leader", holder, self.cfg.nats.lease.ttl)
+            self.lease.start()
+            self._lease_task = asyncio.create_task(self._follow_lease(), name="bridge-lease")
+        else:
+            await self._start_sources()
+
+    async def _follow_lease(self) -> None:
+        while True:
+            await self.lease.changed.wait()
+            self.lease.changed.clear()
+            self.metrics.bridge_leader.set(1 if self.lease.is_leader else 0)
+            if self.lease.is_leader:
+                await self._start_sources()
+            else:
+                await self._stop_sources()
+
+    async def _start_sources(self) -> None:
         if self.cfg.discovery.mode == "static":
             self._watch_task = asyncio.create_task(self._watch_static(), name="bridge-static-targets")
         else:
             self.discovery = KubernetesDiscovery(self.cfg.discovery, self.set_endpoints, self._kube_client)
             self.discovery.start()
+
+    async def _stop_sources(self) -> None:
+        """Stop discovering and subscribing, without declaring any pod removed (standby)."""
+        if self._watch_task:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+            self._watch_task = None
+        if self.discovery:
+            await self.discovery.stop()
+            self.discovery = None
+        for sub in self.subscribers.values():
+            await sub.stop()
+        self.subscribers.clear()
+        self._known = set()
 
     def is_ready(self) -> bool:
         return self.publisher is not None and self.nc is not None and self.nc.is_connected
@@ -82,20 +127,19 @@ class Bridge:
         for ep in endpoints:
             if ep not in self.subscribers:
                 sub = VllmSubscriber(self.ctx, ep, self.cfg.ingest.l1, self.l1, self.metrics, self._replay_slots)
+                await sub.resume_from_stream()
                 sub.start()
                 self.subscribers[ep] = sub
                 log.info("subscribed %s rank %d at %s (replay %s)", ep.pod, ep.rank, ep.pub, ep.replay or "off")
         self._known = wanted
 
     async def stop(self) -> None:
-        if self._watch_task:
-            self._watch_task.cancel()
-            await asyncio.gather(self._watch_task, return_exceptions=True)
-        if self.discovery:
-            await self.discovery.stop()
-        for sub in self.subscribers.values():
-            await sub.stop()
-        self.subscribers.clear()
+        if self._lease_task:
+            self._lease_task.cancel()
+            await asyncio.gather(self._lease_task, return_exceptions=True)
+        await self._stop_sources()
+        if self.lease:
+            await self.lease.stop()
         if self.publisher:
             await self.publisher.flush(5.0)
             await self.publisher.close()

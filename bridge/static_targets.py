@@ -51,22 +51,23 @@ def load_targets(path: str | Path) -> TargetsFile:
 
 
 class StaticTargets:
-    """Polls the file's modification time; ``changed()`` returns the new endpoints when it changed."""
+    """Polls the file's modification time; ``changed()`` returns the new endpoints when it changed,
+    None when it did not. A file that disappears means no targets; one that never existed, no change."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._stamp: tuple[float, int] | None = None
+        self._stamp: tuple[int, int] | None = None
 
     def changed(self) -> list[Endpoint] | None:
         try:
             st = self.path.stat()
         except FileNotFoundError:
-            stamp = None
-        else:
-            stamp = (st.st_mtime, st.st_size)
-        if stamp == self._stamp and self._stamp is not None:
+            if self._stamp is None:
+                return None
+            self._stamp = None
+            return []
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
             return None
         self._stamp = stamp
-        if stamp is None:
-            return []
         return [ep for t in load_targets(self.path).vllm for ep in t.endpoints()]

@@ -78,6 +78,19 @@ class VllmSubscriber:
         self._sock: zmq.asyncio.Socket | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
+    async def resume_from_stream(self) -> None:
+        """Continue the generation a previous bridge published for this (pod, rank), if the engine is
+        the same one (same epoch): the first live message then fills the gap by replay, no reset."""
+        pos = await self.sink.last_position(self.ep.pod, self.ep.rank)
+        if pos is None:
+            return
+        gen, last, epoch = pos
+        if epoch != (self.ep.epoch or "-"):
+            log.info("%s rank %d: engine epoch changed since the last bridge; starting fresh", self.ep.pod, self.ep.rank)
+            return
+        self.gen, self.last, self.last_live = gen, last, None
+        log.info("%s rank %d: resuming generation %d after seq %d", self.ep.pod, self.ep.rank, gen, last)
+
     def start(self) -> None:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
@@ -125,7 +138,7 @@ class VllmSubscriber:
             await self._publish(seq, payload)
             self.last = self.last_live = seq
         elif seq <= self.last:
-            if self.last_live is not None and seq <= self.last_live:
+            if self.last_live is None or seq <= self.last_live:
                 log.info("%s rank %d: seq went back %d -> %d: engine restarted", self.ep.pod, self.ep.rank,
                          self.last_live, seq)
                 await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
@@ -156,7 +169,7 @@ class VllmSubscriber:
                 reason = "gap-beyond-replay"
             self.gen = new_generation()
             start = run[0][0] if run else live_seq
-            await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason)
+            await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason, self.ep.epoch)
             self.metrics.bridge_resets.labels(reason).inc()
         for s, p in run:
             await self._publish(s, p)
@@ -217,7 +230,7 @@ class VllmSubscriber:
             self.metrics.bridge_malformed.inc()
             self._malformed_log.warn("%s rank %d seq %d: malformed payload: %s", self.ep.pod, self.ep.rank, seq, exc)
             events, ts, outcome = [], None, "malformed"
-        await self.sink.batch(self.ep.pod, self.ep.rank, self.gen, seq, ts, events)
+        await self.sink.batch(self.ep.pod, self.ep.rank, self.gen, seq, ts, events, self.ep.epoch)
         self.metrics.bridge_batches.labels(outcome).inc()
         n = 0
         for e in events:

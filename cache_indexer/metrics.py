@@ -27,6 +27,11 @@ class Metrics:
         self.ingest_lag = Gauge(p + "ingest_lag_messages", "Stream messages not yet applied, by stream.", ["stream"], registry=r)
         self.ingest_last_seq = Gauge(p + "ingest_last_stream_sequence", "Last applied stream sequence.", ["stream"], registry=r)
         self.ready = Gauge(p + "ready", "1 when the index has caught up with the streams.", registry=r)
+        self.snapshot_loads = Counter(p + "snapshot_loads_total", "Snapshots loaded (start or reload).", registry=r)
+        self.snapshot_writes = Counter(p + "snapshot_writes_total", "Snapshots written by this replica.", registry=r)
+        self.stream_reloads = Counter(p + "stream_reloads_total", "Reloads after the next message was purged.", registry=r)
+        self.history_lost = Counter(p + "stream_history_lost_total",
+                                    "Times the stream's retained messages did not reach back to the index.", registry=r)
         # bridge
         self.bridge_batches = Counter(p + "bridge_batches_total", "vLLM batches seen by the bridge, by outcome.",
                                       ["outcome"], registry=r)
@@ -39,6 +44,7 @@ class Metrics:
         self.publish_retries = Counter(p + "bridge_publish_retries_total", "JetStream publishes re-sent.", registry=r)
         self.publish_inflight = Gauge(p + "bridge_publish_inflight", "Unacknowledged JetStream publishes.", registry=r)
         self.subscriptions = Gauge(p + "bridge_subscriptions", "Active vLLM ZMQ subscriptions.", registry=r)
+        self.bridge_leader = Gauge(p + "bridge_leader", "1 while this bridge holds the ingest lease.", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

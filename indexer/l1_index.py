@@ -34,6 +34,16 @@ class WorkerTable:
             self._by_pod.setdefault(pod, {})[rank] = wid
         return wid
 
+    def restore(self, pod: str, rank: int, wid: int) -> None:
+        """Re-create an interned worker with its id (snapshot loading)."""
+        self._ids[(pod, rank)] = wid
+        self._by_pod.setdefault(pod, {})[rank] = wid
+        if wid >= self._next:
+            self._free.extend(i for i in range(self._next, wid) if i not in self._ids.values())
+            self._next = wid + 1
+        elif wid in self._free:
+            self._free.remove(wid)
+
     def release(self, pod: str, rank: int) -> None:
         wid = self._ids.pop((pod, rank), None)
         if wid is not None:
@@ -100,6 +110,13 @@ class BlockIndex:
                 removed += 1
         if removed:
             self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) - removed
+
+    def restore(self, hashes: list[int], masks: list[int], worker_blocks: dict[int, int]) -> None:
+        """Adopt a loaded table; single-bit masks become the shared objects (a C-level map, no loop)."""
+        self._bit(max(max(worker_blocks, default=0), 0))
+        shared = {b: b for b in self._bits}
+        self.blocks = dict(zip(hashes, map(shared.get, masks, masks)))
+        self.worker_blocks = dict(worker_blocks)
 
     def clear(self, wid: int) -> int:
         """Drop every block of one worker; returns how many it held."""

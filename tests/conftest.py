@@ -77,8 +77,9 @@ def make_config(nats_url: str, prefix: str, **sections):
 
     base = {"nats": {"url": nats_url, "l1Stream": {"name": f"{prefix}_L1", "subjectPrefix": f"t.{prefix}.l1",
                                                   "duplicateWindow": "2m"},
-                     "publish": {"ackTimeout": "1s"}},
+                     "publish": {"ackTimeout": "1s"}, "lease": {"bucket": f"{prefix}-lease", "ttl": "2s"}},
             "http": {"host": "127.0.0.1", "port": 0},
+            "snapshot": {"bucket": f"{prefix}-snap", "metaBucket": f"{prefix}-meta"},
             "ingest": {"l1": {"replayCooldown": 0, "replayTimeout": "2s", "backoffInitial": "100ms", "backoffMax": "1s"}}}
     for key, value in sections.items():
         base.setdefault(key, {}).update(value)

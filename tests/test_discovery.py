@@ -184,7 +184,7 @@ async def test_discovery_drives_the_bridge_and_publishes_pod_removal(kube, nats_
 async def test_static_targets_file_is_reloaded_on_change(tmp_path):
     f = tmp_path / "targets.yaml"
     st = StaticTargets(f)
-    assert st.changed() == []  # no file yet: no targets
+    assert st.changed() is None  # no file yet: nothing to change
     f.write_text("vllm:\n  - ip: 127.0.0.61\n    zmqPort: 7000\n    replayPort: 7100\n    dpRanks: 2\n")
     eps = st.changed()
     assert [(e.pod, e.rank, e.pub, e.replay) for e in eps] == [
@@ -196,3 +196,5 @@ async def test_static_targets_file_is_reloaded_on_change(tmp_path):
     f.write_text("vllm:\n  - ip: 127.0.0.63\n    bogus: 1\n")
     with pytest.raises(Exception, match="bogus"):
         st.changed()
+    f.unlink()
+    assert st.changed() == []  # the file went away: no targets

@@ -1,0 +1,174 @@
+"""L1 index snapshots: a compact, fast-loading encoding and their store in NATS.
+
+Encoding: a msgpack header (stream sequence covered, workers, per-worker stream cursors) followed by
+two raw little-endian uint64 arrays (block hashes, worker bitmasks; bitmasks wider than 64 bits go in
+the header). Loading is two ``array.frombytes`` and one ``dict(zip())``, no per-entry Python parsing.
+
+Store: the object store bucket holds ``l1-<seq>`` objects; the KV key ``snapshot.l1`` points at the
+newest one and is moved with compare-and-set, so a reader always finds a complete snapshot and an
+older writer can never overwrite a newer pointer. Older objects beyond ``keep`` are deleted.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+from array import array
+from dataclasses import dataclass
+
+import msgpack
+from nats.js import api
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+
+from indexer.l1_state import L1State, _Cursor
+
+log = logging.getLogger(__name__)
+
+FORMAT = "cache-indexer-l1-v1"
+POINTER_KEY = "snapshot.l1"
+
+
+def encode_l1(state: L1State, stream_seq: int) -> bytes:
+    blocks = state.index.blocks
+    keys = array("Q", blocks.keys())
+    wide: dict[int, int] = {}
+    masks = array("Q")
+    limit = 1 << 64
+    for i, m in enumerate(blocks.values()):
+        if m >= limit:
+            wide[i] = m
+            masks.append(0)
+        else:
+            masks.append(m)
+    if sys.byteorder != "little":
+        keys.byteswap()
+        masks.byteswap()
+    header = {
+        "format": FORMAT, "stream_seq": stream_seq, "count": len(keys),
+        "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
+        "worker_blocks": list(state.index.worker_blocks.items()),
+        "cursors": [[pod, rank, c.gen, c.next_seq, c.reset_seen, list(c.held.values())]
+                    for (pod, rank), c in state.cursors.items()],
+        "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in wide.items()},
+    }
+    head = msgpack.packb(header)
+    return len(head).to_bytes(8, "little") + head + keys.tobytes() + masks.tobytes()
+
+
+def decode_l1(data: bytes) -> tuple[L1State, int]:
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # millions of new objects, none of them garbage: collections would only slow the load
+    try:
+        return _decode_l1(data)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _decode_l1(data: bytes) -> tuple[L1State, int]:
+    n = int.from_bytes(data[:8], "little")
+    header = msgpack.unpackb(data[8:8 + n], raw=False, strict_map_key=False)
+    if header.get("format") != FORMAT:
+        raise ValueError(f"unknown snapshot format {header.get('format')!r}")
+    count = header["count"]
+    body = memoryview(data)[8 + n:]
+    keys, masks = array("Q"), array("Q")
+    keys.frombytes(body[:count * 8])
+    masks.frombytes(body[count * 8:count * 16])
+    if sys.byteorder != "little":
+        keys.byteswap()
+        masks.byteswap()
+    state = L1State()
+    for pod, rank, wid in header["workers"]:
+        state.workers.restore(pod, rank, wid)
+    mask_list = masks.tolist()
+    for i, raw in header["wide"].items():
+        mask_list[int(i)] = int.from_bytes(raw, "little")
+    state.index.restore(keys.tolist(), mask_list, dict(header["worker_blocks"]))
+    for pod, rank, gen, next_seq, reset_seen, held in header["cursors"]:
+        state.cursors[(pod, rank)] = _Cursor(gen=gen, next_seq=next_seq, reset_seen=reset_seen,
+                                             held={m["seq"]: m for m in held})
+    return state, header["stream_seq"]
+
+
+@dataclass(slots=True)
+class SnapshotRef:
+    name: str
+    stream_seq: int
+    revision: int
+
+
+class SnapshotStore:
+    def __init__(self, js, bucket: str, meta_bucket: str, keep: int = 2) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.meta_bucket = meta_bucket
+        self.keep = keep
+        self._obs = None
+        self._kv = None
+
+    async def _stores(self):
+        if self._obs is None:
+            try:
+                self._obs = await self.js.object_store(self.bucket)
+            except (BucketNotFoundError, NotFoundError):
+                self._obs = await self.js.create_object_store(self.bucket, storage=api.StorageType.FILE)
+            try:
+                self._kv = await self.js.key_value(self.meta_bucket)
+            except (BucketNotFoundError, NotFoundError):
+                self._kv = await self.js.create_key_value(bucket=self.meta_bucket, history=5)
+        return self._obs, self._kv
+
+    async def pointer(self) -> SnapshotRef | None:
+        _, kv = await self._stores()
+        try:
+            entry = await kv.get(POINTER_KEY)
+        except (KeyNotFoundError, NotFoundError):
+            return None
+        if not entry.value:
+            return None
+        p = msgpack.unpackb(entry.value)
+        return SnapshotRef(p["name"], p["stream_seq"], entry.revision)
+
+    async def load(self) -> tuple[L1State, int] | None:
+        ref = await self.pointer()
+        if ref is None:
+            return None
+        obs, _ = await self._stores()
+        res = await obs.get(ref.name)
+        return decode_l1(res.data)
+
+    async def save(self, blob: bytes, stream_seq: int) -> bool:
+        """Upload, then move the pointer by CAS; False when a newer snapshot already exists."""
+        obs, kv = await self._stores()
+        current = await self.pointer()
+        if current is not None and current.stream_seq >= stream_seq:
+            return False
+        name = f"l1-{stream_seq:012d}"
+        await obs.put(name, blob, meta=api.ObjectMeta(name=name, headers={"Stream-Seq": str(stream_seq),
+                                                                           "Format": FORMAT}))
+        value = msgpack.packb({"name": name, "stream_seq": stream_seq})
+        try:
+            if current is None:
+                await kv.create(POINTER_KEY, value)
+            else:
+                await kv.update(POINTER_KEY, value, last=current.revision)
+        except KeyWrongLastSequenceError:
+            await obs.delete(name)
+            return False
+        await self._prune(name)
+        return True
+
+    async def _prune(self, newest: str) -> None:
+        obs, _ = await self._stores()
+        try:
+            names = sorted(o.name for o in await obs.list() if not o.deleted and o.name.startswith("l1-"))
+        except Exception:
+            return
+        for name in names[:-self.keep] if self.keep > 0 else []:
+            if name != newest:
+                try:
+                    await obs.delete(name)
+                except Exception as exc:
+                    log.debug("prune %s: %s", name, exc)

@@ -1,0 +1,267 @@
+"""Recovery with real processes: indexer replicas killed with SIGKILL and restarted from snapshot +
+tail, replicas agreeing, bridges killed mid-burst and resumed from the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import msgpack
+import pytest
+import yaml
+
+from indexer.block_hash import BlockHasher
+from indexer.service import Indexer
+from tests.conftest import make_config, wait_for
+from tests.l1_stack import L1Stack
+from tests.test_local_mode import free_port
+from tests.vllm_fake import removed, stored
+
+ROOT = Path(__file__).resolve().parents[1]
+H = BlockHasher("sha256_cbor", "0")
+BS = 4
+PODS = ["127.0.0.71", "127.0.0.72", "127.0.0.73"]
+DOCS = [[(d * 7919 + i) % 50000 for i in range(BS * 12)] for d in range(8)]
+CHAINS = [H.event_hashes(doc, BS) for doc in DOCS]
+
+
+def write_config(cfg, path: Path, **overrides) -> Path:
+    tree = cfg.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        node = tree
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "cache_indexer.cli", *args], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+async def answers(session: aiohttp.ClientSession) -> list:
+    out = []
+    for doc in DOCS:
+        body = {"server_ip": PODS, "body": {"token_ids": doc, "block_size": BS}}
+        async with session.post("/kv-cache/hit-rate", json=body) as r:
+            assert r.status == 200
+            out.append([s["l1_hit_ratio"] for s in (await r.json())["server_score_list"]])
+    return out
+
+
+async def ready(session: aiohttp.ClientSession) -> bool:
+    try:
+        async with session.get("/readyz") as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+async def burst(engines, rng: random.Random, n: int) -> None:
+    """n batches over the engines: stores of document prefixes, some removals."""
+    for _ in range(n):
+        i = rng.randrange(len(engines))
+        chain = CHAINS[rng.randrange(len(CHAINS))]
+        if rng.random() < 0.8:
+            k = rng.randrange(1, len(chain) + 1)
+            await engines[i].publish([stored(chain[:k], block_size=BS)])
+        else:
+            await engines[i].publish([removed([chain[rng.randrange(len(chain))]])])
+
+
+def state_view(idx: Indexer) -> dict:
+    out = {}
+    for (pod, rank), wid in idx.l1.workers.items():
+        out[(pod, rank)] = {h for h, m in idx.l1.blocks.items() if m >> wid & 1}
+    return out
+
+
+@pytest.fixture
+async def stack(nats_url, stream_prefix):
+    cfg = make_config(nats_url, stream_prefix, snapshot={"everyMessages": 40, "interval": "1s", "purgeKeep": 0},
+                      blockKey={"pythonHashSeed": "0"})
+    s = await L1Stack(cfg).start()
+    engines = [s.engine(pod) for pod in PODS]
+    await s.connect(*[(e, pod, 0) for e, pod in zip(engines, PODS)])
+    yield s, engines
+    await s.stop()
+
+
+async def test_killed_replica_restarts_from_snapshot_and_tail_with_identical_answers(stack, tmp_path):
+    s, engines = stack
+    rng = random.Random(5)
+    port = free_port()
+    cfg_file = write_config(s.cfg, tmp_path / "replica.yaml", **{"http.port": port})
+    replica = spawn("indexer", "--config", str(cfg_file))
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as other, \
+                aiohttp.ClientSession(base_url=f"http://127.0.0.1:{s.replica.http.port}") as ref:
+            await wait_for(lambda: ready(other), 30, "second replica ready")
+            await burst(engines, rng, 150)
+            replica.send_signal(signal.SIGKILL)  # mid-ingest
+            replica.wait(10)
+            await burst(engines, rng, 150)
+            await wait_for(lambda: s.replica.indexer.snapshots_written >= 1, 30, "a snapshot")
+            js = s.replica.indexer.js
+            info = await js.stream_info(s.cfg.nats.l1Stream.name)
+            assert info.state.first_seq > 1, "the stream was compacted behind the snapshot"
+            await burst(engines, rng, 30)  # the tail after the snapshot
+            replica = spawn("indexer", "--config", str(cfg_file))
+            await wait_for(lambda: ready(other), 30, "restarted replica ready")
+            await s.bridge.publisher.flush(10)
+            expected = await answers(ref)
+            assert any(r > 0 for row in expected for r in row)
+
+            async def same():
+                return await answers(other) == expected
+            await wait_for(same, 20, "the restarted replica answers like the one that never stopped")
+            async with other.get("/metrics") as r:
+                text = await r.text()
+            assert "cache_indexer_snapshot_loads_total 1.0" in text
+    finally:
+        replica.kill()
+        replica.wait(10)
+
+
+async def test_three_replicas_agree_including_one_that_started_after_compaction(stack):
+    s, engines = stack
+    rng = random.Random(9)
+    a, b = Indexer(s.cfg), Indexer(s.cfg)
+    await a.start()
+    await b.start()
+    late = None
+    try:
+        await burst(engines, rng, 120)
+        engines[1].restart_engine()  # a reset in the middle
+        await burst(engines, rng, 60)
+        await wait_for(lambda: s.replica.indexer.snapshots_written >= 1, 30, "a snapshot")
+        late = Indexer(s.cfg)
+        await late.start()
+        await burst(engines, rng, 60)
+        await s.bridge.publisher.flush(10)
+        js = s.replica.indexer.js
+        last = (await js.stream_info(s.cfg.nats.l1Stream.name)).state.last_seq
+        for idx in (s.replica.indexer, a, b, late):
+            await idx.wait_applied(last, 20)
+        ref = state_view(s.replica.indexer)
+        assert ref and all(ref.values())
+        assert state_view(a) == ref and state_view(b) == ref and state_view(late) == ref
+        assert late.metrics.snapshot_loads._value.get() == 1
+    finally:
+        for idx in (a, b, late):
+            if idx is not None:
+                await idx.stop()
+
+
+async def test_replica_behind_a_purge_reloads_from_the_snapshot(stack):
+    from nats.js import api
+
+    s, engines = stack
+    rng = random.Random(11)
+    lag = Indexer(s.cfg)
+    await lag.start()
+    try:
+        await burst(engines, rng, 20)
+        await s.bridge.publisher.flush(10)
+        name = s.cfg.nats.l1Stream.name
+        last = (await s.replica.indexer.js.stream_info(name)).state.last_seq
+        await lag.wait_applied(last, 20)
+        await lag._sub.unsubscribe()  # this replica stalls ...
+        written = s.replica.indexer.snapshots_written
+        await burst(engines, rng, 60)
+        await wait_for(lambda: s.replica.indexer.snapshots_written > written, 30, "a snapshot and a purge")
+        info = await s.replica.indexer.js.stream_info(name)
+        assert info.state.first_seq > lag.applied_seq + 1, "what the stalled replica needs next is purged"
+        await burst(engines, rng, 10)
+        # ... and resumes where it was: its next message is gone, so it reloads from the snapshot
+        lag._sub = await lag.js.subscribe(
+            f"{s.cfg.nats.l1Stream.subjectPrefix}.>", stream=name, ordered_consumer=True, cb=lag._on_msg,
+            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=lag.applied_seq + 1))
+        await s.bridge.publisher.flush(10)
+        last = (await s.replica.indexer.js.stream_info(name)).state.last_seq
+        await lag.wait_applied(last, 20)
+        await s.replica.indexer.wait_applied(last, 20)
+        assert lag.reloads == 1 and lag.history_lost == 0
+        assert state_view(lag) == state_view(s.replica.indexer)
+    finally:
+        await lag.stop()
+
+
+async def test_history_lost_to_retention_is_reported(stack):
+    s, engines = stack
+    await burst(engines, random.Random(3), 50)
+    await wait_for(lambda: s.replica.indexer.snapshots_written >= 1, 30, "a snapshot and a purge")
+    blind = Indexer(s.cfg.model_copy(update={"snapshot": s.cfg.snapshot.model_copy(update={"enabled": False})}))
+    await blind.start()  # cannot read snapshots: the stream alone no longer reaches back to the start
+    try:
+        assert blind.history_lost == 1
+        assert blind.metrics.history_lost._value.get() == 1
+    finally:
+        await blind.stop()
+
+
+@pytest.mark.parametrize("buffer_steps,expect_reset", [(10000, False), (5, True)])
+async def test_bridge_killed_mid_burst_resumes_from_the_stream(nats_url, stream_prefix, tmp_path, buffer_steps,
+                                                               expect_reset):
+    cfg = make_config(nats_url, stream_prefix)
+    stack = L1Stack(cfg)
+    await stack.replica.start()
+    engine = stack.engine(PODS[0], buffer_steps=buffer_steps)
+    targets = tmp_path / "targets.yaml"
+    targets.write_text(f"vllm:\n  - ip: {PODS[0]}\n    zmqPort: {engine.pub_port}\n    replayPort: {engine.replay_port}\n")
+    cfg_file = write_config(cfg, tmp_path / "bridge.yaml", **{"discovery.static.file": str(targets),
+                                                              "http.port": free_port()})
+    bridge = spawn("bridge", "--config", str(cfg_file))
+    stored_hashes: list[int] = []
+    try:
+        await engine.wait_subscribed(30)
+        chain = H.event_hashes(list(range(4 * 400)), 4)
+        for i in range(100):
+            await engine.publish([stored([chain[i]], block_size=4)])
+            stored_hashes.append(chain[i])
+        await wait_for(lambda: stack.replica.indexer.l1.stats.block_events >= 100, 20, "first part indexed")
+        bridge.send_signal(signal.SIGKILL)
+        bridge.wait(10)
+        for i in range(100, 150):  # published while no bridge listens
+            await engine.publish([stored([chain[i]], block_size=4)])
+        bridge = spawn("bridge", "--config", str(cfg_file))
+        await engine.wait_subscribed(30)
+        before = stack.replica.indexer.l1.stats.batches
+        await engine.publish([stored([chain[150]], block_size=4)])  # the new bridge sees the gap here
+        await wait_for(lambda: stack.replica.indexer.l1.stats.batches > before, 20, "gap handled")
+        for i in range(151, 160):
+            await engine.publish([stored([chain[i]], block_size=4)])
+        js = stack.replica.indexer.js
+        name = cfg.nats.l1Stream.name
+
+        async def caught_up():
+            info = await js.stream_info(name)
+            return stack.replica.indexer.applied_seq == info.state.last_seq and \
+                stack.replica.indexer.l1.stats.block_events >= (160 if not expect_reset else 110)
+        await wait_for(caught_up, 30, "the new bridge's messages indexed")
+        info = await js.stream_info(name)
+        msgs = [msgpack.unpackb((await js.get_msg(name, q)).data) for q in range(info.state.first_seq, info.state.last_seq + 1)]
+        resets = [m for m in msgs if m["type"] == "reset"]
+        wid = stack.replica.indexer.l1.workers.get(PODS[0], 0)
+        held = {h for h, m in stack.replica.indexer.l1.blocks.items() if m >> wid & 1}
+        if expect_reset:
+            assert [r["reason"] for r in resets] == ["subscribed", "gap-beyond-replay"]
+            assert held == set(chain[146:160])  # the 5 batches the replay buffer still had at seq 150, then live
+        else:
+            assert [r["reason"] for r in resets] == ["subscribed"], "resumed without a reset"
+            assert held == set(chain[:160])
+            seqs = [m["seq"] for m in msgs if m["type"] == "batch"]
+            assert seqs == list(range(160)), "every batch once, in order"
+    finally:
+        bridge.kill()
+        bridge.wait(10)
+        await stack.stop()
