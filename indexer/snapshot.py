@@ -12,6 +12,7 @@ older writer can never overwrite a newer pointer. Older objects beyond ``keep`` 
 from __future__ import annotations
 
 import gc
+import io
 import logging
 import sys
 from array import array
@@ -26,6 +27,7 @@ from indexer.l1_state import L1State, _Cursor
 log = logging.getLogger(__name__)
 
 FORMAT = "cache-indexer-l1-v1"
+CHUNK_SIZE = 512 * 1024  # below the default 1 MB max_payload; fewer chunks than nats-py's 128 KiB
 POINTER_KEY = "snapshot.l1"
 
 
@@ -56,7 +58,7 @@ def encode_l1(state: L1State, stream_seq: int) -> bytes:
     return len(head).to_bytes(8, "little") + head + keys.tobytes() + masks.tobytes()
 
 
-def decode_l1(data: bytes) -> tuple[L1State, int]:
+def decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     gc_was_enabled = gc.isenabled()
     gc.disable()  # millions of new objects, none of them garbage: collections would only slow the load
     try:
@@ -66,9 +68,9 @@ def decode_l1(data: bytes) -> tuple[L1State, int]:
             gc.enable()
 
 
-def _decode_l1(data: bytes) -> tuple[L1State, int]:
+def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     n = int.from_bytes(data[:8], "little")
-    header = msgpack.unpackb(data[8:8 + n], raw=False, strict_map_key=False)
+    header = msgpack.unpackb(bytes(data[8:8 + n]), raw=False, strict_map_key=False)
     if header.get("format") != FORMAT:
         raise ValueError(f"unknown snapshot format {header.get('format')!r}")
     count = header["count"]
@@ -136,8 +138,9 @@ class SnapshotStore:
         if ref is None:
             return None
         obs, _ = await self._stores()
-        res = await obs.get(ref.name)
-        return decode_l1(res.data)
+        buf = io.BytesIO()  # nats-py appends chunks to a bytes object otherwise: quadratic on large snapshots
+        await obs.get(ref.name, writeinto=buf)
+        return decode_l1(buf.getbuffer())
 
     async def save(self, blob: bytes, stream_seq: int) -> bool:
         """Upload, then move the pointer by CAS; False when a newer snapshot already exists."""
@@ -146,8 +149,9 @@ class SnapshotStore:
         if current is not None and current.stream_seq >= stream_seq:
             return False
         name = f"l1-{stream_seq:012d}"
-        await obs.put(name, blob, meta=api.ObjectMeta(name=name, headers={"Stream-Seq": str(stream_seq),
-                                                                           "Format": FORMAT}))
+        meta = api.ObjectMeta(name=name, headers={"Stream-Seq": str(stream_seq), "Format": FORMAT},
+                              options=api.ObjectMetaOptions(max_chunk_size=CHUNK_SIZE))
+        await obs.put(name, blob, meta=meta)
         value = msgpack.packb({"name": name, "stream_seq": stream_seq})
         try:
             if current is None:
