@@ -19,8 +19,9 @@ from collections.abc import Awaitable, Callable
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from bridge.mooncake_poller import MasterTarget
 from bridge.vllm_subscriber import Endpoint
-from schemas.config import DiscoveryConfig, VllmDiscoveryConfig
+from schemas.config import DiscoveryConfig, MooncakeDiscoveryConfig, VllmDiscoveryConfig
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +76,27 @@ def pod_endpoints(pod, cfg: VllmDiscoveryConfig) -> list[Endpoint]:
             for r in range(ranks)]
 
 
+def master_targets(pod, cfg: MooncakeDiscoveryConfig, scheme: str = "http") -> list[MasterTarget]:
+    """A Running, Ready Mooncake Master pod's admin HTTP endpoint (port by name, else the configured one)."""
+    labels = pod.metadata.labels or {}
+    if any(labels.get(k) != v for k, v in cfg.labelSelector.items()) or not _ready(pod):
+        return []
+    ip = pod.status.pod_ip
+    host = f"[{ip}]" if ":" in ip else ip
+    port = _port(pod, cfg.httpPortName) or cfg.httpPort
+    return [MasterTarget(name=pod.metadata.name, url=f"{scheme}://{host}:{port}")]
+
+
 class KubernetesDiscovery:
-    def __init__(self, cfg: DiscoveryConfig, on_change: OnChange, api_client: client.ApiClient | None = None) -> None:
+    """List + watch of the pods matching ``selector``; ``mapper`` turns a pod into targets (vLLM
+    endpoints by default, Mooncake masters with ``master_targets``)."""
+
+    def __init__(self, cfg: DiscoveryConfig, on_change: OnChange, api_client: client.ApiClient | None = None,
+                 selector: dict[str, str] | None = None, mapper=None) -> None:
         self.cfg = cfg
         self.on_change = on_change
+        self.selector = selector if selector is not None else cfg.vllm.labelSelector
+        self.mapper = mapper or (lambda pod: pod_endpoints(pod, cfg.vllm))
         self._api_client = api_client
         self.pods: dict[str, object] = {}  # uid -> pod
         self.relists = 0
@@ -95,7 +113,7 @@ class KubernetesDiscovery:
         return self._api_client
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="k8s-discovery")
+        self._task = asyncio.create_task(self._run(), name=f"k8s-discovery-{label_selector(self.selector)}")
 
     async def stop(self) -> None:
         if self._task:
@@ -105,8 +123,7 @@ class KubernetesDiscovery:
             await self._api_client.close()
 
     async def _publish(self) -> None:
-        eps = sorted((ep for pod in self.pods.values() for ep in pod_endpoints(pod, self.cfg.vllm)),
-                     key=lambda e: (e.pod, e.rank))
+        eps = sorted((t for pod in self.pods.values() for t in self.mapper(pod)), key=repr)
         if eps != self._last:
             self._last = eps
             await self.on_change(eps)
@@ -114,7 +131,7 @@ class KubernetesDiscovery:
     async def _run(self) -> None:
         api = client.CoreV1Api(await self._client())
         ns = self.cfg.namespace or "default"
-        selector = label_selector(self.cfg.vllm.labelSelector)
+        selector = label_selector(self.selector)
         backoff = 1.0
         while True:
             try:

@@ -21,13 +21,15 @@ import uuid
 import zmq.asyncio
 
 from bridge.jetstream_publisher import JetStreamPublisher
-from bridge.k8s_discovery import KubernetesDiscovery
+from bridge.k8s_discovery import KubernetesDiscovery, master_targets
+from bridge.l3_publisher import L3Publisher
+from bridge.mooncake_poller import MasterTarget, MooncakePoller
 from cache_indexer.lease import Lease
 from bridge.l1_publisher import L1Publisher
 from bridge.static_targets import StaticTargets
 from bridge.vllm_subscriber import Endpoint, VllmSubscriber
 from cache_indexer.metrics import Metrics
-from cache_indexer.streams import connect, ensure_l1_stream
+from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream
 from schemas.config import Config
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,10 @@ class Bridge:
         self._known: set[Endpoint] = set()
         self._kube_client = kube_client  # a kubernetes_asyncio ApiClient; None: in-cluster or kubeconfig
         self.discovery: KubernetesDiscovery | None = None
+        self.master_discovery: KubernetesDiscovery | None = None
+        self.pollers: dict[MasterTarget, MooncakePoller] = {}
+        self.l3: L3Publisher | None = None
+        self._http = None
         self.lease: Lease | None = None
         self._lease_task: asyncio.Task | None = None
 
@@ -54,10 +60,13 @@ class Bridge:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge")
         js = self.nc.jetstream(publish_async_max_pending=self.cfg.nats.publish.window * 2)
         await ensure_l1_stream(js, self.cfg.nats)
+        await ensure_l3_stream(js, self.cfg.nats)
         self.publisher = JetStreamPublisher(js, self.metrics, self.cfg.nats.publish.window,
                                             self.cfg.nats.publish.ackTimeout)
         self.publisher.start()
         self.l1 = L1Publisher(self.publisher, self.cfg.nats.l1Stream.subjectPrefix, js, self.cfg.nats.l1Stream.name)
+        max_payload = min(self.nc.max_payload, self.cfg.nats.l3Stream.maxMsgSize) - 4096
+        self.l3 = L3Publisher(self.publisher, self.cfg.nats.l3Stream.subjectPrefix, max_payload)
         if self.cfg.ingest.leaderElection:
             holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             self.lease = Lease(js, self.cfg.nats.lease.bucket, "bridge-l1-leader", holder, self.cfg.nats.lease.ttl)
@@ -82,6 +91,12 @@ class Bridge:
         else:
             self.discovery = KubernetesDiscovery(self.cfg.discovery, self.set_endpoints, self._kube_client)
             self.discovery.start()
+            if self.cfg.ingest.l3.enabled:
+                mc, scheme = self.cfg.discovery.mooncakeMaster, self.cfg.ingest.l3.scheme
+                self.master_discovery = KubernetesDiscovery(self.cfg.discovery, self.set_masters, self._kube_client,
+                                                            selector=mc.labelSelector,
+                                                            mapper=lambda pod: master_targets(pod, mc, scheme))
+                self.master_discovery.start()
 
     async def _stop_sources(self) -> None:
         """Stop discovering and subscribing, without declaring any pod removed (standby)."""
@@ -89,13 +104,17 @@ class Bridge:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
             self._watch_task = None
-        if self.discovery:
-            await self.discovery.stop()
-            self.discovery = None
+        for d in (self.discovery, self.master_discovery):
+            if d:
+                await d.stop()
+        self.discovery = self.master_discovery = None
         for sub in self.subscribers.values():
             await sub.stop()
         self.subscribers.clear()
         self._known = set()
+        for poller in self.pollers.values():
+            await poller.stop()
+        self.pollers.clear()
 
     def is_ready(self) -> bool:
         return self.publisher is not None and self.nc is not None and self.nc.is_connected
@@ -105,9 +124,11 @@ class Bridge:
         interval = min(1.0, self.cfg.discovery.refreshInterval)
         while True:
             try:
-                endpoints = targets.changed()
-                if endpoints is not None:
-                    await self.set_endpoints(endpoints)
+                found = targets.changed()
+                if found is not None:
+                    await self.set_endpoints(found.endpoints())
+                    if self.cfg.ingest.l3.enabled:
+                        await self.set_masters([m.target(self.cfg.ingest.l3.scheme) for m in found.mooncakeMasters])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -133,6 +154,23 @@ class Bridge:
                 log.info("subscribed %s rank %d at %s (replay %s)", ep.pod, ep.rank, ep.pub, ep.replay or "off")
         self._known = wanted
 
+    async def set_masters(self, masters: list[MasterTarget]) -> None:
+        """Reconcile Mooncake pollers; a master that is gone gets an empty full state (its L3 entries drop)."""
+        import aiohttp
+
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        wanted = set(masters)
+        for target in [t for t in self.pollers if t not in wanted]:
+            await self.pollers.pop(target).stop(reset=True)
+            log.info("stopped polling mooncake master %s", target.name)
+        for target in masters:
+            if target not in self.pollers:
+                poller = MooncakePoller(target, self.cfg.ingest.l3, self.l3, self.metrics, self._http)
+                poller.start()
+                self.pollers[target] = poller
+                log.info("polling mooncake master %s at %s", target.name, target.url)
+
     async def stop(self) -> None:
         if self._lease_task:
             self._lease_task.cancel()
@@ -143,6 +181,8 @@ class Bridge:
         if self.publisher:
             await self.publisher.flush(5.0)
             await self.publisher.close()
+        if self._http is not None:
+            await self._http.close()
         if self.nc:
             await self.nc.drain()
         self.ctx.term()

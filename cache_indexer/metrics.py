@@ -44,6 +44,12 @@ class Metrics:
         self.publish_retries = Counter(p + "bridge_publish_retries_total", "JetStream publishes re-sent.", registry=r)
         self.publish_inflight = Gauge(p + "bridge_publish_inflight", "Unacknowledged JetStream publishes.", registry=r)
         self.subscriptions = Gauge(p + "bridge_subscriptions", "Active vLLM ZMQ subscriptions.", registry=r)
+        self.l3_poll_errors = Counter(p + "l3_poll_errors_total", "Mooncake master polls that failed.", registry=r)
+        self.l3_unparsed_keys = Counter(p + "l3_unparsed_keys_total", "Mooncake keys without a usable block hash.",
+                                        registry=r)
+        self.l3_keys = Gauge(p + "l3_keys", "Keys tracked per Mooncake master.", ["master"], registry=r)
+        self.l3_poll_seconds = Histogram(p + "l3_poll_seconds", "Duration of one Mooncake master poll.",
+                                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
         self.bridge_leader = Gauge(p + "bridge_leader", "1 while this bridge holds the ingest lease.", registry=r)
 
     def render(self) -> bytes:

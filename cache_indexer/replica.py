@@ -20,7 +20,7 @@ class Replica:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.indexer = Indexer(cfg, self.metrics)
-        self.api = HitRateApi(cfg.http, make_hasher(cfg), tiers=lambda: (self.indexer.l1, None),
+        self.api = HitRateApi(cfg.http, make_hasher(cfg), tiers=lambda: (self.indexer.l1, self.indexer.l3),
                               ready=self.indexer.ready.is_set, metrics=self.metrics)
         self.http = HttpServer(self.api.make_app(), cfg.http)
 

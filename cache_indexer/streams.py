@@ -70,6 +70,14 @@ async def ensure_l1_stream(js, cfg: NatsConfig) -> api.StreamInfo:
     return await ensure_stream(js, cfg.l1Stream, [f"{cfg.l1Stream.subjectPrefix}.>"])
 
 
+def l3_subject(prefix: str, master: str) -> str:
+    return f"{prefix}.{subject_token(master)}"
+
+
+async def ensure_l3_stream(js, cfg: NatsConfig) -> api.StreamInfo:
+    return await ensure_stream(js, cfg.l3Stream, [f"{cfg.l3Stream.subjectPrefix}.>"])
+
+
 async def connect(cfg: NatsConfig, name: str, **callbacks) -> nats.NATS:
     """Connect with unlimited reconnects; callbacks (async) are passed through to nats-py."""
 

@@ -25,8 +25,9 @@ from nats.js import api
 
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
-from cache_indexer.streams import connect, ensure_l1_stream
+from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream
 from indexer.l1_state import L1State
+from indexer.l3_state import L3State
 from indexer.snapshot import SnapshotStore, encode_l1
 from schemas.config import Config
 
@@ -38,6 +39,10 @@ class Indexer:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.l1 = L1State()
+        self.l3 = L3State()
+        self.l3_applied_seq = 0
+        self.l3_target_seq = 0
+        self._l3_sub = None
         self.nc = None
         self.js = None
         self._sub = None
@@ -65,6 +70,7 @@ class Indexer:
             self.snapshots = SnapshotStore(self.js, snap.bucket, snap.metaBucket, snap.keep)
             holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             self.lease = Lease(self.js, self.cfg.nats.lease.bucket, "snapshot-l1-writer", holder, self.cfg.nats.lease.ttl)
+        await self._follow_l3()
         await self._load_and_follow()
         self._tasks.append(asyncio.create_task(self._track_lag(), name="indexer-lag"))
         if self.lease is not None:
@@ -108,6 +114,29 @@ class Indexer:
             f"{self.cfg.nats.l1Stream.subjectPrefix}.>", stream=self._stream, ordered_consumer=True, cb=self._on_msg,
             idle_heartbeat=2.0, pending_msgs_limit=-1, pending_bytes_limit=-1, config=cfg)
 
+    async def _follow_l3(self) -> None:
+        """L3 is replayed whole: its subjects are compacted by the bridge's rollups, not by snapshots."""
+        info = await ensure_l3_stream(self.js, self.cfg.nats)
+        self.l3_target_seq = info.state.last_seq if info.state.messages else 0
+        self._l3_sub = await self.js.subscribe(
+            f"{self.cfg.nats.l3Stream.subjectPrefix}.>", stream=self.cfg.nats.l3Stream.name, ordered_consumer=True,
+            cb=self._on_l3, idle_heartbeat=2.0, pending_msgs_limit=-1, pending_bytes_limit=-1,
+            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
+
+    async def _on_l3(self, msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.l3_applied_seq:
+            return
+        try:  # rollups leave gaps on purpose: a full state replaces what it rolled up
+            self.l3.apply(msgpack.unpackb(msg.data, raw=False, strict_map_key=False))
+        except Exception as exc:
+            self.metrics.ingest_errors.labels(self.cfg.nats.l3Stream.name).inc()
+            log.warning("stream %s seq %d: cannot apply message: %s", self.cfg.nats.l3Stream.name, seq, exc)
+        self.l3_applied_seq = seq
+        self.metrics.ingest_applied.labels(self.cfg.nats.l3Stream.name).inc()
+        if not self.ready.is_set():
+            self._check_ready()
+
     async def _reload(self) -> None:
         self.reloads += 1
         self.metrics.stream_reloads.inc()
@@ -146,7 +175,7 @@ class Indexer:
             self._check_ready()
 
     def _check_ready(self) -> None:
-        if self.applied_seq >= self.target_seq and not self._reloading:
+        if self.applied_seq >= self.target_seq and self.l3_applied_seq >= self.l3_target_seq and not self._reloading:
             self.ready.set()
             self.metrics.ready.set(1)
 
@@ -206,6 +235,11 @@ class Indexer:
         self.metrics.index_entries.labels("l1").set(idx.entries())
         self.metrics.index_workers.labels("l1").set(len(idx.worker_blocks))
         self.metrics.ingest_last_seq.labels(self._stream).set(self.applied_seq)
+        l3 = self.l3.index
+        self.metrics.index_blocks.labels("l3").set(len(l3))
+        self.metrics.index_entries.labels("l3").set(l3.entries())
+        self.metrics.index_workers.labels("l3").set(len(l3.worker_blocks))
+        self.metrics.ingest_last_seq.labels(self.cfg.nats.l3Stream.name).set(self.l3_applied_seq)
 
     async def wait_applied(self, seq: int, timeout: float) -> None:
         """Wait until the replica has applied stream sequence ``seq`` (for tests and tools)."""
@@ -220,10 +254,11 @@ class Indexer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.lease is not None:
             await self.lease.stop()
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                pass
+        for sub in (self._sub, self._l3_sub):
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
         if self.nc:
             await self.nc.close()

@@ -99,12 +99,19 @@ class VllmDiscoveryConfig(_Section):
     dpRanksAnnotation: str = "openfuyao.com/dp-ranks"
 
 
+class MooncakeDiscoveryConfig(_Section):
+    labelSelector: dict[str, str] = {"openfuyao.com/kvmanager": "mooncake"}
+    httpPortName: str = "http"
+    httpPort: int = 9003
+
+
 class DiscoveryConfig(_Section):
     mode: Literal["static", "kubernetes"] = "static"
     namespace: str = ""
     refreshInterval: Duration = 30.0
     static: StaticDiscoveryConfig = StaticDiscoveryConfig()
     vllm: VllmDiscoveryConfig = VllmDiscoveryConfig()
+    mooncakeMaster: MooncakeDiscoveryConfig = MooncakeDiscoveryConfig()
 
 
 class L1IngestConfig(_Section):
@@ -119,8 +126,25 @@ class L1IngestConfig(_Section):
     rcvHwm: int = Field(100000, ge=0)
 
 
+class L3IngestConfig(_Section):
+    enabled: bool = True
+    pollInterval: Duration = 10.0
+    httpTimeout: Duration = 5.0
+    scheme: Literal["http", "https"] = "http"
+    #: Keys per /batch_query_keys request, and concurrent requests per master.
+    batchKeys: int = Field(500, ge=1)
+    concurrency: int = Field(4, ge=1)
+    #: Every this many polls the full state is published with Nats-Rollup (compacts the subject).
+    fullStateEvery: int = Field(30, ge=1)
+    #: Key grammars (bridge/mooncake_keys.py) and extra regexes with a named group ``hash``.
+    keyFormats: list[str] = ["ascend_v2", "ascend_v2_layer", "ascend_v2_layer_v020", "ascend_v1", "ascend_v1_layer",
+                             "vllm_store_v2", "vllm_store_v1"]
+    extraKeyPatterns: list[str] = []
+
+
 class IngestConfig(_Section):
     l1: L1IngestConfig = L1IngestConfig()
+    l3: L3IngestConfig = L3IngestConfig()
     #: Active/standby bridges: only the holder of a KV lease subscribes; the standby takes over after
     #: nats.lease.ttl and resumes each engine from the stream (gap replay, no reset).
     leaderElection: bool = True
@@ -141,6 +165,12 @@ class StreamConfig(_Section):
 class L1StreamConfig(StreamConfig):
     name: str = "KV_L1"
     subjectPrefix: str = "kvcache.l1"
+
+
+class L3StreamConfig(StreamConfig):
+    name: str = "KV_L3"
+    subjectPrefix: str = "kvcache.l3"
+    maxMsgSize: Size = 8 << 20
 
 
 class PublishConfig(_Section):
@@ -175,6 +205,7 @@ class NatsConfig(_Section):
     embedded: bool = False
     embeddedStoreDir: str = ""
     l1Stream: L1StreamConfig = L1StreamConfig()
+    l3Stream: L3StreamConfig = L3StreamConfig()
     publish: PublishConfig = PublishConfig()
     connectTimeout: Duration = 5.0
     lease: LeaseConfig = LeaseConfig()

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = 1
 CONTENT_TYPE_L1 = "application/vnd.cache-indexer.l1-event+msgpack"
+CONTENT_TYPE_L3 = "application/vnd.cache-indexer.l3-event+msgpack"
 
 U64 = Annotated[int, Field(ge=0, lt=1 << 64)]
 Medium = Literal["GPU", "CPU", "STORAGE"] | str | None
@@ -90,3 +91,33 @@ class L1Envelope(BaseModel):
     """Root model of a message on the L1 stream (for JSON Schema generation and validation)."""
 
     message: L1Message
+
+
+class L3Diff(BaseModel):
+    """(block, pod) pairs that appeared in / vanished from a Mooncake master's memory segments."""
+
+    model_config = ConfigDict(extra="forbid")
+    v: Literal[1] = SCHEMA_VERSION
+    type: Literal["l3_diff"]
+    master: str
+    added: dict[str, list[U64]] = Field(description="pod IP -> block hashes now held")
+    removed: dict[str, list[U64]] = Field(description="pod IP -> block hashes no longer held")
+
+
+class L3Full(BaseModel):
+    """The whole state of one master (published with Nats-Rollup: sub); replaces what came before."""
+
+    model_config = ConfigDict(extra="forbid")
+    v: Literal[1] = SCHEMA_VERSION
+    type: Literal["l3_full"]
+    master: str
+    pods: dict[str, list[U64]]
+
+
+L3Message = Annotated[Union[L3Diff, L3Full], Field(discriminator="type")]
+
+
+class L3Envelope(BaseModel):
+    """Root model of a message on the L3 stream."""
+
+    message: L3Message

@@ -14,7 +14,7 @@ from pydantic.json_schema import models_json_schema
 
 from schemas.api import ErrorResponse, HitRateRequest, HitRateResponse
 from schemas.config import Config
-from schemas.events import L1Envelope
+from schemas.events import L1Envelope, L3Envelope
 
 HERE = Path(__file__).parent
 
@@ -66,6 +66,7 @@ def documents() -> dict[Path, dict]:
         HERE / "jsonschema" / "hit-rate-request.json": HitRateRequest.model_json_schema(),
         HERE / "jsonschema" / "hit-rate-response.json": HitRateResponse.model_json_schema(mode="serialization"),
         HERE / "jsonschema" / "l1-stream-message.json": L1Envelope.model_json_schema(),
+        HERE / "jsonschema" / "l3-stream-message.json": L3Envelope.model_json_schema(),
         HERE / "jsonschema" / "config.json": Config.model_json_schema(),
     }
 

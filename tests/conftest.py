@@ -77,7 +77,8 @@ def make_config(nats_url: str, prefix: str, **sections):
 
     base = {"nats": {"url": nats_url, "l1Stream": {"name": f"{prefix}_L1", "subjectPrefix": f"t.{prefix}.l1",
                                                   "duplicateWindow": "2m", "maxBytes": "256MiB"},
-                     "publish": {"ackTimeout": "1s"}, "lease": {"bucket": f"{prefix}-lease", "ttl": "2s"}},
+                     "publish": {"ackTimeout": "1s"}, "lease": {"bucket": f"{prefix}-lease", "ttl": "2s"},
+                     "l3Stream": {"name": f"{prefix}_L3", "subjectPrefix": f"t.{prefix}.l3", "maxBytes": "64MiB"}},
             "http": {"host": "127.0.0.1", "port": 0},
             "snapshot": {"bucket": f"{prefix}-snap", "metaBucket": f"{prefix}-meta"},
             "ingest": {"l1": {"replayCooldown": 0, "replayTimeout": "2s", "backoffInitial": "100ms", "backoffMax": "1s"}}}

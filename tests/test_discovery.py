@@ -186,15 +186,15 @@ async def test_static_targets_file_is_reloaded_on_change(tmp_path):
     st = StaticTargets(f)
     assert st.changed() is None  # no file yet: nothing to change
     f.write_text("vllm:\n  - ip: 127.0.0.61\n    zmqPort: 7000\n    replayPort: 7100\n    dpRanks: 2\n")
-    eps = st.changed()
+    eps = st.changed().endpoints()
     assert [(e.pod, e.rank, e.pub, e.replay) for e in eps] == [
         ("127.0.0.61", 0, "tcp://127.0.0.61:7000", "tcp://127.0.0.61:7100"),
         ("127.0.0.61", 1, "tcp://127.0.0.61:7001", "tcp://127.0.0.61:7101")]
     assert st.changed() is None  # unchanged
     f.write_text("vllm:\n  - ip: 127.0.0.62\n")
-    assert [e.pod for e in st.changed()] == ["127.0.0.62"]
+    assert [e.pod for e in st.changed().endpoints()] == ["127.0.0.62"]
     f.write_text("vllm:\n  - ip: 127.0.0.63\n    bogus: 1\n")
     with pytest.raises(Exception, match="bogus"):
         st.changed()
     f.unlink()
-    assert st.changed() == []  # the file went away: no targets
+    assert st.changed().endpoints() == []  # the file went away: no targets

@@ -1,0 +1,140 @@
+"""HTTP client of a Mooncake Master's admin port, across the response formats of 0.3.7 .. 0.3.13+.
+
+- ``/get_all_keys``, ``/get_all_segments``: text, one item per line.
+- replica locations: ``/batch_query_keys?keys=`` (>= 0.3.12: read-only, URL-decoded, JSON) in
+  batches; masters without it (404) fall back to ``/query_key?key=`` per key (raw key, JSON on
+  >= 0.3.12, NDJSON text before). ``/query_key`` grants a read lease on the object, so it is only
+  used where nothing else exists, and only for keys new since the last poll.
+Only the host part of ``transport_endpoint_`` is kept: it is the pod IP of the holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from urllib.parse import quote
+
+import aiohttp
+from yarl import URL
+
+log = logging.getLogger(__name__)
+
+
+class MasterError(RuntimeError):
+    """The master answered something this client cannot use (counted; the previous state is kept)."""
+
+
+def endpoint_host(endpoint: str) -> str:
+    if endpoint.startswith("["):
+        return endpoint[1:endpoint.index("]")]
+    return endpoint.split(":", 1)[0]
+
+
+def _hosts(descriptors) -> set[str]:
+    out = set()
+    for d in descriptors or []:
+        ep = d.get("transport_endpoint_") if isinstance(d, dict) else None
+        if isinstance(ep, str) and ep:
+            out.add(endpoint_host(ep))
+    return out
+
+
+def parse_query_key(status: int, content_type: str, body: bytes) -> set[str] | None:
+    """Hosts holding the key, None when the key does not exist; raises MasterError otherwise."""
+    if status == 404:
+        return None
+    if status != 200:
+        raise MasterError(f"query_key: HTTP {status}")
+    text = body.decode("utf-8", "replace")
+    try:
+        if content_type.startswith("application/json"):
+            doc = json.loads(text)
+            if not doc.get("success"):
+                return None
+            return _hosts(doc.get("data"))
+        return _hosts([json.loads(line) for line in text.splitlines() if line.strip()])
+    except (ValueError, AttributeError) as exc:
+        raise MasterError(f"query_key: malformed body: {exc}") from None
+
+
+def parse_batch_query(body: bytes) -> dict[str, set[str] | None]:
+    try:
+        doc = json.loads(body)
+        data = doc["data"]
+        return {k: (_hosts(v.get("values")) if v.get("ok") else None) for k, v in data.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise MasterError(f"batch_query_keys: malformed body: {exc}") from None
+
+
+class MasterClient:
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout: float, batch_keys: int = 500,
+                 concurrency: int = 4) -> None:
+        self.base = base_url.rstrip("/")
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.batch_keys = batch_keys
+        self.sem = asyncio.Semaphore(concurrency)
+        self.batch_supported: bool | None = None
+
+    async def _get(self, path: str) -> tuple[int, str, bytes]:
+        async with self.sem:
+            async with self.session.get(URL(self.base + path, encoded=True), timeout=self.timeout) as r:
+                return r.status, r.headers.get("Content-Type", ""), await r.read()
+
+    async def _lines(self, path: str) -> list[str]:
+        status, _, body = await self._get(path)
+        if status != 200:
+            raise MasterError(f"{path}: HTTP {status}")
+        return [line for line in body.decode("utf-8", "replace").split("\n") if line]
+
+    async def all_keys(self) -> list[str]:
+        return await self._lines("/get_all_keys")
+
+    async def segments(self) -> list[str]:
+        return await self._lines("/get_all_segments")
+
+    async def locate(self, keys: list[str]) -> dict[str, set[str] | None]:
+        """Hosts of each key's memory replicas (None: the key is gone)."""
+        out: dict[str, set[str] | None] = {}
+        if not keys:
+            return out
+        if self.batch_supported is not False:
+            plain = [k for k in keys if "," not in k]
+            batches = [plain[i:i + self.batch_keys] for i in range(0, len(plain), self.batch_keys)]
+            results = await asyncio.gather(*(self._batch(b) for b in batches))
+            if self.batch_supported is not False:
+                for r in results:
+                    out.update(r)
+                keys = [k for k in keys if "," in k]  # cannot be asked for in a batch
+        if keys:
+            if self.batch_supported is False:
+                log.debug("%s: /batch_query_keys not available; using /query_key (grants read leases)", self.base)
+            found = await asyncio.gather(*(self._one(k) for k in keys))
+            out.update(zip(keys, found))
+        return out
+
+    async def _batch(self, keys: list[str]) -> dict[str, set[str] | None]:
+        status, _, body = await self._get("/batch_query_keys?keys=" + ",".join(quote(k, safe="") for k in keys))
+        if status == 404 and body.strip() in (b"404 Not Found", b""):
+            if self.batch_supported is None:
+                log.warning("%s: master has no /batch_query_keys (< 0.3.9); falling back to /query_key, which "
+                            "grants read leases", self.base)
+            self.batch_supported = False
+            return {}
+        if status != 200:
+            raise MasterError(f"batch_query_keys: HTTP {status}")
+        result = parse_batch_query(body)
+        if keys and not any(k in result for k in keys):
+            # 0.3.9 - 0.3.11 do not URL-decode (they echo our encoded keys) and grant leases anyway
+            if self.batch_supported is None:
+                log.warning("%s: /batch_query_keys does not decode keys (master < 0.3.12); using /query_key, "
+                            "which grants read leases", self.base)
+            self.batch_supported = False
+            return {}
+        self.batch_supported = True
+        return result
+
+    async def _one(self, key: str) -> set[str] | None:
+        status, ctype, body = await self._get("/query_key?key=" + key)
+        return parse_query_key(status, ctype, body)

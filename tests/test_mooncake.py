@@ -1,0 +1,271 @@
+"""L3 parsing and polling: key grammars and every captured master response format, the poller's diffs
+and failure handling over real HTTP, and (in a loopback-only network namespace) a real Mooncake Master
+with real store clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import msgpack
+import pytest
+from aiohttp import web
+
+from bridge.mooncake_keys import KeyParser
+from bridge.mooncake_master import MasterError, parse_batch_query, parse_query_key
+from bridge.mooncake_poller import MasterTarget, MooncakePoller
+from cache_indexer.metrics import Metrics
+from indexer.l3_state import L3State
+from schemas.config import L3IngestConfig
+from tests.conftest import SHARED
+
+MC = SHARED / "reference" / "mooncake"
+RESP = MC / "responses"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def captured(name: str) -> tuple[int, str, bytes]:
+    """(status, content type, body) of a captured .http file."""
+    raw = (RESP / name).read_bytes()
+    head, _, body = raw.partition(b"\r\n\r\n") if b"\r\n\r\n" in raw else raw.partition(b"\n\n")
+    lines = head.decode().splitlines()
+    status_line = next(line for line in lines if line.startswith("HTTP/"))
+    ctype = next((line.split(":", 1)[1].strip() for line in lines if line.lower().startswith("content-type:")), "")
+    return int(status_line.split()[1]), ctype, body
+
+
+# -- key grammars --------------------------------------------------------------------------------
+def test_every_captured_key_grammar():
+    ex = json.loads((RESP / "00_example_keys.json").read_text())
+    hashes = {h[-16:] for h in ex["vllm_block_hashes_hex"]}
+    parser = KeyParser()
+    for fmt, keys in ex["keys"].items():
+        for key in keys:
+            h = parser.block_hash(key)
+            if fmt.startswith("ascend_v0.11") or fmt.startswith("lmcache"):
+                assert h is None, (fmt, key)
+            else:
+                assert h is not None and f"{h:016x}" in hashes, (fmt, key)
+    assert parser.unmatched == 0 and parser.foreign > 0
+    for line in (MC / "example-keys.txt").read_text().splitlines():
+        if line.strip():
+            parser.block_hash(line.strip())
+    assert parser.unmatched == 0
+    assert parser.block_hash("some/other-key") is None and parser.unmatched == 1
+
+
+def test_key_hash_matches_the_event_form_of_the_vllm_chain():
+    from indexer.block_hash import BlockHasher, event_block_hash
+
+    digest = BlockHasher("sha256", "0").block_hashes(list(range(1000, 1128)), 128)[0]
+    key = f"Qwen2.5-7B-Instruct@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@cache_role:kv@cache_family:default@{digest.hex()}"
+    assert KeyParser().block_hash(key) == event_block_hash(digest)
+
+
+def test_custom_patterns_and_unknown_formats():
+    p = KeyParser(formats=["vllm_store_v2"], extra_patterns=[r"^mine/(?P<hash>[0-9a-f]{64})$"])
+    assert p.block_hash("mine/" + "ab" * 32) == int("ab" * 8, 16)
+    with pytest.raises(ValueError, match="unknown"):
+        KeyParser(formats=["nope"])
+    with pytest.raises(ValueError, match="hash"):
+        KeyParser(extra_patterns=[r"^(?P<x>.*)$"])
+
+
+# -- response formats ----------------------------------------------------------------------------
+def test_query_key_formats_of_every_version():
+    assert parse_query_key(*captured("04_query_key_ascend_raw.http")) == {"127.0.0.2"}  # >= 0.3.12 JSON
+    assert parse_query_key(*captured("08_query_key_two_replicas.http")) == {"127.0.0.2", "127.0.0.4"}
+    assert parse_query_key(*captured("01_query_key_missing.http")) is None
+    for version in ("0.3.11.post1", "0.3.7.post2"):  # NDJSON text, with and without protocol_
+        st = json.loads((RESP / f"16_selftest_v{version}.json").read_text())
+        status, ctype, body = st["query_key"]
+        assert parse_query_key(status, ctype, body.encode()) == {"127.0.0.2"}
+        status, ctype, body = st["query_key_missing"]
+        assert parse_query_key(status, ctype, body.encode()) is None
+    with pytest.raises(MasterError):
+        parse_query_key(200, "application/json", b"{not json")
+    with pytest.raises(MasterError):
+        parse_query_key(503, "text/plain", b"503 Service Unavailable")
+
+
+def test_batch_query_format():
+    _, _, body = captured("05_batch_query_keys_raw.http")
+    res = parse_batch_query(body)
+    assert res["missing-key"] is None
+    assert any(v == {"127.0.0.2"} for v in res.values())
+    with pytest.raises(MasterError):
+        parse_batch_query(b'{"success": true}')
+
+
+# -- the poller over HTTP -------------------------------------------------------------------------
+class FakeMaster:
+    """Serves the admin endpoints from an in-memory table, in the >= 0.3.12 formats, with faults."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, list[str]] = {}  # key -> transport endpoints
+        self.segments: list[str] = []
+        self.fault: str | None = None
+        self.batch_calls = 0
+        self.batch_keys_asked = 0
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_get("/get_all_keys", self.all_keys)
+        app.router.add_get("/get_all_segments", self.all_segments)
+        app.router.add_get("/batch_query_keys", self.batch)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def _faulty(self):
+        if self.fault == "timeout":
+            await asyncio.sleep(5)
+        if self.fault == "503":
+            return web.Response(status=503, text="503 Service Unavailable")
+        return None
+
+    async def all_keys(self, request):
+        return await self._faulty() or web.Response(text="".join(k + "\n" for k in self.keys),
+                                                    content_type="text/plain")
+
+    async def all_segments(self, request):
+        return await self._faulty() or web.Response(text="".join(s + "\n" for s in self.segments),
+                                                    content_type="text/plain")
+
+    async def batch(self, request):
+        if self.fault == "malformed":
+            return web.Response(text="{garbage", content_type="application/json")
+        self.batch_calls += 1
+        asked = request.query["keys"].split(",")
+        self.batch_keys_asked += len(asked)
+        data = {k: ({"ok": True, "error": None, "values": [{"size_": 64, "transport_endpoint_": ep} for ep in self.keys[k]]}
+                    if k in self.keys else {"ok": False, "error": "OBJECT_NOT_FOUND", "values": None}) for k in asked}
+        return web.json_response({"success": True, "data": data})
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.state = L3State()
+        self.messages: list[dict] = []
+
+    async def diff(self, master, added, removed):
+        self._apply({"type": "l3_diff", "master": master, "added": added, "removed": removed})
+
+    async def full(self, master, pods):
+        self._apply({"type": "l3_full", "master": master, "pods": pods})
+        return True
+
+    def _apply(self, msg):
+        msg = msgpack.unpackb(msgpack.packb(msg), strict_map_key=False)
+        self.messages.append(msg)
+        self.state.apply(msg)
+
+    def held(self, pod):
+        return {h for h, m in self.state.blocks.items() if any(m >> w & 1 for w in self.state.pod_workers(pod).values())}
+
+
+def key(h: int, tp: int = 0) -> str:
+    return f"M@pcp0@dcp0@head_or_tp_rank:{tp}@pp_rank:0@group:0@cache_role:kv@cache_family:default@{h:064x}"
+
+
+@pytest.fixture
+async def poller():
+    master = await FakeMaster().start()
+    sink, metrics = Sink(), Metrics()
+    async with aiohttp.ClientSession() as session:
+        p = MooncakePoller(MasterTarget("m0", master.url), L3IngestConfig(httpTimeout=1, batchKeys=2, fullStateEvery=1000, pollInterval=0.05),
+                           sink, metrics, session)
+        yield master, p, sink, metrics
+    await master.runner.cleanup()
+
+
+async def test_poller_diffs_refcounts_and_segments(poller):
+    master, p, sink, metrics = poller
+    master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
+    master.keys = {key(1): ["127.0.0.2:16001"], key(1, tp=1): ["127.0.0.2:16001"], key(2): ["127.0.0.3:16002"],
+                   "unrelated/key": ["127.0.0.2:16001"]}
+    await p.poll()
+    assert sink.messages[-1]["type"] == "l3_full"
+    assert sink.held("127.0.0.2") == {1} and sink.held("127.0.0.3") == {2}
+    asked = master.batch_keys_asked
+    await p.poll()  # nothing new: no location queries, no message
+    assert master.batch_keys_asked == asked and len(sink.messages) == 1
+    del master.keys[key(1)]  # one TP rank of block 1 goes: the pair stays
+    master.keys[key(3)] = ["127.0.0.2:16001", "127.0.0.3:16002"]
+    await p.poll()
+    assert master.batch_keys_asked == asked + 1, "only the new key is located"
+    assert sink.held("127.0.0.2") == {1, 3} and sink.held("127.0.0.3") == {2, 3}
+    master.segments = ["127.0.0.2:12001"]  # pod .3's segment is unmounted
+    await p.poll()
+    assert sink.held("127.0.0.3") == set()
+    master.keys = {}  # master restarted empty / all evicted
+    await p.poll()
+    assert sink.held("127.0.0.2") == set()
+    assert metrics.l3_unparsed_keys._value.get() == 1  # counted once, not per poll
+
+
+@pytest.mark.parametrize("fault", ["timeout", "503", "malformed"])
+async def test_failed_polls_keep_the_previous_state(poller, fault):
+    master, p, sink, metrics = poller
+    master.segments = ["127.0.0.2:12001"]
+    master.keys = {key(1): ["127.0.0.2:16001"]}
+    await p.poll()
+    master.keys[key(2)] = ["127.0.0.2:16001"]
+    master.fault = fault
+    task = asyncio.create_task(p._run())
+    try:
+        async def failed():
+            while metrics.l3_poll_errors._value.get() < 1:
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(failed(), 10)
+        assert sink.held("127.0.0.2") == {1}, "previous state kept"
+        master.fault = None
+
+        async def recovered():
+            while sink.held("127.0.0.2") != {1, 2}:
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(recovered(), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+# -- a real master ---------------------------------------------------------------------------------
+def _mooncake_available() -> str | None:
+    try:
+        import mooncake  # noqa: F401
+    except ImportError:
+        return "mooncake-transfer-engine-non-cuda is not installed"
+    binary = Path(__import__("mooncake").__file__).parent / "mooncake_master"
+    if not binary.exists():
+        return "mooncake_master binary not found"
+    if not shutil.which("unshare") or not shutil.which("ip") or os.geteuid() != 0:
+        return "needs root, unshare and ip for a loopback-only network namespace"
+    r = subprocess.run([str(binary), "--help"], capture_output=True, timeout=30)
+    if r.returncode not in (0, 1) or b"error while loading shared libraries" in r.stderr:
+        return "mooncake_master cannot start (system libraries missing: libibverbs1 libnl-3-200 libnl-route-3-200)"
+    return None
+
+
+def test_real_mooncake_master_end_to_end():
+    """tests/mooncake_scenario.py runs inside `unshare -n` (only loopback): nats-server, a real master,
+    real store clients putting keys in the real grammars, the bridge's poller and an indexer replica."""
+    why = _mooncake_available()
+    if why:
+        if os.environ.get("CACHE_INDEXER_REQUIRE_MOONCAKE") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    r = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {sys.executable} -m tests.mooncake_scenario"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, f"scenario failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    assert "SCENARIO OK" in r.stdout
