@@ -17,6 +17,7 @@ SECTIONS = {
     "query": ("Hit-rate query latency over HTTP (1M-entry index) and throughput under load", "bench.query"),
     "ingest": ("End-to-end ingest: ZMQ -> bridge -> JetStream -> indexer", "bench.ingest"),
     "replay": ("Rebuild from the stream: replay and snapshot + tail", "bench.replay"),
+    "l3": ("Mooncake poll time vs key count", "bench.l3_poll"),
 }
 
 

@@ -120,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("mode", choices=["view", "tail"])
     ev.add_argument("--subject", help="subject filter, e.g. 'kvcache.l1.10_0_0_1.>'")
     ev.add_argument("--last", type=int, default=0, help="start this many messages before the end")
+    ev.add_argument("--tier", choices=["l1", "l3"], default="l1", help="the L1 (vLLM) or L3 (Mooncake) stream")
     cfg = sub.add_parser("config", parents=[common], help="print the effective configuration as YAML")
     cfg.add_argument("action", choices=["show"], nargs="?", default="show")
     return p
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "events":
         from cache_indexer.inspect_events import run
 
-        return asyncio.run(run(cfg, args.mode, args.subject, args.last))
+        return asyncio.run(run(cfg, args.mode, args.subject, args.last, tier=args.tier))
     if args.cmd == "local" and not Path(cfg.discovery.static.file).exists():
         print(f"cache-indexer: targets file {cfg.discovery.static.file} not found "
               "(see examples/targets.yaml; pass --targets FILE)", file=sys.stderr)

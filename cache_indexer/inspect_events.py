@@ -1,5 +1,5 @@
-"""``cache-indexer events view|tail``: prints stream messages as JSON lines, since the nats CLI is not
-always at hand. Block hashes are printed as integers and as 16-digit hex."""
+"""``cache-indexer events view|tail [--tier l1|l3]``: prints stream messages as JSON lines, since the
+nats CLI is not always at hand. L1 block hashes are printed as integers and as 16-digit hex."""
 
 from __future__ import annotations
 
@@ -16,20 +16,22 @@ from schemas.config import Config
 
 def render(seq: int, subject: str, headers: dict | None, data: bytes) -> str:
     try:
-        payload = msgpack.unpackb(data, raw=False)
+        payload = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception:
         payload = {"undecodable": data[:64].hex()}
     for ev in payload.get("events", []) if isinstance(payload, dict) else []:
         if "hashes" in ev:
             ev["hashes_hex"] = [f"{h:016x}" for h in ev["hashes"]]
+
     return json.dumps({"seq": seq, "subject": subject, "headers": headers or {}, "data": payload}, default=str)
 
 
-async def run(cfg: Config, mode: str, subject: str | None, last: int, out=sys.stdout) -> int:
+async def run(cfg: Config, mode: str, subject: str | None, last: int, out=sys.stdout, tier: str = "l1") -> int:
     nc = await connect(cfg.nats, name="cache-indexer-inspect")
     js = nc.jetstream()
-    stream = cfg.nats.l1Stream.name
-    filt = subject or f"{cfg.nats.l1Stream.subjectPrefix}.>"
+    scfg = cfg.nats.l1Stream if tier == "l1" else cfg.nats.l3Stream
+    stream = scfg.name
+    filt = subject or f"{scfg.subjectPrefix}.>"
     info = await js.stream_info(stream)
     done = asyncio.Event()
     end = info.state.last_seq

@@ -119,7 +119,7 @@ class FakeMaster:
         app.router.add_get("/get_all_keys", self.all_keys)
         app.router.add_get("/get_all_segments", self.all_segments)
         app.router.add_get("/batch_query_keys", self.batch)
-        self.runner = web.AppRunner(app)
+        self.runner = web.AppRunner(app, max_line_size=4 << 20)  # the real master takes 500 kB query strings
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
