@@ -51,7 +51,8 @@ async def _run(batches: int, events: int, engines: int) -> dict:
             f"  - ip: 127.0.2.{i + 1}\n    zmqPort: {pub}\n    replayPort: {rep}\n"
             for i, (pub, rep) in enumerate(engine_ports)))
         overrides = [f"nats.url={server.url}", f"discovery.static.file={targets}", "log.level=warning"]
-        bridge = subprocess.Popen([sys.executable, "-m", "cache_indexer.cli", "bridge", *sum((["--set", o] for o in overrides), [])],
+        prof = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE_BRIDGE"]] if os.environ.get("BENCH_PROFILE_BRIDGE") else []
+        bridge = subprocess.Popen([sys.executable, *prof, "-m", "cache_indexer.cli", "bridge", *sum((["--set", o] for o in overrides), [])],
                                   cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         procs.append(bridge)
         cfg = load_config(env={}, overrides=overrides)

@@ -18,6 +18,7 @@ import os
 import socket
 import uuid
 
+import aiohttp
 import zmq.asyncio
 
 from bridge.jetstream_publisher import JetStreamPublisher
@@ -156,8 +157,6 @@ class Bridge:
 
     async def set_masters(self, masters: list[MasterTarget]) -> None:
         """Reconcile Mooncake pollers; a master that is gone gets an empty full state (its L3 entries drop)."""
-        import aiohttp
-
         if self._http is None:
             self._http = aiohttp.ClientSession()
         wanted = set(masters)

@@ -98,8 +98,12 @@ async def run_local(cfg: Config) -> None:
     await replica.start()
 
     async def _stop_server() -> None:
-        if server:
-            server.close() if not cfg.nats.embeddedStoreDir else server.stop()
+        if server is None:
+            return
+        if cfg.nats.embeddedStoreDir:
+            server.stop()  # keep the configured store: the next start replays it
+        else:
+            server.close()  # a temporary store goes with the server
 
     await _until_signalled([replica.stop, bridge.stop, _stop_server])
 
