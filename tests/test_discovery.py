@@ -198,3 +198,28 @@ async def test_static_targets_file_is_reloaded_on_change(tmp_path):
         st.changed()
     f.unlink()
     assert st.changed().endpoints() == []  # the file went away: no targets
+
+
+async def test_mooncake_masters_by_label_and_port_name(kube):
+    from bridge.k8s_discovery import master_targets
+
+    cfg = DiscoveryConfig(mode="kubernetes", namespace="infer")
+    master = make_pod("mooncake-master-0", "127.0.0.56", engine="none")
+    master["metadata"]["labels"]["openfuyao.com/kvmanager"] = "mooncake"
+    master["spec"]["containers"][0]["ports"] = [{"name": "rpc", "containerPort": 50051, "protocol": "TCP"},
+                                                {"name": "http", "containerPort": 9010, "protocol": "TCP"}]
+    kube.add(master)
+    kube.add(make_pod("vllm-0", "127.0.0.57"))
+    seen = Seen()
+    d = KubernetesDiscovery(cfg, seen, api_client(kube), selector=cfg.mooncakeMaster.labelSelector,
+                            mapper=lambda pod: master_targets(pod, cfg.mooncakeMaster))
+    d.start()
+    try:
+        await wait_for(lambda: seen.current, 10, "the master")
+        assert [(t.name, t.url) for t in seen.current] == [("mooncake-master-0", "http://127.0.0.56:9010")]
+        no_name = copy.deepcopy(kube.pods["mooncake-master-0"])
+        no_name["spec"]["containers"][0]["ports"] = []
+        kube.modify(no_name)  # no port named http: the configured httpPort
+        await wait_for(lambda: seen.current and seen.current[0].url == "http://127.0.0.56:9003", 10, "fallback port")
+    finally:
+        await d.stop()
