@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         names = list(SECTIONS)
     import importlib
 
-    parts = [f"# cache-indexer benchmark results", "",
+    parts = ["# cache-indexer benchmark results", "",
              f"- date: {datetime.date.today().isoformat()}", f"- machine: {common.machine()}",
              f"- command: `python -m bench {' '.join(argv)}`".rstrip(), ""]
     for name in names:

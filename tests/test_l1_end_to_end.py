@@ -14,7 +14,7 @@ import pytest
 from indexer.block_hash import BlockHasher
 from tests.conftest import SHARED, make_config, wait_for
 from tests.l1_stack import L1Stack
-from tests.vllm_fake import batch_payload, cleared, removed, stored
+from tests.vllm_fake import cleared, removed, stored
 
 H = BlockHasher("sha256_cbor", "0")
 BS = 16

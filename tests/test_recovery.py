@@ -3,7 +3,6 @@ tail, replicas agreeing, bridges killed mid-burst and resumed from the stream.""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
