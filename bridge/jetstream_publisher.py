@@ -27,7 +27,6 @@ class _Pending:
     headers: dict[str, str]
     deadline: float
     future: asyncio.Future | None = None
-    attempts: int = 0
 
 
 class JetStreamPublisher:
@@ -40,8 +39,6 @@ class JetStreamPublisher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._watchdog: asyncio.Task | None = None
-        self.published = 0
-        self.duplicates = 0
 
     def start(self) -> None:
         if self._watchdog is None:
@@ -56,10 +53,6 @@ class JetStreamPublisher:
             if rec.future and not rec.future.done():
                 rec.future.cancel()
 
-    @property
-    def inflight(self) -> int:
-        return len(self._pending)
-
     async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         """Queue one message; returns once it is sent (not acked). ``headers`` must hold Nats-Msg-Id."""
         msg_id = headers["Nats-Msg-Id"]
@@ -73,7 +66,6 @@ class JetStreamPublisher:
         await self._send(msg_id, rec)
 
     async def _send(self, msg_id: str, rec: _Pending) -> None:
-        rec.attempts += 1
         rec.deadline = time.monotonic() + self._ack_timeout
         try:
             fut = await self._js.publish_async(rec.subject, rec.data, headers=dict(rec.headers))
@@ -89,10 +81,6 @@ class JetStreamPublisher:
             return  # the watchdog re-sends failures
         if rec.future is not fut:
             return
-        ack = fut.result()
-        if ack.duplicate:
-            self.duplicates += 1
-        self.published += 1
         del self._pending[msg_id]
         self._window.release()
         self._metrics.publish_inflight.set(len(self._pending))

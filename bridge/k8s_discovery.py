@@ -99,7 +99,6 @@ class KubernetesDiscovery:
         self.mapper = mapper or (lambda pod: pod_endpoints(pod, cfg.vllm))
         self._api_client = api_client
         self.pods: dict[str, object] = {}  # uid -> pod
-        self.relists = 0
         self._task: asyncio.Task | None = None
         self._last: list[Endpoint] | None = None
 
@@ -136,7 +135,6 @@ class KubernetesDiscovery:
         while True:
             try:
                 listed = await api.list_namespaced_pod(ns, label_selector=selector)
-                self.relists += 1
                 self.pods = {p.metadata.uid: p for p in listed.items}
                 await self._publish()
                 backoff = 1.0

@@ -67,7 +67,7 @@ class Bridge:
         self.publisher.start()
         self.l1 = L1Publisher(self.publisher, self.cfg.nats.l1Stream.subjectPrefix, js, self.cfg.nats.l1Stream.name)
         max_payload = min(self.nc.max_payload, self.cfg.nats.l3Stream.maxMsgSize) - 4096
-        self.l3 = L3Publisher(self.publisher, self.cfg.nats.l3Stream.subjectPrefix, max_payload)
+        self.l3 = L3Publisher(self.publisher, self.cfg.nats.l3Stream.subjectPrefix, max_payload, self.metrics)
         if self.cfg.ingest.leaderElection:
             holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             self.lease = Lease(js, self.cfg.nats.lease.bucket, "bridge-l1-leader", holder, self.cfg.nats.lease.ttl)

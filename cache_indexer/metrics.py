@@ -47,6 +47,8 @@ class Metrics:
         self.l3_poll_errors = Counter(p + "l3_poll_errors_total", "Mooncake master polls that failed.", registry=r)
         self.l3_unparsed_keys = Counter(p + "l3_unparsed_keys_total", "Mooncake keys without a usable block hash.",
                                         registry=r)
+        self.l3_full_state_skipped = Counter(p + "l3_full_state_skipped_total",
+                                             "L3 full states too large for one message (not rolled up).", registry=r)
         self.l3_keys = Gauge(p + "l3_keys", "Keys tracked per Mooncake master.", ["master"], registry=r)
         self.l3_poll_seconds = Histogram(p + "l3_poll_seconds", "Duration of one Mooncake master poll.",
                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)

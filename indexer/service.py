@@ -230,15 +230,11 @@ class Indexer:
             await asyncio.sleep(2.0)
 
     def update_gauges(self) -> None:
-        idx = self.l1.index
-        self.metrics.index_blocks.labels("l1").set(len(idx))
-        self.metrics.index_entries.labels("l1").set(idx.entries())
-        self.metrics.index_workers.labels("l1").set(len(idx.worker_blocks))
+        for tier, idx in (("l1", self.l1.index), ("l3", self.l3.index)):
+            self.metrics.index_blocks.labels(tier).set(len(idx))
+            self.metrics.index_entries.labels(tier).set(idx.entries())
+            self.metrics.index_workers.labels(tier).set(len(idx.worker_blocks))
         self.metrics.ingest_last_seq.labels(self._stream).set(self.applied_seq)
-        l3 = self.l3.index
-        self.metrics.index_blocks.labels("l3").set(len(l3))
-        self.metrics.index_entries.labels("l3").set(l3.entries())
-        self.metrics.index_workers.labels("l3").set(len(l3.worker_blocks))
         self.metrics.ingest_last_seq.labels(self.cfg.nats.l3Stream.name).set(self.l3_applied_seq)
 
     async def wait_applied(self, seq: int, timeout: float) -> None:
