@@ -28,6 +28,9 @@ class Metrics:
         self.ingest_last_seq = Gauge(p + "ingest_last_stream_sequence", "Last applied stream sequence.", ["stream"], registry=r)
         self.ready = Gauge(p + "ready", "1 when the index has caught up with the streams.", registry=r)
         self.snapshot_loads = Counter(p + "snapshot_loads_total", "Snapshots loaded (start or reload).", registry=r)
+        self.snapshot_load_failures = Counter(p + "snapshot_load_failures_total",
+                                              "Snapshot reads that failed (object pruned or damaged while read).",
+                                              registry=r)
         self.snapshot_writes = Counter(p + "snapshot_writes_total", "Snapshots written by this replica.", registry=r)
         self.stream_reloads = Counter(p + "stream_reloads_total", "Reloads after the next message was purged.", registry=r)
         self.history_lost = Counter(p + "stream_history_lost_total",

@@ -88,7 +88,9 @@ class Indexer:
             self._sub = None
         if self.snapshots is not None:
             t = time.perf_counter()
+            failed = self.snapshots.failed_loads
             loaded = await self.snapshots.load()
+            self.metrics.snapshot_load_failures.inc(self.snapshots.failed_loads - failed)
             if loaded is not None and loaded[1] >= self.applied_seq:
                 self.l1, self.applied_seq = loaded
                 self._last_snapshot_seq = self.applied_seq

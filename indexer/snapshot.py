@@ -7,20 +7,28 @@ the header). Loading is two ``array.frombytes`` and one ``dict(zip())``, no per-
 Store: the object store bucket holds ``l1-<seq>`` objects; the KV key ``snapshot.l1`` points at the
 newest one and is moved with compare-and-set, so a reader always finds a complete snapshot and an
 older writer can never overwrite a newer pointer. Older objects beyond ``keep`` are deleted.
+
+Reading: the writer may prune the object a reader is loading (the reader was slow, or two snapshots
+came in quick succession). nats-py's ``ObjectStore.get`` then waits forever for chunks that no longer
+exist, so objects are read here with a bound on the wait for each chunk; a snapshot that vanishes or
+fails its digest is retried from the pointer, which by then names a newer one.
 """
 
 from __future__ import annotations
 
+import base64
 import gc
-import io
+import hashlib
 import logging
 import sys
 from array import array
 from dataclasses import dataclass
 
 import msgpack
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import (BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError,
+                            ObjectNotFoundError)
 
 from indexer.l1_state import L1State, _Cursor
 
@@ -101,12 +109,20 @@ class SnapshotRef:
     revision: int
 
 
+class SnapshotUnreadable(Exception):
+    """The object a pointer named vanished or is damaged."""
+
+
 class SnapshotStore:
-    def __init__(self, js, bucket: str, meta_bucket: str, keep: int = 2) -> None:
+    def __init__(self, js, bucket: str, meta_bucket: str, keep: int = 2, *, chunk_timeout: float = 10.0,
+                 load_attempts: int = 5) -> None:
         self.js = js
         self.bucket = bucket
         self.meta_bucket = meta_bucket
         self.keep = keep
+        self.chunk_timeout = chunk_timeout
+        self.load_attempts = load_attempts
+        self.failed_loads = 0
         self._obs = None
         self._kv = None
 
@@ -134,13 +150,57 @@ class SnapshotStore:
         return SnapshotRef(p["name"], p["stream_seq"], entry.revision)
 
     async def load(self) -> tuple[L1State, int] | None:
-        ref = await self.pointer()
-        if ref is None:
-            return None
+        """The newest snapshot, or None when there is none or none could be read.
+
+        None after failures makes the replica rebuild from the stream alone, which reports history lost
+        when the stream was compacted: a degraded index beats a replica that never starts (and then
+        never writes the next snapshot either)."""
+        for attempt in range(1, self.load_attempts + 1):
+            ref = await self.pointer()
+            if ref is None:
+                return None
+            try:
+                return decode_l1(await self.read(ref.name))
+            except SnapshotUnreadable as exc:
+                self.failed_loads += 1
+                log.warning("snapshot %s (attempt %d of %d): %s; reading the pointer again", ref.name, attempt,
+                            self.load_attempts, exc)
+        log.error("no snapshot could be read in %d attempts: rebuilding from the stream alone", self.load_attempts)
+        return None
+
+    async def read(self, name: str) -> bytes:
+        """An object's bytes, waiting at most ``chunk_timeout`` for each chunk; digest checked."""
         obs, _ = await self._stores()
-        buf = io.BytesIO()  # nats-py appends chunks to a bytes object otherwise: quadratic on large snapshots
-        await obs.get(ref.name, writeinto=buf)
-        return decode_l1(buf.getbuffer())
+        try:
+            info = await obs.get_info(name)
+        except ObjectNotFoundError:
+            raise SnapshotUnreadable("deleted before it could be read") from None
+        if not info.size:
+            return b""
+        sub = await self.js.subscribe(f"$O.{self.bucket}.C.{info.nuid}", ordered_consumer=True,
+                                      pending_msgs_limit=-1, pending_bytes_limit=-1)
+        parts: list[bytes] = []
+        digest = hashlib.sha256()
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=self.chunk_timeout)
+                except NatsTimeoutError:
+                    raise SnapshotUnreadable(f"no chunk for {self.chunk_timeout}s after {len(parts)} of "
+                                             f"{info.chunks} (deleted while being read)") from None
+                parts.append(msg.data)
+                digest.update(msg.data)
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        expected = base64.urlsafe_b64decode(info.digest.split("=", 1)[1]) if info.digest else None
+        if expected is not None and digest.digest() != expected:
+            raise SnapshotUnreadable("digest mismatch")
+        return b"".join(parts)
 
     async def save(self, blob: bytes, stream_seq: int) -> bool:
         """Upload, then move the pointer by CAS; False when a newer snapshot already exists."""

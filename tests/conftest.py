@@ -8,7 +8,10 @@ store. With ``CACHE_INDEXER_REQUIRE_NATS=1`` (set by .ci/run) a missing server f
 from __future__ import annotations
 
 import asyncio
+import io
 import os
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -33,6 +36,40 @@ def _docker_nats():
     container = NatsContainer(image=os.environ.get("CACHE_INDEXER_TEST_NATS_IMAGE", "nats:2.11"), jetstream=True)
     container.start()
     return container
+
+
+def _dump_pending_tasks(nodeid: str) -> None:
+    """pytest-timeout prints thread stacks only; a hung await shows up in the asyncio tasks' await chains."""
+    tasks = getattr(asyncio.tasks, "_all_tasks", None) or getattr(asyncio.tasks, "_scheduled_tasks", ())
+    out = io.StringIO()
+    out.write(f"\n=== {nodeid} is about to time out; pending asyncio tasks ===\n")
+    for task in list(tasks):
+        if task.done():
+            continue
+        out.write(f"{task.get_name()}:\n")
+        coro = task.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                out.write(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    sys.stderr.write(out.getvalue())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0] if marker and marker.args else item.config.getini("timeout") or 0)
+    timer = None
+    if limit > 10:
+        timer = threading.Timer(limit - 5, _dump_pending_tasks, args=(item.nodeid,))
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 @pytest.fixture(scope="session")

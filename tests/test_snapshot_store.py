@@ -1,0 +1,99 @@
+"""The snapshot store against a real nats-server: round trip, and reads that race the writer's pruning
+(an object deleted while a replica loads it must cost a retry, never a hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import nats
+import pytest
+
+from indexer.l1_state import L1State
+from indexer.snapshot import SnapshotStore, encode_l1
+from tests.conftest import wait_for
+
+
+def state_with(n_blocks: int, seed: int) -> L1State:
+    rng = random.Random(seed)
+    st = L1State()
+    for pod in range(3):
+        hashes = [rng.getrandbits(64) for _ in range(n_blocks)]
+        st.apply({"type": "batch", "pod": f"127.0.0.{pod + 1}", "rank": 0, "gen": 0, "seq": 0,
+                  "events": [{"kind": "stored", "hashes": hashes}]})
+    return st
+
+
+def contents(st: L1State) -> dict[int, int]:
+    return dict(st.index.blocks)
+
+
+@pytest.fixture
+async def js(nats_url):
+    nc = await nats.connect(nats_url)
+    yield nc.jetstream()
+    await nc.close()
+
+
+@pytest.fixture
+def buckets(stream_prefix):
+    return f"{stream_prefix}-snap", f"{stream_prefix}-meta"
+
+
+async def test_round_trip_through_the_object_store(js, buckets):
+    store = SnapshotStore(js, *buckets)
+    assert await store.load() is None
+    st = state_with(100_000, 1)  # several chunks
+    assert await store.save(encode_l1(st, 42), 42)
+    assert not await store.save(encode_l1(st, 41), 41), "an older snapshot never replaces a newer one"
+    loaded, seq = await store.load()
+    assert seq == 42 and contents(loaded) == contents(st)
+
+
+async def test_a_snapshot_whose_chunks_vanished_is_given_up_within_the_bound(js, buckets):
+    store = SnapshotStore(js, *buckets, chunk_timeout=0.3, load_attempts=3)
+    assert await store.save(encode_l1(state_with(50_000, 2), 7), 7)
+    obs, _ = await store._stores()
+    info = await obs.get_info("l1-000000000007")
+    # what a concurrent prune does between the reader's get_info and its first chunk
+    await js.purge_stream(f"OBJ_{buckets[0]}", subject=f"$O.{buckets[0]}.C.{info.nuid}")
+    assert await asyncio.wait_for(store.load(), 10) is None
+    assert store.failed_loads == 3
+
+
+async def test_a_reader_whose_snapshot_vanished_retries_with_the_newer_one(js, buckets):
+    store = SnapshotStore(js, *buckets, chunk_timeout=0.3, load_attempts=50)
+    assert await store.save(encode_l1(state_with(1000, 3), 7), 7)
+    obs, _ = await store._stores()
+    info = await obs.get_info("l1-000000000007")
+    await js.purge_stream(f"OBJ_{buckets[0]}", subject=f"$O.{buckets[0]}.C.{info.nuid}")
+    loading = asyncio.create_task(store.load())
+    await wait_for(lambda: store.failed_loads >= 1, 10, "the first read to give up")
+    newer = state_with(1000, 4)
+    assert await SnapshotStore(js, *buckets).save(encode_l1(newer, 9), 9)
+    loaded, seq = await asyncio.wait_for(loading, 20)
+    assert seq == 9 and contents(loaded) == contents(newer)
+
+
+async def test_loads_racing_a_writer_that_prunes_everything_but_the_newest(js, buckets):
+    """keep=1: every save deletes the snapshot a reader may be in the middle of."""
+    writer = SnapshotStore(js, *buckets, keep=1)
+    reader = SnapshotStore(js, *buckets, chunk_timeout=0.5, load_attempts=100)
+    states = {seq: state_with(20_000, seq) for seq in range(1, 4)}
+    assert await writer.save(encode_l1(states[1], 1), 1)
+    stop = asyncio.Event()
+
+    async def write_forever():
+        seq = 1
+        while not stop.is_set():
+            seq += 1
+            assert await writer.save(encode_l1(states[(seq - 1) % 3 + 1], seq), seq)
+
+    task = asyncio.create_task(write_forever())
+    try:
+        for _ in range(15):
+            loaded, seq = await asyncio.wait_for(reader.load(), 30)
+            assert contents(loaded) == contents(states[(seq - 1) % 3 + 1])
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
