@@ -6,14 +6,20 @@ import logging
 
 from aiohttp import web
 
+from api.header_deadline import HeaderDeadline
 from schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
 
 
 class HttpServer:
-    def __init__(self, app: web.Application, cfg: HttpConfig) -> None:
+    def __init__(self, app: web.Application, cfg: HttpConfig, metrics=None) -> None:
         self.cfg = cfg
+        self.deadline = None
+        if cfg.readHeaderTimeout:
+            on_timeout = metrics.http_header_timeouts.inc if metrics is not None else (lambda: None)
+            self.deadline = HeaderDeadline(cfg.readHeaderTimeout, on_timeout)
+            app.middlewares.insert(0, self.deadline.middleware)
         self.runner = web.AppRunner(
             app,
             shutdown_timeout=cfg.shutdownTimeout,
@@ -26,11 +32,12 @@ class HttpServer:
 
     async def start(self) -> None:
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port)
+        if self.deadline is not None:
+            site = self.deadline.site(self.runner, self.cfg.host, self.cfg.port)
+        else:
+            site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port)
         await site.start()
-        server = site._server  # the bound port, for port 0
-        if server is not None and server.sockets:
-            self.port = server.sockets[0].getsockname()[1]
+        self.port = site.port
         log.info("serving the API on http://%s:%d", self.cfg.host, self.port)
 
     async def stop(self) -> None:

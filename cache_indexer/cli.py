@@ -65,7 +65,7 @@ async def run_bridge(cfg: Config) -> None:
     from bridge.service import Bridge
 
     bridge = Bridge(cfg)
-    http = HttpServer(make_ops_app(bridge.metrics, bridge.is_ready, "not connected to NATS"), cfg.http)
+    http = HttpServer(make_ops_app(bridge.metrics, bridge.is_ready, "not connected to NATS"), cfg.http, bridge.metrics)
     await http.start()  # health and metrics of the bridge
     await bridge.start()
     await _until_signalled([http.stop, bridge.stop])

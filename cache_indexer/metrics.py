@@ -14,6 +14,9 @@ class Metrics:
         # API
         self.http_requests = Counter(p + "http_requests_total", "HTTP requests by path and status.",
                                      ["path", "status"], registry=r)
+        self.http_header_timeouts = Counter(p + "http_header_timeouts_total",
+                                            "Connections closed: request headers not complete within "
+                                            "http.readHeaderTimeout.", registry=r)
         self.http_latency = Histogram(p + "http_request_duration_seconds", "HTTP request latency by path and status.",
                                       ["path", "status"], buckets=_LATENCY_BUCKETS, registry=r)
         self.hashed_blocks = Counter(p + "hit_rate_hashed_blocks_total", "Blocks hashed by hit-rate queries.", registry=r)

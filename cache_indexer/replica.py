@@ -22,7 +22,7 @@ class Replica:
         self.indexer = Indexer(cfg, self.metrics)
         self.api = HitRateApi(cfg.http, make_hasher(cfg), tiers=lambda: (self.indexer.l1, self.indexer.l3),
                               ready=self.indexer.ready.is_set, metrics=self.metrics)
-        self.http = HttpServer(self.api.make_app(), cfg.http)
+        self.http = HttpServer(self.api.make_app(), cfg.http, self.metrics)
 
     async def start(self) -> None:
         await self.http.start()  # liveness answers while the index catches up; readiness waits

@@ -1,0 +1,136 @@
+"""``http.readHeaderTimeout``: close connections whose request headers do not arrive in time.
+
+aiohttp has no header deadline: a connection that is accepted and then sends nothing, or dribbles
+its request line a byte at a time, holds a slot for ever (slowloris). Go's ``ReadHeaderTimeout``,
+which the Helm value mirrors, bounds that. Here each accepted connection's protocol is wrapped: a
+timer starts at accept and at the first byte of each later request on a kept-alive connection, and
+stops when aiohttp hands the request to the application (the headers are then complete). When it
+fires, the connection is closed. Waiting between requests on a kept-alive connection is
+``http.idleTimeout``'s job; reading the body is ``http.readTimeout``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+
+class HeaderDeadlineProtocol(asyncio.Protocol):
+    """Delegates everything to aiohttp's request handler and adds the header timer."""
+
+    def __init__(self, inner: asyncio.Protocol, timeout: float, registry: dict, on_timeout: Callable[[], None]):
+        self.inner = inner
+        self.timeout = timeout
+        self.registry = registry
+        self.on_timeout = on_timeout
+        self.transport: asyncio.Transport | None = None
+        self.in_request = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- called by the middleware ------------------------------------------------------------------------
+    def request_started(self) -> None:
+        self.in_request = True
+        self._disarm()
+
+    def request_finished(self) -> None:
+        self.in_request = False
+
+    # -- the timer ---------------------------------------------------------------------------------------
+    def _arm(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self.timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.in_request or self.transport is None or self.transport.is_closing():
+            return
+        peer = self.transport.get_extra_info("peername")
+        log.debug("closing %s: request headers not complete within %ss", peer, self.timeout)
+        self.on_timeout()
+        self.transport.close()
+
+    # -- asyncio.Protocol, delegated -----------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.registry[self.inner] = self
+        self.inner.connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._timer is None and not self.in_request:
+            self._arm()  # the first byte of the next request on a kept-alive connection
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        self.registry.pop(self.inner, None)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class HeaderDeadline:
+    """The middleware and the site for one server."""
+
+    def __init__(self, timeout: float, on_timeout: Callable[[], None] = lambda: None) -> None:
+        self.timeout = timeout
+        self.on_timeout = on_timeout
+        self.connections: dict = {}  # aiohttp's request handler -> its wrapper
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        wrapper = self.connections.get(request.protocol)
+        if wrapper is None:
+            return await handler(request)
+        wrapper.request_started()
+        try:
+            return await handler(request)
+        finally:
+            wrapper.request_finished()
+
+    def site(self, runner: web.BaseRunner, host: str, port: int, backlog: int = 128) -> "HeaderDeadlineSite":
+        return HeaderDeadlineSite(runner, self, host, port, backlog)
+
+
+class HeaderDeadlineSite(web.BaseSite):
+    """A TCP site whose connections get the header timer (aiohttp's TCPSite, with a wrapped factory)."""
+
+    def __init__(self, runner: web.BaseRunner, deadline: HeaderDeadline, host: str, port: int, backlog: int) -> None:
+        super().__init__(runner, backlog=backlog)
+        self.deadline = deadline
+        self.host = host
+        self.requested_port = port
+        self.port = port
+
+    @property
+    def name(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        factory = self._runner.server
+        d = self.deadline
+
+        def protocol() -> HeaderDeadlineProtocol:
+            return HeaderDeadlineProtocol(factory(), d.timeout, d.connections, d.on_timeout)
+
+        self._server = await asyncio.get_running_loop().create_server(
+            protocol, self.host, self.requested_port, backlog=self._backlog)
+        if self._server.sockets:
+            self.port = self._server.sockets[0].getsockname()[1]

@@ -1,0 +1,118 @@
+"""The HTTP server's deadlines over raw sockets on 127.0.0.1: readHeaderTimeout (slowloris),
+readTimeout (a body that does not arrive), and that neither cuts a well-behaved client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import pytest
+
+from api.app import HitRateApi
+from api.server import HttpServer
+from cache_indexer.metrics import Metrics
+from indexer.block_hash import BlockHasher
+from indexer.l1_state import L1State
+from schemas.config import HttpConfig
+
+HEADER_TIMEOUT = 0.5
+BODY = json.dumps({"server_ip": ["127.0.0.1"], "body": {"token_ids": list(range(32)), "block_size": 16}}).encode()
+HEAD = (b"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(BODY))
+
+
+@pytest.fixture
+async def server():
+    http = HttpConfig(host="127.0.0.1", port=0, readHeaderTimeout=HEADER_TIMEOUT, readTimeout=1.5, idleTimeout=30)
+    metrics = Metrics()
+    api = HitRateApi(http, BlockHasher("sha256_cbor", "0"), tiers=lambda: (L1State(), None), ready=lambda: True,
+                     metrics=metrics)
+    srv = HttpServer(api.make_app(), http, metrics)
+    await srv.start()
+    yield srv, metrics
+    await srv.stop()
+
+
+async def closed_by_server(reader: asyncio.StreamReader, within: float) -> float:
+    """Seconds until the server closes the connection (EOF or reset); fails after ``within``."""
+    t = time.monotonic()
+    try:
+        data = await asyncio.wait_for(reader.read(65536), within)
+    except ConnectionResetError:
+        data = b""
+    assert data == b"", f"expected the server to close, got {data[:80]!r}"
+    return time.monotonic() - t
+
+
+async def response(reader: asyncio.StreamReader) -> tuple[int, dict]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    status = int(head.split(b" ", 2)[1])
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    return status, json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
+
+
+def header_timeouts(metrics: Metrics) -> float:
+    return metrics.http_header_timeouts._value.get()
+
+
+async def test_a_silent_connection_is_closed_after_the_header_timeout(server):
+    srv, metrics = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    waited = await closed_by_server(reader, 5)
+    assert waited >= HEADER_TIMEOUT * 0.8
+    assert header_timeouts(metrics) == 1
+    writer.close()
+
+
+async def test_headers_dribbled_slower_than_the_deadline_are_cut_off(server):
+    srv, metrics = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    with contextlib.suppress(ConnectionError):
+        for byte in HEAD[:-2]:  # a byte every 50 ms, never finishing the header block
+            writer.write(bytes([byte]))
+            await writer.drain()
+            with contextlib.suppress(asyncio.TimeoutError):
+                if await asyncio.wait_for(reader.read(1), 0.05) == b"":
+                    break
+    await closed_by_server(reader, 1)
+    assert header_timeouts(metrics) == 1
+    writer.close()
+
+
+async def test_kept_alive_connection_survives_idle_time_but_not_a_dribbled_second_request(server):
+    srv, metrics = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    writer.write(HEAD + BODY)
+    assert (await response(reader))[0] == 200
+    await asyncio.sleep(HEADER_TIMEOUT * 2)  # the elapsed time is the subject here: idle, not reading headers
+    writer.write(HEAD + BODY)
+    assert (await response(reader))[0] == 200, "waiting between requests is idleTimeout's business"
+    writer.write(HEAD[:20])  # a third request that stalls in its request line
+    await closed_by_server(reader, 5)
+    assert header_timeouts(metrics) == 1
+    writer.close()
+
+
+async def test_a_slow_body_is_not_cut_by_the_header_deadline(server):
+    srv, metrics = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    writer.write(HEAD)
+    half = len(BODY) // 2
+    writer.write(BODY[:half])
+    await asyncio.sleep(HEADER_TIMEOUT * 1.6)  # past the header deadline, within readTimeout
+    writer.write(BODY[half:])
+    status, body = await response(reader)
+    assert status == 200 and body["status"] == 0
+    assert header_timeouts(metrics) == 0
+    writer.close()
+
+
+async def test_a_body_that_never_arrives_gets_408(server):
+    srv, _ = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    writer.write(HEAD + BODY[:10])
+    status, body = await response(reader)
+    assert status == 408 and body["status"] == 408 and "within 1.5s" in body["message"]
+    writer.close()
