@@ -5,6 +5,13 @@ ids``. A worker is a (pod, rank) pair interned to a small integer; single-bit ma
 objects, so an entry costs the dict slot plus the hash's int object (about 80 bytes), and a block held
 by several workers costs one entry, not one per worker. Clearing a worker walks the dict once: clears
 are rare (engine reset, gap, pod removal) and a reverse map would double the memory.
+
+KV-cache groups: a hybrid model (full attention plus sliding-window layers, say) stores the same block
+hash once per group and evicts it per group; the sliding-window group drops old blocks long before the
+full-attention group does. A worker holds a block while any of its groups does (the removal refcount
+llm-d had to add). Groups are tracked only for workers that have used a group other than 0, in a side
+map that records only the entries held by a group set other than {0}: single-group engines, i.e. almost
+all of them, pay nothing for it.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class BlockIndex:
         self.blocks: dict[int, int] = {}
         self._bits: list[int] = []
         self.worker_blocks: dict[int, int] = {}
+        #: worker id -> {block hash: bitmask of KV-cache groups}, for entries not held by group 0 alone
+        self.groups: dict[int, dict[int, int]] = {}
 
     def _bit(self, wid: int) -> int:
         bits = self._bits
@@ -78,7 +87,9 @@ class BlockIndex:
             bits.append(1 << len(bits))
         return bits[wid]
 
-    def store(self, wid: int, hashes: Iterable[int]) -> None:
+    def store(self, wid: int, hashes: Iterable[int], group: int | None = None) -> None:
+        if group or wid in self.groups:
+            return self._store_grouped(wid, hashes, 1 << (group or 0))
         bit = self._bit(wid)
         blocks = self.blocks
         get = blocks.get
@@ -94,7 +105,11 @@ class BlockIndex:
         if added:
             self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) + added
 
-    def remove(self, wid: int, hashes: Iterable[int]) -> None:
+    def remove(self, wid: int, hashes: Iterable[int], group: int | None = None) -> None:
+        if wid in self.groups:
+            return self._remove_grouped(wid, hashes, 1 << (group or 0))
+        if group:
+            return  # this worker's blocks are all group 0's: another group held none of them
         bit = self._bit(wid)
         blocks = self.blocks
         get = blocks.get
@@ -102,37 +117,78 @@ class BlockIndex:
         for h in hashes:
             m = get(h)
             if m is not None and m & bit:
-                m ^= bit
-                if m:
-                    blocks[h] = self._bits[m.bit_length() - 1] if m & (m - 1) == 0 else m
-                else:
-                    del blocks[h]
+                self._drop(h, m ^ bit)
                 removed += 1
         if removed:
             self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) - removed
 
-    def restore(self, hashes: list[int], masks: list[int], worker_blocks: dict[int, int]) -> None:
+    def _drop(self, h: int, rest: int) -> None:
+        """Set block ``h``'s mask to ``rest`` (one worker fewer), sharing single-bit masks."""
+        if rest:
+            self.blocks[h] = self._bits[rest.bit_length() - 1] if rest & (rest - 1) == 0 else rest
+        else:
+            del self.blocks[h]
+
+    def _store_grouped(self, wid: int, hashes: Iterable[int], gbit: int) -> None:
+        held_by = self.groups.setdefault(wid, {})  # absent = held by group 0 alone
+        bit = self._bit(wid)
+        blocks = self.blocks
+        added = 0
+        for h in hashes:
+            m = blocks.get(h, 0)
+            if not m & bit:
+                blocks[h] = m | bit if m else bit
+                added += 1
+                if gbit != 1:
+                    held_by[h] = gbit
+            else:
+                now = held_by.get(h, 1) | gbit
+                if now != 1:
+                    held_by[h] = now
+        if added:
+            self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) + added
+
+    def _remove_grouped(self, wid: int, hashes: Iterable[int], gbit: int) -> None:
+        held_by = self.groups[wid]
+        bit = self._bit(wid)
+        blocks = self.blocks
+        removed = 0
+        for h in hashes:
+            m = blocks.get(h, 0)
+            groups = held_by.get(h, 1)
+            if not (m & bit and groups & gbit):
+                continue
+            groups ^= gbit
+            if groups:  # another group of this worker still holds it
+                if groups == 1:
+                    del held_by[h]
+                else:
+                    held_by[h] = groups
+                continue
+            held_by.pop(h, None)
+            self._drop(h, m ^ bit)
+            removed += 1
+        if removed:
+            self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) - removed
+
+    def restore(self, hashes: list[int], masks: list[int], worker_blocks: dict[int, int],
+                groups: dict[int, dict[int, int]] | None = None) -> None:
         """Adopt a loaded table; single-bit masks become the shared objects (a C-level map, no loop)."""
         self._bit(max(max(worker_blocks, default=0), 0))
         shared = {b: b for b in self._bits}
         self.blocks = dict(zip(hashes, map(shared.get, masks, masks)))
         self.worker_blocks = dict(worker_blocks)
+        self.groups = {wid: dict(held_by) for wid, held_by in (groups or {}).items()}
 
     def clear(self, wid: int) -> int:
         """Drop every block of one worker; returns how many it held."""
+        self.groups.pop(wid, None)
         held = self.worker_blocks.pop(wid, 0)
         if not held:
             return 0
         bit = self._bit(wid)
-        blocks = self.blocks
-        bits = self._bits
-        touched = [(h, m) for h, m in blocks.items() if m & bit]
-        for h, m in touched:
-            m ^= bit
-            if m:
-                blocks[h] = bits[m.bit_length() - 1] if m & (m - 1) == 0 else m
-            else:
-                del blocks[h]
+        for h, m in [(h, m) for h, m in self.blocks.items() if m & bit]:
+            self._drop(h, m ^ bit)
         return held
 
     def __len__(self) -> int:

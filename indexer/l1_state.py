@@ -136,12 +136,12 @@ class L1State:
             if kind == "stored":
                 if wid is None:
                     wid = self.workers.intern(*key)
-                self.index.store(wid, ev["hashes"])
+                self.index.store(wid, ev["hashes"], ev.get("group_idx"))
                 self.stats.block_events += len(ev["hashes"])
             elif kind == "removed":
                 w = self.workers.get(*key)
                 if w is not None:
-                    self.index.remove(w, ev["hashes"])
+                    self.index.remove(w, ev["hashes"], ev.get("group_idx"))
                 self.stats.block_events += len(ev["hashes"])
             elif kind == "cleared":
                 self._clear(key)

@@ -107,6 +107,19 @@ async def test_cpu_and_storage_media_do_not_feed_l1_but_stay_in_the_stream(stack
     assert "CPU" in media and "STORAGE" in media
 
 
+async def test_hybrid_model_keeps_blocks_its_sliding_window_group_evicted(stack):
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:8]), stored(CHAIN[:8], group_idx=1, spec_kind="sliding_window")])
+    await until_ratio(stack, POD, 1.0)
+    await eng.publish([removed(CHAIN[:6], group_idx=1)])  # outside the window: evicted from group 1 only
+    # a marker, so the wait below sees the batch before applied: evicted from both groups
+    await eng.publish([removed([CHAIN[7]], group_idx=1), removed([CHAIN[7]])])
+    await until_ratio(stack, POD, 7 / 8)
+    await eng.publish([removed([CHAIN[3]])])  # evicted from the full-attention group as well
+    await until_ratio(stack, POD, 3 / 8)
+
+
 async def test_two_data_parallel_ranks_best_rank_wins(stack):
     r0 = stack.engine(POD, dp_rank=0)
     r1 = stack.engine(POD, dp_rank=1)

@@ -118,3 +118,44 @@ def test_index_matches_a_model_of_sets(ops):
         assert {h for h, m in idx.blocks.items() if m >> wid & 1} == hs
         assert idx.worker_blocks.get(wid, 0) == len(hs)
     assert all(m for m in idx.blocks.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["s", "r", "c"]), st.integers(0, 2), st.sampled_from([None, 0, 1, 2]),
+                          st.lists(st.integers(0, 12), max_size=5)), max_size=50))
+def test_a_block_is_held_while_any_of_the_workers_kv_cache_groups_holds_it(ops):
+    idx = BlockIndex()
+    model = {w: {} for w in range(3)}  # worker -> block -> groups holding it
+    for op, wid, group, hashes in ops:
+        g = group or 0
+        if op == "s":
+            idx.store(wid, hashes, group)
+            for h in hashes:
+                model[wid].setdefault(h, set()).add(g)
+        elif op == "r":
+            idx.remove(wid, hashes, group)
+            for h in hashes:
+                if g in model[wid].get(h, ()):
+                    model[wid][h].discard(g)
+                    if not model[wid][h]:
+                        del model[wid][h]
+        else:
+            idx.clear(wid)
+            model[wid] = {}
+    for wid, held_by in model.items():
+        assert {h for h, m in idx.blocks.items() if m >> wid & 1} == set(held_by)
+        assert idx.worker_blocks.get(wid, 0) == len(held_by)
+        assert {h: {g for g in range(3) if gm >> g & 1} for h, gm in idx.groups.get(wid, {}).items()} == \
+            {h: gs for h, gs in held_by.items() if gs != {0}}, "only entries not held by group 0 alone are recorded"
+    assert all(m for m in idx.blocks.values())
+
+
+def test_hybrid_model_sliding_window_eviction_keeps_the_full_attention_blocks():
+    s = L1State()
+    s.apply(batch(0, [dict(stored(1, 2, 3), group_idx=0), dict(stored(1, 2, 3), group_idx=1)]))
+    s.apply(batch(1, [dict(removed(1, 2), group_idx=1)]))  # the sliding-window group evicts early blocks
+    assert held(s) == {1, 2, 3}
+    s.apply(batch(2, [dict(removed(1), group_idx=0)]))
+    assert held(s) == {2, 3}
+    s.apply(batch(3, [{"kind": "cleared", "medium": None}]))
+    assert held(s) == set() and not s.index.groups

@@ -19,13 +19,15 @@ def state_with(n_blocks: int, seed: int) -> L1State:
     st = L1State()
     for pod in range(3):
         hashes = [rng.getrandbits(64) for _ in range(n_blocks)]
-        st.apply({"type": "batch", "pod": f"127.0.0.{pod + 1}", "rank": 0, "gen": 0, "seq": 0,
-                  "events": [{"kind": "stored", "hashes": hashes}]})
+        events = [{"kind": "stored", "hashes": hashes}]
+        if pod == 2:  # a hybrid model: a second KV-cache group holding part of the blocks
+            events.append({"kind": "stored", "hashes": hashes[: n_blocks // 2], "group_idx": 1})
+        st.apply({"type": "batch", "pod": f"127.0.0.{pod + 1}", "rank": 0, "gen": 0, "seq": 0, "events": events})
     return st
 
 
-def contents(st: L1State) -> dict[int, int]:
-    return dict(st.index.blocks)
+def contents(st: L1State) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
+    return dict(st.index.blocks), st.index.groups
 
 
 @pytest.fixture
@@ -48,6 +50,7 @@ async def test_round_trip_through_the_object_store(js, buckets):
     assert not await store.save(encode_l1(st, 41), 41), "an older snapshot never replaces a newer one"
     loaded, seq = await store.load()
     assert seq == 42 and contents(loaded) == contents(st)
+    assert len(loaded.index.groups[loaded.workers.get("127.0.0.3", 0)]) == 50_000
 
 
 async def test_a_snapshot_whose_chunks_vanished_is_given_up_within_the_bound(js, buckets):

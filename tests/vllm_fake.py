@@ -23,15 +23,15 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def stored(hashes: list[int], parent: int | None = None, medium: str | None = "GPU", block_size: int = 16,
-           lora_name: str | None = None) -> dict:
+           lora_name: str | None = None, group_idx: int = 0, spec_kind: str = "full_attention") -> dict:
     return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
             "token_ids": list(range(block_size * len(hashes))), "block_size": block_size, "lora_id": None,
-            "medium": medium, "lora_name": lora_name, "extra_keys": [None] * len(hashes), "group_idx": 0,
-            "kv_cache_spec_kind": "full_attention"}
+            "medium": medium, "lora_name": lora_name, "extra_keys": [None] * len(hashes), "group_idx": group_idx,
+            "kv_cache_spec_kind": spec_kind}
 
 
-def removed(hashes: list[int], medium: str | None = "GPU") -> dict:
-    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium, "group_idx": 0}
+def removed(hashes: list[int], medium: str | None = "GPU", group_idx: int = 0) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium, "group_idx": group_idx}
 
 
 def cleared() -> dict:
