@@ -3,14 +3,67 @@
  * (parent_digest, tuple(tokens), None) exactly as cbor2 (canonical) or pickle protocol 5 does and
  * feeds it to the digest function, for a run of consecutive blocks in one call.
  *
- * The digest itself is Python's (hashlib.sha256 or xxhash.xxh3_128_digest), so this module only
- * removes the per-token cost of the Python-level encoders. block_hash.py falls back to the pure
- * Python path when this module is not built; tests check both produce identical bytes.
+ * The digest is Python's (hashlib.sha256 or xxhash.xxh3_128_digest), except that on Linux sha256 is
+ * computed with the libcrypto that hashlib itself uses, resolved with dlopen (no OpenSSL headers
+ * needed to build) and checked against a known digest at import: per block that saves a bytes
+ * object, a hashlib object, a method call and OpenSSL's per-context set-up, which at block size 128
+ * cost more than the hash. block_hash.py falls back to the pure Python path when this module is not
+ * built; tests check every path produces identical bytes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__linux__)
+#include <dlfcn.h>
+#endif
+
+/* -- sha256 straight from libcrypto -------------------------------------------------------------- */
+typedef int (*digest_init_fn)(void *ctx, const void *md, void *engine);
+typedef int (*digest_update_fn)(void *ctx, const void *data, size_t n);
+typedef int (*digest_final_fn)(void *ctx, unsigned char *out, unsigned int *n);
+static struct {
+    const void *md;
+    void *ctx; /* one context, reused: chain() holds the GIL throughout */
+    digest_init_fn init;
+    digest_update_fn update;
+    digest_final_fn final;
+    int enabled;
+} ossl;
+
+static int native_sha256(const unsigned char *data, size_t n, unsigned char out[32]) {
+    unsigned int len = 0;
+    return ossl.init(ossl.ctx, ossl.md, NULL) == 1 && ossl.update(ossl.ctx, data, n) == 1 &&
+           ossl.final(ossl.ctx, out, &len) == 1 && len == 32;
+}
+
+static void load_libcrypto(void) {
+#if defined(__linux__)
+    static const char *names[] = {"libcrypto.so.3", "libcrypto.so.1.1", "libcrypto.so", NULL};
+    void *h = NULL;
+    for (int i = 0; names[i] && !h; i++) h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!h) return;
+    typedef void *(*fetch_fn)(void *, const char *, const char *);
+    typedef const void *(*legacy_md_fn)(void);
+    typedef void *(*ctx_new_fn)(void);
+    fetch_fn fetch = (fetch_fn)dlsym(h, "EVP_MD_fetch");     /* OpenSSL 3: fetched once, not per init */
+    legacy_md_fn sha256 = (legacy_md_fn)dlsym(h, "EVP_sha256"); /* OpenSSL 1.1 */
+    ctx_new_fn ctx_new = (ctx_new_fn)dlsym(h, "EVP_MD_CTX_new");
+    ossl.init = (digest_init_fn)dlsym(h, "EVP_DigestInit_ex");
+    ossl.update = (digest_update_fn)dlsym(h, "EVP_DigestUpdate");
+    ossl.final = (digest_final_fn)dlsym(h, "EVP_DigestFinal_ex");
+    ossl.md = fetch ? fetch(NULL, "SHA256", NULL) : NULL;
+    if (!ossl.md && sha256) ossl.md = sha256();
+    if (!ossl.md || !ctx_new || !ossl.init || !ossl.update || !ossl.final) return;
+    ossl.ctx = ctx_new();
+    if (!ossl.ctx) return;
+    static const unsigned char abc[32] = {
+        0xba, 0x78, 0x16, 0xbf, 0x8f, 0x01, 0xcf, 0xea, 0x41, 0x41, 0x40, 0xde, 0x5d, 0xae, 0x22, 0x23,
+        0xb0, 0x03, 0x61, 0xa3, 0x96, 0x17, 0x7a, 0x9c, 0xb4, 0x10, 0xff, 0x61, 0xf2, 0x00, 0x15, 0xad};
+    unsigned char out[32];
+    ossl.enabled = native_sha256((const unsigned char *)"abc", 3, out) && memcmp(out, abc, 32) == 0;
+#endif
+}
 
 typedef struct {
     unsigned char *buf;
@@ -60,6 +113,45 @@ static void cbor_head(Buf *b, unsigned char major, uint64_t v) {
     }
 }
 
+/* Branch-free encoders for one non-negative token: token ids are random enough that the length
+ * branches of the plain encoders mispredict about every other token, which cost more than the hash.
+ * Each writes up to 9 bytes past w (the callers reserve 10 per token) and returns the new end. */
+static inline uint64_t to_big_endian(uint64_t v) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return v;
+#else
+    return __builtin_bswap64(v);
+#endif
+}
+
+static inline uint64_t to_little_endian(uint64_t v) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return __builtin_bswap64(v);
+#else
+    return v;
+#endif
+}
+
+static inline unsigned char *cbor_uint(unsigned char *w, uint64_t v) {
+    static const unsigned char nbytes[5] = {0, 1, 2, 4, 8};
+    unsigned c = (v >= 24) + (v >= 0x100) + (v >= 0x10000) + (v >= 0x100000000ULL);
+    unsigned n = nbytes[c];
+    w[0] = c ? (unsigned char)(23 + c) : (unsigned char)v; /* 24..27 = 1, 2, 4, 8 bytes follow */
+    uint64_t be = to_big_endian(n ? v << (64 - 8 * n) : 0);
+    memcpy(w + 1, &be, 8);
+    return w + 1 + n;
+}
+
+/* pickle BININT1 'K' / BININT2 'M' / BININT 'J' for 0 <= v <= 2**31-1 (the caller checks the bound). */
+static inline unsigned char *pickle_uint31(unsigned char *w, uint64_t v) {
+    static const unsigned char op[3] = {'K', 'M', 'J'}, nbytes[3] = {1, 2, 4};
+    unsigned c = (v >= 0x100) + (v >= 0x10000);
+    w[0] = op[c];
+    uint64_t le = to_little_endian(v);
+    memcpy(w + 1, &le, 8);
+    return w + 1 + nbytes[c];
+}
+
 /* One token as CBOR; -1 with an exception for values outside 64-bit (left to the Python path). */
 static int cbor_int(Buf *b, PyObject *o) {
     int overflow = 0;
@@ -82,9 +174,8 @@ static int pickle_int(Buf *b, PyObject *o) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "token id out of range");
         return -1;
     }
-    if (v >= 0 && v < 0x100) { put1(b, 'K'); put1(b, (unsigned char)v); }
-    else if (v >= 0 && v < 0x10000) { put1(b, 'M'); put1(b, (unsigned char)v); put1(b, (unsigned char)(v >> 8)); }
-    else if (v >= -2147483648LL && v <= 2147483647LL) {
+    if (v >= 0 && v <= 2147483647LL) b->len = pickle_uint31(b->buf + b->len, (uint64_t)v) - b->buf;
+    else if (v >= -2147483648LL && v < 0) {
         uint32_t u = (uint32_t)(int32_t)v;
         put1(b, 'J');
         for (int s = 0; s < 32; s += 8) put1(b, (unsigned char)(u >> s));
@@ -146,7 +237,9 @@ static PyObject *chain(PyObject *self, PyObject *args) {
             cbor_head(&b, 0x40, (uint64_t)plen);
             put(&b, PyBytes_AS_STRING(parent), plen);
             cbor_head(&b, 0x80, (uint64_t)bs);
-            for (Py_ssize_t i = 0; i < bs; i++) cbor_head(&b, 0x00, utok[i]);
+            unsigned char *w = b.buf + b.len; /* a local cursor: the compiler keeps it in a register */
+            for (Py_ssize_t i = 0; i < bs; i++) w = cbor_uint(w, utok[i]);
+            b.len = w - b.buf;
             put1(&b, 0xf6);
         } else if (cbor) {
             put1(&b, 0x83);
@@ -158,17 +251,7 @@ static PyObject *chain(PyObject *self, PyObject *args) {
                 int overflow = 0;
                 long long v;
                 if (!small_long(tok[i], &v)) v = PyLong_AsLongLongAndOverflow(tok[i], &overflow);
-                if (v >= 0 && v < 24 && !overflow) { *w++ = (unsigned char)v; continue; }
-                if (v >= 24 && v < 0x10000) {
-                    if (v < 0x100) { *w++ = 24; *w++ = (unsigned char)v; }
-                    else { *w++ = 25; *w++ = (unsigned char)(v >> 8); *w++ = (unsigned char)v; }
-                    continue;
-                }
-                if (v >= 0x10000 && v < 0x100000000LL) {
-                    *w++ = 26; *w++ = (unsigned char)(v >> 24); *w++ = (unsigned char)(v >> 16);
-                    *w++ = (unsigned char)(v >> 8); *w++ = (unsigned char)v;
-                    continue;
-                }
+                if (v >= 0 && !overflow) { w = cbor_uint(w, (uint64_t)v); continue; }
                 if (overflow || (v == -1 && PyErr_Occurred())) {
                     if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "token id out of range");
                     goto fail;
@@ -191,16 +274,11 @@ static PyObject *chain(PyObject *self, PyObject *args) {
             if (bs > 3) put1(&b, '(');
             for (Py_ssize_t i = 0; i < bs; i++) {
                 if (utok) {
-                    uint64_t v = utok[i];
-                    if (v < 0x100) { put1(&b, 'K'); put1(&b, (unsigned char)v); }
-                    else if (v < 0x10000) { put1(&b, 'M'); put1(&b, (unsigned char)v); put1(&b, (unsigned char)(v >> 8)); }
-                    else if (v <= 2147483647ULL) {
-                        put1(&b, 'J');
-                        for (int s = 0; s < 32; s += 8) put1(&b, (unsigned char)(v >> s));
-                    } else {
+                    if (utok[i] > 2147483647ULL) {
                         PyErr_SetString(PyExc_OverflowError, "token id needs LONG1; left to the Python path");
                         goto fail;
                     }
+                    b.len = pickle_uint31(b.buf + b.len, utok[i]) - b.buf;
                 } else if (pickle_int(&b, tok[i]) < 0) goto fail;
             }
             if (bs > 3) put1(&b, 't');
@@ -210,9 +288,19 @@ static PyObject *chain(PyObject *self, PyObject *args) {
             uint64_t flen = (uint64_t)(b.len - frame_at - 8); /* everything after the length, STOP included */
             for (int s = 0; s < 8; s++) b.buf[frame_at + s] = (unsigned char)(flen >> (8 * s));
         }
+        PyObject *digest;
+        if (sha_mode && ossl.enabled) {
+            unsigned char out[32];
+            if (!native_sha256(b.buf, (size_t)b.len, out)) {
+                PyErr_SetString(PyExc_RuntimeError, "libcrypto sha256 failed");
+                goto fail;
+            }
+            digest = PyBytes_FromStringAndSize((const char *)out, 32);
+            if (!digest) goto fail;
+            goto have_digest;
+        }
         PyObject *data = PyBytes_FromStringAndSize((const char *)b.buf, b.len);
         if (!data) goto fail;
-        PyObject *digest;
         if (sha_mode) {
             PyObject *h = PyObject_CallOneArg(digest_fn, data);
             Py_DECREF(data);
@@ -224,6 +312,7 @@ static PyObject *chain(PyObject *self, PyObject *args) {
             Py_DECREF(data);
         }
         if (!digest) goto fail;
+    have_digest:
         if (!PyBytes_Check(digest)) {
             Py_DECREF(digest);
             PyErr_SetString(PyExc_TypeError, "digest function must return bytes");
@@ -309,7 +398,21 @@ done:
     }
 }
 
+/* native_sha256([enable]) -> whether sha256 runs in libcrypto directly; enable=False turns it off
+ * (for comparisons), True back on where it loaded. */
+static PyObject *native_sha256_switch(PyObject *self, PyObject *args) {
+    int enable = -1;
+    if (!PyArg_ParseTuple(args, "|p", &enable)) return NULL;
+    if (enable == 0) ossl.enabled = 0;
+    else if (enable == 1 && ossl.ctx) {
+        unsigned char out[32];
+        ossl.enabled = native_sha256((const unsigned char *)"", 0, out);
+    }
+    return PyBool_FromLong(ossl.enabled);
+}
+
 static PyMethodDef methods[] = {
+    {"native_sha256", native_sha256_switch, METH_VARARGS, "Whether sha256 runs in libcrypto directly; can switch it."},
     {"chain", chain, METH_VARARGS, "Digests of consecutive blocks without extra keys."},
     {"parse_token_array", parse_token_array, METH_O, "JSON array of non-negative ints -> native uint64 bytes."},
     {NULL, NULL, 0, NULL},
@@ -317,4 +420,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_blockhash", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__blockhash(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__blockhash(void) {
+    load_libcrypto();
+    return PyModule_Create(&module);
+}

@@ -114,6 +114,43 @@ def test_accelerator_is_built_and_exact_on_long_chains(algo):
         assert fast.block_hashes(tokens, bs) == slow.block_hashes(tokens, bs) == _reference_chain(slow, tokens, bs, None)
 
 
+BOUNDARIES = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=st.lists(st.one_of(st.sampled_from(BOUNDARIES), st.integers(0, 2**64 - 1), st.integers(0, 200_000)),
+                       max_size=90),
+       bs=st.sampled_from([1, 2, 5, 16]), algo=st.sampled_from(["sha256_cbor", "sha256"]), native=st.booleans())
+def test_token_array_and_native_sha256_paths_equal_the_reference(tokens, bs, algo, native):
+    """The API hands the hasher an array('Q') (parsed from JSON in C); the encoders for it and libcrypto's
+    sha256 (on Linux) must give exactly the reference bytes, token values at every encoding boundary."""
+    from array import array
+
+    from indexer import block_hash
+
+    accel = block_hash._blockhash
+    if accel is None:
+        pytest.skip("the C accelerator is not built")
+    was = accel.native_sha256()
+    try:
+        accel.native_sha256(native)
+        h = BlockHasher(algo, "0")
+        expected = _reference_chain(BlockHasher(algo, "0", accelerate=False), tokens, bs, None)
+        assert h.block_hashes(array("Q", tokens), bs) == h.block_hashes(tokens, bs) == expected
+    finally:
+        accel.native_sha256(was)
+
+
+def test_native_sha256_is_active_on_linux():
+    import sys
+
+    from indexer import block_hash
+
+    if not sys.platform.startswith("linux") or block_hash._blockhash is None:
+        pytest.skip("libcrypto is used directly on Linux only")
+    assert block_hash._blockhash.native_sha256(), "libcrypto was not found: sha256 falls back to hashlib (slower)"
+
+
 @settings(max_examples=100, deadline=None)
 @given(tokens=tokens_st, bs=st.integers(1, 9), cut=st.integers(0, 80))
 def test_chain_is_prefix_stable(tokens, bs, cut):
