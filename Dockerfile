@@ -18,6 +18,7 @@ ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl \
  && rm -rf /wheels \
+ && python -c "import indexer._blockhash" \
  && groupadd --system --gid 10001 cache-indexer \
  && useradd --system --uid 10001 --gid 10001 --no-create-home cache-indexer
 USER 10001:10001
