@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from cache_indexer.metrics import Metrics
+from cache_indexer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,7 @@ class JetStreamPublisher:
 
     async def close(self) -> None:
         if self._watchdog:
-            self._watchdog.cancel()
-            await asyncio.gather(self._watchdog, return_exceptions=True)
+            await cancel_and_wait(self._watchdog)
             self._watchdog = None
         for rec in self._pending.values():
             if rec.future and not rec.future.done():

@@ -21,6 +21,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from bridge.mooncake_poller import MasterTarget
 from bridge.vllm_subscriber import Endpoint
+from cache_indexer.tasks import cancel_and_wait
 from schemas.config import DiscoveryConfig, MooncakeDiscoveryConfig, VllmDiscoveryConfig
 
 log = logging.getLogger(__name__)
@@ -116,8 +117,7 @@ class KubernetesDiscovery:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         if self._api_client is not None:
             await self._api_client.close()
 

@@ -22,6 +22,7 @@ import aiohttp
 from bridge.mooncake_keys import KeyParser
 from bridge.mooncake_master import MasterClient, MasterError, endpoint_host
 from cache_indexer.metrics import Metrics
+from cache_indexer.tasks import cancel_and_wait
 from schemas.config import L3IngestConfig
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,7 @@ class MooncakePoller:
 
     async def stop(self, reset: bool = False) -> None:
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         if reset:  # the master is gone: its entries can no longer be vouched for
             await self.sink.full(self.target.name, {})
 

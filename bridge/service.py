@@ -23,14 +23,15 @@ import zmq.asyncio
 
 from bridge.jetstream_publisher import JetStreamPublisher
 from bridge.k8s_discovery import KubernetesDiscovery, master_targets
+from bridge.l1_publisher import L1Publisher
 from bridge.l3_publisher import L3Publisher
 from bridge.mooncake_poller import MasterTarget, MooncakePoller
-from cache_indexer.lease import Lease
-from bridge.l1_publisher import L1Publisher
 from bridge.static_targets import StaticTargets
 from bridge.vllm_subscriber import Endpoint, VllmSubscriber
+from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
 from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream
+from cache_indexer.tasks import cancel_and_wait
 from schemas.config import Config
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,7 @@ class Bridge:
     async def _stop_sources(self) -> None:
         """Stop discovering and subscribing, without declaring any pod removed (standby)."""
         if self._watch_task:
-            self._watch_task.cancel()
-            await asyncio.gather(self._watch_task, return_exceptions=True)
+            await cancel_and_wait(self._watch_task)
             self._watch_task = None
         for d in (self.discovery, self.master_discovery):
             if d:
@@ -172,8 +172,7 @@ class Bridge:
 
     async def stop(self) -> None:
         if self._lease_task:
-            self._lease_task.cancel()
-            await asyncio.gather(self._lease_task, return_exceptions=True)
+            await cancel_and_wait(self._lease_task)
         await self._stop_sources()
         if self.lease:
             await self.lease.stop()

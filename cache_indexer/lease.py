@@ -13,6 +13,8 @@ import logging
 
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
+from cache_indexer.tasks import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 
@@ -39,8 +41,7 @@ class Lease:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         if self.is_leader:
             try:  # hand over at once instead of after the TTL
                 kv = await self.js.key_value(self.bucket)

@@ -26,6 +26,7 @@ from nats.js import api
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
 from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream
+from cache_indexer.tasks import cancel_and_wait
 from indexer.l1_state import L1State
 from indexer.l3_state import L3State
 from indexer.snapshot import SnapshotStore, encode_l1
@@ -193,13 +194,17 @@ class Indexer:
         self._last_snapshot_seq, self._last_snapshot_time = seq, time.monotonic()
         if not saved:
             return False
-        self.snapshots_written += 1
-        self.metrics.snapshot_writes.inc()
         log.info("snapshot at stream seq %d: %.1f MB in %.2fs", seq, len(blob) / 1e6, time.perf_counter() - t)
         if self.cfg.snapshot.purge:
             upto = seq + 1 - self.cfg.snapshot.purgeKeep
             if upto > 1:
-                await self.js.purge_stream(self._stream, seq=upto)
+                try:  # the snapshot stands either way; the next one purges further
+                    await self.js.purge_stream(self._stream, seq=upto)
+                except Exception as exc:
+                    log.warning("compacting stream %s up to %d failed: %s", self._stream, upto, exc)
+        # counted once the compaction behind it is done too (tests and tools wait on this)
+        self.snapshots_written += 1
+        self.metrics.snapshot_writes.inc()
         return True
 
     async def _snapshot_loop(self) -> None:
@@ -247,9 +252,7 @@ class Indexer:
         await asyncio.wait_for(_wait(), timeout)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         if self.lease is not None:
             await self.lease.stop()
         for sub in (self._sub, self._l3_sub):
