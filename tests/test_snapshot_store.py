@@ -53,23 +53,25 @@ async def test_round_trip_through_the_object_store(js, buckets):
     assert len(loaded.index.groups[loaded.workers.get("127.0.0.3", 0)]) == 50_000
 
 
+async def save_without_chunks(js, store: SnapshotStore, st: L1State, seq: int) -> None:
+    """A snapshot whose object metadata stands but whose chunks are gone: what a concurrent prune leaves
+    between a reader's get_info and its first chunk."""
+    assert await store.save(encode_l1(st, seq), seq)
+    obs, _ = await store._stores()
+    info = await obs.get_info(f"l1-{seq:012d}")
+    await js.purge_stream(f"OBJ_{store.bucket}", subject=f"$O.{store.bucket}.C.{info.nuid}")
+
+
 async def test_a_snapshot_whose_chunks_vanished_is_given_up_within_the_bound(js, buckets):
     store = SnapshotStore(js, *buckets, chunk_timeout=0.3, load_attempts=3)
-    assert await store.save(encode_l1(state_with(50_000, 2), 7), 7)
-    obs, _ = await store._stores()
-    info = await obs.get_info("l1-000000000007")
-    # what a concurrent prune does between the reader's get_info and its first chunk
-    await js.purge_stream(f"OBJ_{buckets[0]}", subject=f"$O.{buckets[0]}.C.{info.nuid}")
+    await save_without_chunks(js, store, state_with(50_000, 2), 7)
     assert await asyncio.wait_for(store.load(), 10) is None
     assert store.failed_loads == 3
 
 
 async def test_a_reader_whose_snapshot_vanished_retries_with_the_newer_one(js, buckets):
     store = SnapshotStore(js, *buckets, chunk_timeout=0.3, load_attempts=50)
-    assert await store.save(encode_l1(state_with(1000, 3), 7), 7)
-    obs, _ = await store._stores()
-    info = await obs.get_info("l1-000000000007")
-    await js.purge_stream(f"OBJ_{buckets[0]}", subject=f"$O.{buckets[0]}.C.{info.nuid}")
+    await save_without_chunks(js, store, state_with(1000, 3), 7)
     loading = asyncio.create_task(store.load())
     await wait_for(lambda: store.failed_loads >= 1, 10, "the first read to give up")
     newer = state_with(1000, 4)
