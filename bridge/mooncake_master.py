@@ -69,21 +69,23 @@ def parse_batch_query(body: bytes) -> dict[str, set[str] | None]:
 
 class MasterClient:
     def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout: float, batch_keys: int = 500,
-                 concurrency: int = 4) -> None:
+                 concurrency: int = 4, segments_timeout: float | None = None) -> None:
         self.base = base_url.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout)
+        #: discovery.segmentsFetchTimeout: the segment list is small, so a master slow to give it is unwell
+        self.segments_timeout = aiohttp.ClientTimeout(total=segments_timeout) if segments_timeout else self.timeout
         self.batch_keys = batch_keys
         self.sem = asyncio.Semaphore(concurrency)
         self.batch_supported: bool | None = None
 
-    async def _get(self, path: str) -> tuple[int, str, bytes]:
+    async def _get(self, path: str, timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, str, bytes]:
         async with self.sem:
-            async with self.session.get(URL(self.base + path, encoded=True), timeout=self.timeout) as r:
+            async with self.session.get(URL(self.base + path, encoded=True), timeout=timeout or self.timeout) as r:
                 return r.status, r.headers.get("Content-Type", ""), await r.read()
 
-    async def _lines(self, path: str) -> list[str]:
-        status, _, body = await self._get(path)
+    async def _lines(self, path: str, timeout: aiohttp.ClientTimeout | None = None) -> list[str]:
+        status, _, body = await self._get(path, timeout)
         if status != 200:
             raise MasterError(f"{path}: HTTP {status}")
         return [line for line in body.decode("utf-8", "replace").split("\n") if line]
@@ -92,7 +94,7 @@ class MasterClient:
         return await self._lines("/get_all_keys")
 
     async def segments(self) -> list[str]:
-        return await self._lines("/get_all_segments")
+        return await self._lines("/get_all_segments", self.segments_timeout)
 
     async def locate(self, keys: list[str]) -> dict[str, set[str] | None]:
         """Hosts of each key's memory replicas (None: the key is gone)."""

@@ -1,8 +1,9 @@
 """Polls one Mooncake Master and publishes what changed in L3 as (block hash, pod) pairs.
 
 Each poll lists the keys, asks where only the keys that are new since the last poll live (so the work
-grows with the change, apart from the key listing itself, which the API offers only whole), and
-drops replicas on segments the master no longer lists. Pairs are reference-counted (several keys,
+grows with the change, apart from the key listing itself, which the API offers only whole). A replica
+counts while its segment is mounted: replicas on a segment the master stops listing are dropped, and
+come back, without asking the master again, when it lists the segment again. Pairs are reference-counted (several keys,
 e.g. the TP ranks of one block, map to the same pair), so only 0 <-> 1 transitions are published:
 ``l3_diff`` messages, and every ``fullStateEvery`` polls an ``l3_full`` with ``Nats-Rollup: sub`` that
 compacts the master's subject to one message. A failed poll (timeout, HTTP error, malformed body) is
@@ -36,14 +37,16 @@ class MasterTarget:
 
 class MooncakePoller:
     def __init__(self, target: MasterTarget, cfg: L3IngestConfig, sink, metrics: Metrics,
-                 session: aiohttp.ClientSession) -> None:
+                 session: aiohttp.ClientSession, segments_timeout: float | None = None) -> None:
         self.target = target
         self.cfg = cfg
         self.sink = sink
         self.metrics = metrics
-        self.client = MasterClient(target.url, session, cfg.httpTimeout, cfg.batchKeys, cfg.concurrency)
+        self.client = MasterClient(target.url, session, cfg.httpTimeout, cfg.batchKeys, cfg.concurrency,
+                                   segments_timeout=segments_timeout)
         self.parser = KeyParser(cfg.keyFormats, cfg.extraKeyPatterns)
-        self.key_hosts: dict[str, set[str]] = {}  # key -> hosts holding it (live segments only)
+        self.key_hosts: dict[str, set[str]] = {}  # key -> hosts of its replicas, live segments or not
+        self.live_hosts: set[str] = set()  # hosts with a mounted segment at the last poll
         self.key_hash: dict[str, int] = {}
         self.pairs: Counter[tuple[str, int]] = Counter()
         self.ignored: set[str] = set()  # keys without a usable block hash (counted once)
@@ -94,20 +97,23 @@ class MooncakePoller:
                 removed.setdefault(host, []).append(h)
 
         for key in [k for k in self.key_hosts if k not in listed]:
-            for host in self.key_hosts.pop(key):
+            for host in self.key_hosts.pop(key) & self.live_hosts:
                 drop(host, self.key_hash[key])
             del self.key_hash[key]
-        for key, hosts in self.key_hosts.items():  # replicas on segments that went away
-            for host in [h for h in hosts if h not in live_hosts]:
-                hosts.discard(host)
-                drop(host, self.key_hash[key])
+        if live_hosts != self.live_hosts:  # segments unmounted or (re)mounted: known keys follow them
+            gone, back = self.live_hosts - live_hosts, live_hosts - self.live_hosts
+            for key, hosts in self.key_hosts.items():
+                for host in hosts & gone:
+                    drop(host, self.key_hash[key])
+                for host in hosts & back:
+                    add(host, self.key_hash[key])
+        self.live_hosts = live_hosts
         for key, hosts in located.items():
             if hosts is None:
                 continue  # vanished between listing and locating: the next poll sees it gone
             h = self.key_hash[key]
-            live = {host for host in hosts if host in live_hosts}
-            self.key_hosts[key] = live
-            for host in live:
+            self.key_hosts[key] = hosts
+            for host in hosts & live_hosts:
                 add(host, h)
         for key in new:  # parsed but no longer there: forget the hash
             if key not in self.key_hosts:

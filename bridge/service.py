@@ -165,7 +165,8 @@ class Bridge:
             log.info("stopped polling mooncake master %s", target.name)
         for target in masters:
             if target not in self.pollers:
-                poller = MooncakePoller(target, self.cfg.ingest.l3, self.l3, self.metrics, self._http)
+                poller = MooncakePoller(target, self.cfg.ingest.l3, self.l3, self.metrics, self._http,
+                                        segments_timeout=self.cfg.discovery.segmentsFetchTimeout)
                 poller.start()
                 self.pollers[target] = poller
                 log.info("polling mooncake master %s at %s", target.name, target.url)

@@ -109,6 +109,8 @@ class DiscoveryConfig(_Section):
     mode: Literal["static", "kubernetes"] = "static"
     namespace: str = ""
     refreshInterval: Duration = 30.0
+    #: Bound on a Mooncake master's /get_all_segments (which segments, i.e. pods, are live).
+    segmentsFetchTimeout: Duration = 3.0
     static: StaticDiscoveryConfig = StaticDiscoveryConfig()
     vllm: VllmDiscoveryConfig = VllmDiscoveryConfig()
     mooncakeMaster: MooncakeDiscoveryConfig = MooncakeDiscoveryConfig()

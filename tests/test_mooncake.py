@@ -111,6 +111,7 @@ class FakeMaster:
         self.keys: dict[str, list[str]] = {}  # key -> transport endpoints
         self.segments: list[str] = []
         self.fault: str | None = None
+        self.segments_delay = 0.0
         self.batch_calls = 0
         self.batch_keys_asked = 0
 
@@ -128,7 +129,7 @@ class FakeMaster:
 
     async def _faulty(self):
         if self.fault == "timeout":
-            await asyncio.sleep(5)
+            await asyncio.sleep(1.5)  # past the poller's httpTimeout of 1 s
         if self.fault == "503":
             return web.Response(status=503, text="503 Service Unavailable")
         return None
@@ -138,6 +139,7 @@ class FakeMaster:
                                                     content_type="text/plain")
 
     async def all_segments(self, request):
+        await asyncio.sleep(self.segments_delay)
         return await self._faulty() or web.Response(text="".join(s + "\n" for s in self.segments),
                                                     content_type="text/plain")
 
@@ -211,6 +213,40 @@ async def test_poller_diffs_refcounts_and_segments(poller):
     await p.poll()
     assert sink.held("127.0.0.2") == set()
     assert metrics.l3_unparsed_keys._value.get() == 1  # counted once, not per poll
+
+
+async def test_replicas_follow_their_segment_out_and_back_without_asking_again(poller):
+    master, p, sink, _ = poller
+    master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
+    master.keys = {key(1): ["127.0.0.2:16001", "127.0.0.3:16002"], key(2): ["127.0.0.3:16002"]}
+    await p.poll()
+    asked = master.batch_keys_asked
+    master.segments = ["127.0.0.2:12001"]  # pod .3's client re-registers: its segment is briefly gone
+    await p.poll()
+    assert sink.held("127.0.0.2") == {1} and sink.held("127.0.0.3") == set()
+    master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
+    await p.poll()
+    assert sink.held("127.0.0.3") == {1, 2}, "the replicas count again once the segment is back"
+    assert master.batch_keys_asked == asked, "known keys were not located again"
+    del master.keys[key(1)]
+    await p.poll()
+    assert sink.held("127.0.0.2") == set() and sink.held("127.0.0.3") == {2}
+
+
+async def test_a_slow_segment_list_fails_the_poll_at_segments_fetch_timeout():
+    master = await FakeMaster().start()
+    master.segments = ["127.0.0.2:12001"]
+    master.keys = {key(1): ["127.0.0.2:16001"]}
+    master.segments_delay = 0.5  # within httpTimeout (1 s), beyond segmentsFetchTimeout (0.2 s)
+    cfg = L3IngestConfig(httpTimeout=1, fullStateEvery=1000)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await MooncakePoller(MasterTarget("m0", master.url), cfg, Sink(), Metrics(), session).poll()
+            with pytest.raises(asyncio.TimeoutError):
+                await MooncakePoller(MasterTarget("m0", master.url), cfg, Sink(), Metrics(), session,
+                                     segments_timeout=0.2).poll()
+    finally:
+        await master.runner.cleanup()
 
 
 @pytest.mark.parametrize("fault", ["timeout", "503", "malformed"])
