@@ -21,6 +21,7 @@ import uuid
 import aiohttp
 import zmq.asyncio
 
+from bridge.block_key_check import BlockKeyCheck
 from bridge.jetstream_publisher import JetStreamPublisher
 from bridge.k8s_discovery import KubernetesDiscovery, master_targets
 from bridge.l1_publisher import L1Publisher
@@ -47,6 +48,8 @@ class Bridge:
         self.publisher: JetStreamPublisher | None = None
         self.l1: L1Publisher | None = None
         self._replay_slots = asyncio.Semaphore(cfg.ingest.l1.maxConcurrentReplays)
+        interval = cfg.ingest.l1.blockKeyCheckInterval
+        self.block_key_check = BlockKeyCheck(cfg.blockKey, self.metrics, interval) if interval else None
         self._watch_task: asyncio.Task | None = None
         self._known: set[Endpoint] = set()
         self._kube_client = kube_client  # a kubernetes_asyncio ApiClient; None: in-cluster or kubeconfig
@@ -146,9 +149,12 @@ class Bridge:
         gone = {e.pod for e in self._known} - live_pods
         for pod in sorted(gone):
             await self.l1.pod_removed(pod, "discovery")
+            if self.block_key_check is not None:
+                self.block_key_check.forget(pod)
         for ep in endpoints:
             if ep not in self.subscribers:
-                sub = VllmSubscriber(self.ctx, ep, self.cfg.ingest.l1, self.l1, self.metrics, self._replay_slots)
+                sub = VllmSubscriber(self.ctx, ep, self.cfg.ingest.l1, self.l1, self.metrics, self._replay_slots,
+                                     self.block_key_check)
                 await sub.resume_from_stream()
                 sub.start()
                 self.subscribers[ep] = sub

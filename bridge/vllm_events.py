@@ -29,11 +29,34 @@ class MalformedPayload(ValueError):
 
 
 @dataclass(slots=True)
+class HashProbe:
+    """A block the engine hashed from nothing but its tokens: the first block of a GPU BlockStored with no
+    parent and no extra keys. Recomputing its hash checks the configured blockKey (bridge/block_key_check)."""
+
+    token_ids: list[int]
+    block_hash: int
+
+
+@dataclass(slots=True)
 class DecodedBatch:
     ts: float | None
     events: list[dict]
     dp_rank: int | None
     unknown_events: int = 0
+    probe: HashProbe | None = None
+
+
+def _probe(event: object) -> HashProbe | None:
+    _, f = _fields(event, _STORED_FIELDS)
+    tokens, size, extra = f.get("token_ids"), f.get("block_size"), f.get("extra_keys")
+    if (f.get("parent_block_hash") is not None or f.get("lora_name") is not None or not isinstance(size, int)
+            or size <= 0 or not isinstance(tokens, list) or len(tokens) < size
+            or not isinstance(extra, list) or not extra or extra[0] is not None):
+        return None  # absent extra_keys (before vLLM 0.20) may hide a salt: not a probe
+    block_tokens = tokens[:size]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in block_tokens):
+        return None
+    return HashProbe(block_tokens, _hashes(f.get("block_hashes"))[0])
 
 
 def _fields(event: object, positional: tuple[str, ...]) -> tuple[str, dict]:
@@ -111,10 +134,15 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     dp_rank = _opt_int(raw[2]) if len(raw) > 2 else None
     events: list[dict] = []
     unknown = 0
+    probe = None
     for ev in raw[1]:
         norm = normalize_event(ev)
         if norm is None:
             unknown += 1
-        else:
-            events.append(norm)
-    return DecodedBatch(ts=float(ts) if ts is not None else None, events=events, dp_rank=dp_rank, unknown_events=unknown)
+            continue
+        events.append(norm)
+        if (probe is None and norm["kind"] == "stored" and norm["parent"] is None and norm["hashes"]
+                and norm["medium"] in (None, "GPU")):
+            probe = _probe(ev)
+    return DecodedBatch(ts=float(ts) if ts is not None else None, events=events, dp_rank=dp_rank,
+                        unknown_events=unknown, probe=probe)

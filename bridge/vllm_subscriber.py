@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from bridge.block_key_check import BlockKeyCheck
 from bridge.l1_publisher import L1Publisher, new_generation
 from bridge.vllm_events import MalformedPayload, decode_batch
 from cache_indexer.metrics import Metrics
@@ -64,13 +65,14 @@ class _BurstLog:
 
 class VllmSubscriber:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: Endpoint, cfg: L1IngestConfig, sink: L1Publisher,
-                 metrics: Metrics, replay_slots: asyncio.Semaphore) -> None:
+                 metrics: Metrics, replay_slots: asyncio.Semaphore, block_key_check: BlockKeyCheck | None = None) -> None:
         self.ctx = ctx
         self.ep = endpoint
         self.cfg = cfg
         self.sink = sink
         self.metrics = metrics
         self.replay_slots = replay_slots
+        self.block_key_check = block_key_check
         self.gen: int | None = None
         self.last: int | None = None  # last seq published
         self.last_live: int | None = None  # last seq received on the live socket
@@ -239,6 +241,8 @@ class VllmSubscriber:
             batch = decode_batch(payload)
             events, ts = batch.events, batch.ts
             outcome = "published"
+            if batch.probe is not None and self.block_key_check is not None:
+                self.block_key_check.offer(self.ep.pod, batch.probe)
         except MalformedPayload as exc:
             self.metrics.bridge_malformed.inc()
             self._malformed_log.warn("%s rank %d seq %d: malformed payload: %s", self.ep.pod, self.ep.rank, seq, exc)

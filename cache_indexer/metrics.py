@@ -42,6 +42,12 @@ class Metrics:
         self.bridge_batches = Counter(p + "bridge_batches_total", "vLLM batches seen by the bridge, by outcome.",
                                       ["outcome"], registry=r)
         self.bridge_block_events = Counter(p + "bridge_block_events_total", "Block events published.", registry=r)
+        self.block_key_checks = Counter(p + "block_key_checks_total",
+                                        "Engine block hashes recomputed with blockKey, by result (match, mismatch).",
+                                        ["result"], registry=r)
+        self.block_key_mismatched_pods = Gauge(p + "block_key_mismatched_pods",
+                                               "Pods whose last checked block hash did not match blockKey: their "
+                                               "hit ratios are 0.", registry=r)
         self.bridge_malformed = Counter(p + "bridge_malformed_payloads_total", "vLLM payloads that could not be decoded.",
                                         registry=r)
         self.bridge_gaps = Counter(p + "bridge_seq_gaps_total", "vLLM sequence gaps detected.", registry=r)

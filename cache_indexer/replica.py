@@ -10,17 +10,12 @@ from indexer.service import Indexer
 from schemas.config import Config
 
 
-def make_hasher(cfg: Config) -> BlockHasher:
-    bk = cfg.blockKey
-    return BlockHasher(bk.hashAlgo, bk.pythonHashSeed, bk.extraKeysEncoding)
-
-
 class Replica:
     def __init__(self, cfg: Config, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.indexer = Indexer(cfg, self.metrics)
-        self.api = HitRateApi(cfg.http, make_hasher(cfg), tiers=lambda: (self.indexer.l1, self.indexer.l3),
+        self.api = HitRateApi(cfg.http, BlockHasher.for_block_key(cfg.blockKey), tiers=lambda: (self.indexer.l1, self.indexer.l3),
                               ready=self.indexer.ready.is_set, metrics=self.metrics)
         self.http = HttpServer(self.api.make_app(), cfg.http, self.metrics)
 

@@ -106,6 +106,11 @@ class BlockHasher:
         seed = python_hash_seed if python_hash_seed is not None else DEFAULT_NONE_HASH_SEED
         self.none_hash: bytes = self.hash_object(seed)
 
+    @classmethod
+    def for_block_key(cls, block_key) -> "BlockHasher":
+        """The hasher of a ``blockKey`` configuration section (schemas.config.BlockKeyConfig)."""
+        return cls(block_key.hashAlgo, block_key.pythonHashSeed, block_key.extraKeysEncoding)
+
     # -- primitive ---------------------------------------------------------------------------------
     def serialize(self, obj: object) -> bytes:
         """The exact bytes vLLM feeds to the digest for ``obj``."""

@@ -126,6 +126,8 @@ class L1IngestConfig(_Section):
     maxConcurrentReplays: int = Field(8, ge=1)
     #: Receive high-water mark of each SUB socket.
     rcvHwm: int = Field(100000, ge=0)
+    #: How often per pod an engine's block hash is recomputed to check blockKey (0: never).
+    blockKeyCheckInterval: Duration = 30.0
 
 
 class L3IngestConfig(_Section):

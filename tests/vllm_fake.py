@@ -23,9 +23,12 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def stored(hashes: list[int], parent: int | None = None, medium: str | None = "GPU", block_size: int = 16,
-           lora_name: str | None = None, group_idx: int = 0, spec_kind: str = "full_attention") -> dict:
+           lora_name: str | None = None, group_idx: int = 0, spec_kind: str = "full_attention",
+           token_ids: list[int] | None = None) -> dict:
+    """A BlockStored; without ``token_ids`` the tokens are placeholders that do not hash to ``hashes``."""
     return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
-            "token_ids": list(range(block_size * len(hashes))), "block_size": block_size, "lora_id": None,
+            "token_ids": list(token_ids) if token_ids is not None else list(range(block_size * len(hashes))),
+            "block_size": block_size, "lora_id": None,
             "medium": medium, "lora_name": lora_name, "extra_keys": [None] * len(hashes), "group_idx": group_idx,
             "kv_cache_spec_kind": spec_kind}
 

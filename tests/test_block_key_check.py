@@ -1,0 +1,77 @@
+"""The bridge notices a blockKey that does not match the engines (every ratio would silently be 0), from
+real vLLM payloads and end to end through ZMQ, and says which setting the engines use."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from bridge.block_key_check import BlockKeyCheck, matches
+from bridge.vllm_events import HashProbe, decode_batch
+from cache_indexer.metrics import Metrics
+from indexer.block_hash import BlockHasher
+from schemas.config import BlockKeyConfig
+from tests.conftest import SHARED, make_config, wait_for
+from tests.l1_stack import L1Stack
+from tests.vllm_fake import stored
+
+EVENTS = SHARED / "vectors" / "vllm-events"
+
+
+def probe_of(name: str) -> HashProbe | None:
+    return decode_batch((EVENTS / name).read_bytes()).probe
+
+
+def test_real_payloads_give_probes_only_where_the_hash_depends_on_tokens_alone():
+    assert probe_of("01_block_stored_with_parent.bin") == HashProbe([9707, 0, 358, 3900], 8503671992601869701)
+    assert probe_of("06_bytes_hashes.bin") is not None, "the bytes form of the hash is probed too"
+    assert probe_of("02_block_stored_lora_salt.bin") is None, "LoRA and salt are extra keys: no probe"
+    assert probe_of("07_cpu_offload_events.bin") is None, "CPU / STORAGE placeholders: no probe"
+    assert probe_of("legacy/legacy_0.14.0_mixed.bin") is None, "no extra_keys field: a salt may hide there"
+
+
+def test_the_engines_setting_matches_and_a_wrong_one_is_named(caplog):
+    probe = probe_of("01_block_stored_with_parent.bin")  # vLLM 0.33, sha256_cbor, PYTHONHASHSEED=0
+    metrics = Metrics()
+    right = BlockKeyCheck(BlockKeyConfig(hashAlgo="sha256_cbor", pythonHashSeed="0"), metrics)
+    assert right.offer("127.0.0.1", probe) is True
+    assert right.offer("127.0.0.1", probe) is None, "one check per pod per interval"
+    with caplog.at_level(logging.ERROR):
+        wrong = BlockKeyCheck(BlockKeyConfig(hashAlgo="sha256", pythonHashSeed=None), metrics)
+        assert wrong.offer("127.0.0.2", probe) is False
+    assert "hashAlgo=sha256_cbor, pythonHashSeed='0'" in caplog.text
+    assert metrics.block_key_checks.labels("match")._value.get() == 1
+    assert metrics.block_key_checks.labels("mismatch")._value.get() == 1
+    assert metrics.block_key_mismatched_pods._value.get() == 1
+    wrong.forget("127.0.0.2")
+    assert metrics.block_key_mismatched_pods._value.get() == 0
+
+
+@pytest.mark.parametrize("scale", [2, 4])
+def test_a_hybrid_models_larger_group_block_matches_by_its_last_constituent(scale):
+    h = BlockHasher("sha256_cbor", "0")
+    tokens = list(range(100, 116))
+    last = h.event_hashes(tokens, 16 // scale)[-1]  # what a group of block size 16 reports at hash size 16/scale
+    assert matches(h, HashProbe(tokens, last))
+    assert not matches(h, HashProbe(tokens, last ^ 1))
+
+
+async def test_a_misconfigured_bridge_reports_the_pods_it_cannot_match(nats_url, stream_prefix):
+    cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"})
+    stack = await L1Stack(cfg).start()
+    try:
+        tokens = list(range(7000, 7032))
+        ok_engine, other_engine = stack.engine("127.0.0.31"), stack.engine("127.0.0.32")
+        await stack.connect((ok_engine, "127.0.0.31", 0), (other_engine, "127.0.0.32", 0))
+        good = BlockHasher("sha256_cbor", "0").event_hashes(tokens, 16)
+        bad = BlockHasher("sha256", "0").event_hashes(tokens, 16)  # an engine left on vLLM's default algorithm
+        await ok_engine.publish([stored(good, token_ids=tokens)])
+        await other_engine.publish([stored(bad, token_ids=tokens)])
+        m = stack.bridge_metrics
+        await wait_for(lambda: m.block_key_checks.labels("mismatch")._value.get() == 1
+                       and m.block_key_checks.labels("match")._value.get() == 1, 10, "both pods checked")
+        assert m.block_key_mismatched_pods._value.get() == 1
+        assert stack.bridge.block_key_check.mismatched == {"127.0.0.32"}
+    finally:
+        await stack.stop()
