@@ -33,6 +33,10 @@ class BlockKeyCheck:
         self._due: dict[str, float] = {}  # pod -> next time its probe is checked
         self.mismatched: set[str] = set()  # pods whose last probe did not match
 
+    def due(self, pod: str) -> bool:
+        """Whether the next probe of this pod would be checked (decoders look for one only then)."""
+        return time.monotonic() >= self._due.get(pod, 0.0)
+
     def offer(self, pod: str, probe: HashProbe) -> bool | None:
         """Check the probe if this pod is due; the result (None when not checked)."""
         now = time.monotonic()

@@ -56,7 +56,7 @@ def _probe(event: object) -> HashProbe | None:
     block_tokens = tokens[:size]
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in block_tokens):
         return None
-    return HashProbe(block_tokens, _hashes(f.get("block_hashes"))[0])
+    return HashProbe(block_tokens, _hashes(f.get("block_hashes")[:1])[0])
 
 
 def _fields(event: object, positional: tuple[str, ...]) -> tuple[str, dict]:
@@ -122,8 +122,10 @@ def normalize_event(event: object) -> dict | None:
     raise MalformedPayload("event has no type tag")
 
 
-def decode_batch(payload: bytes) -> DecodedBatch:
-    """Decode one ZMQ payload frame. Raises MalformedPayload on anything that is not a KVEventBatch."""
+def decode_batch(payload: bytes, want_probe: bool = False) -> DecodedBatch:
+    """Decode one ZMQ payload frame. Raises MalformedPayload on anything that is not a KVEventBatch.
+
+    ``want_probe``: also look for a HashProbe (only when a check is due: it costs a little per batch)."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several exception types for bad input
@@ -141,7 +143,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
             unknown += 1
             continue
         events.append(norm)
-        if (probe is None and norm["kind"] == "stored" and norm["parent"] is None and norm["hashes"]
+        if (want_probe and probe is None and norm["kind"] == "stored" and norm["parent"] is None and norm["hashes"]
                 and norm["medium"] in (None, "GPU")):
             probe = _probe(ev)
     return DecodedBatch(ts=float(ts) if ts is not None else None, events=events, dp_rank=dp_rank,

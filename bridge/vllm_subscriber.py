@@ -238,11 +238,12 @@ class VllmSubscriber:
 
     async def _publish(self, seq: int, payload: bytes) -> None:
         try:
-            batch = decode_batch(payload)
+            check = self.block_key_check
+            batch = decode_batch(payload, want_probe=check is not None and check.due(self.ep.pod))
             events, ts = batch.events, batch.ts
             outcome = "published"
-            if batch.probe is not None and self.block_key_check is not None:
-                self.block_key_check.offer(self.ep.pod, batch.probe)
+            if batch.probe is not None:
+                check.offer(self.ep.pod, batch.probe)
         except MalformedPayload as exc:
             self.metrics.bridge_malformed.inc()
             self._malformed_log.warn("%s rank %d seq %d: malformed payload: %s", self.ep.pod, self.ep.rank, seq, exc)

@@ -20,7 +20,7 @@ EVENTS = SHARED / "vectors" / "vllm-events"
 
 
 def probe_of(name: str) -> HashProbe | None:
-    return decode_batch((EVENTS / name).read_bytes()).probe
+    return decode_batch((EVENTS / name).read_bytes(), want_probe=True).probe
 
 
 def test_real_payloads_give_probes_only_where_the_hash_depends_on_tokens_alone():
@@ -29,6 +29,7 @@ def test_real_payloads_give_probes_only_where_the_hash_depends_on_tokens_alone()
     assert probe_of("02_block_stored_lora_salt.bin") is None, "LoRA and salt are extra keys: no probe"
     assert probe_of("07_cpu_offload_events.bin") is None, "CPU / STORAGE placeholders: no probe"
     assert probe_of("legacy/legacy_0.14.0_mixed.bin") is None, "no extra_keys field: a salt may hide there"
+    assert decode_batch((EVENTS / "01_block_stored_with_parent.bin").read_bytes()).probe is None, "only on demand"
 
 
 def test_the_engines_setting_matches_and_a_wrong_one_is_named(caplog):
