@@ -28,6 +28,7 @@ from bridge.l1_publisher import L1Publisher
 from bridge.l3_publisher import L3Publisher
 from bridge.mooncake_poller import MasterTarget, MooncakePoller
 from bridge.static_targets import StaticTargets
+from bridge.targets_record import TargetsRecord
 from bridge.vllm_subscriber import Endpoint, VllmSubscriber
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
@@ -60,6 +61,11 @@ class Bridge:
         self._http = None
         self.lease: Lease | None = None
         self._lease_task: asyncio.Task | None = None
+        self.targets_record: TargetsRecord | None = None
+        # what the previous leader (or this bridge before a restart) published for and discovery may no
+        # longer list: removed on the first discovery result, as if they had left while we watched
+        self._inherited_pods: set[str] = set()
+        self._inherited_masters: set[str] = set()
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge")
@@ -72,6 +78,7 @@ class Bridge:
         self.l1 = L1Publisher(self.publisher, self.cfg.nats.l1Stream.subjectPrefix, js, self.cfg.nats.l1Stream.name)
         max_payload = min(self.nc.max_payload, self.cfg.nats.l3Stream.maxMsgSize) - 4096
         self.l3 = L3Publisher(self.publisher, self.cfg.nats.l3Stream.subjectPrefix, max_payload, self.metrics)
+        self.targets_record = TargetsRecord(js, self.cfg.snapshot.metaBucket)
         if self.cfg.ingest.leaderElection:
             holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             self.lease = Lease(js, self.cfg.nats.lease.bucket, "bridge-l1-leader", holder, self.cfg.nats.lease.ttl)
@@ -91,6 +98,7 @@ class Bridge:
                 await self._stop_sources()
 
     async def _start_sources(self) -> None:
+        self._inherited_pods, self._inherited_masters = await self.targets_record.load()
         if self.cfg.discovery.mode == "static":
             self._watch_task = asyncio.create_task(self._watch_static(), name="bridge-static-targets")
         else:
@@ -146,7 +154,8 @@ class Bridge:
             await self.subscribers.pop(ep).stop()
             log.info("unsubscribed %s rank %d (%s)", ep.pod, ep.rank, ep.pub)
         live_pods = {e.pod for e in wanted}
-        gone = {e.pod for e in self._known} - live_pods
+        gone = ({e.pod for e in self._known} | self._inherited_pods) - live_pods
+        self._inherited_pods = set()
         for pod in sorted(gone):
             await self.l1.pod_removed(pod, "discovery")
             if self.block_key_check is not None:
@@ -160,6 +169,7 @@ class Bridge:
                 self.subscribers[ep] = sub
                 log.info("subscribed %s rank %d at %s (replay %s)", ep.pod, ep.rank, ep.pub, ep.replay or "off")
         self._known = wanted
+        await self.targets_record.save(pods=live_pods)
 
     async def set_masters(self, masters: list[MasterTarget]) -> None:
         """Reconcile Mooncake pollers; a master that is gone gets an empty full state (its L3 entries drop)."""
@@ -169,6 +179,11 @@ class Bridge:
         for target in [t for t in self.pollers if t not in wanted]:
             await self.pollers.pop(target).stop(reset=True)
             log.info("stopped polling mooncake master %s", target.name)
+        names = {t.name for t in wanted}
+        for name in sorted(self._inherited_masters - names - {t.name for t in self.pollers}):
+            await self.l3.full(name, {})  # left while no bridge polled it
+            log.info("mooncake master %s is gone since the last bridge: its L3 entries are dropped", name)
+        self._inherited_masters = set()
         for target in masters:
             if target not in self.pollers:
                 poller = MooncakePoller(target, self.cfg.ingest.l3, self.l3, self.metrics, self._http,
@@ -176,6 +191,7 @@ class Bridge:
                 poller.start()
                 self.pollers[target] = poller
                 log.info("polling mooncake master %s at %s", target.name, target.url)
+        await self.targets_record.save(masters=names)
 
     async def stop(self) -> None:
         if self._lease_task:

@@ -185,6 +185,25 @@ async def test_pod_leaving_discovery_is_dropped_through_the_stream(stack):
     assert (await stack.ratios([POD2], TOKENS, BS)) == [0.5]
 
 
+async def test_pod_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(stack):
+    from bridge.service import Bridge
+
+    a, b = stack.engine(POD), stack.engine(POD2)
+    await stack.connect((a, POD, 0), (b, POD2, 0))
+    await a.publish([stored(CHAIN[:8])])
+    await b.publish([stored(CHAIN[:4])])
+    await until_ratio(stack, POD, 1.0)
+    await until_ratio(stack, POD2, 0.5)
+    await stack.bridge.stop()  # no bridge runs while POD leaves
+    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
+    await stack.bridge.start()
+    await wait_for(lambda: stack.bridge._inherited_pods == {POD, POD2}, 10, "the new bridge to lead and read the record")
+    await stack.bridge.set_endpoints([b.endpoint(POD2, 0)])  # what discovery shows it first
+    await until_ratio(stack, POD, 0.0, what="the pod that left meanwhile dropped")
+    assert (await stack.ratios([POD2], TOKENS, BS)) == [0.5]
+    assert await stack.bridge.targets_record.load() == ({POD2}, set())
+
+
 async def test_nats_restart_mid_stream_loses_and_duplicates_nothing(restartable_nats, stream_prefix):
     cfg = make_config(restartable_nats.url, stream_prefix, blockKey={"pythonHashSeed": "0"})
     stack = await L1Stack(cfg).start()

@@ -23,7 +23,7 @@ from bridge.mooncake_poller import MasterTarget, MooncakePoller
 from cache_indexer.metrics import Metrics
 from indexer.l3_state import L3State
 from schemas.config import L3IngestConfig
-from tests.conftest import SHARED
+from tests.conftest import SHARED, make_config, wait_for
 
 MC = SHARED / "reference" / "mooncake"
 RESP = MC / "responses"
@@ -154,6 +154,10 @@ class FakeMaster:
         return web.json_response({"success": True, "data": data})
 
 
+def l3_held(state: L3State, pod: str) -> set[int]:
+    return {h for h, m in state.blocks.items() if any(m >> w & 1 for w in state.pod_workers(pod).values())}
+
+
 class Sink:
     def __init__(self) -> None:
         self.state = L3State()
@@ -172,7 +176,7 @@ class Sink:
         self.state.apply(msg)
 
     def held(self, pod):
-        return {h for h, m in self.state.blocks.items() if any(m >> w & 1 for w in self.state.pod_workers(pod).values())}
+        return l3_held(self.state, pod)
 
 
 def key(h: int, tp: int = 0) -> str:
@@ -246,6 +250,33 @@ async def test_a_slow_segment_list_fails_the_poll_at_segments_fetch_timeout():
                 await MooncakePoller(MasterTarget("m0", master.url), cfg, Sink(), Metrics(), session,
                                      segments_timeout=0.2).poll()
     finally:
+        await master.runner.cleanup()
+
+
+async def test_a_master_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(nats_url, stream_prefix):
+    from bridge.service import Bridge
+    from indexer.service import Indexer
+
+    cfg = make_config(nats_url, stream_prefix, ingest={"l3": {"pollInterval": 0.05}})
+    master = await FakeMaster().start()
+    master.segments = ["127.0.0.2:12001"]
+    master.keys = {key(1): ["127.0.0.2:16001"]}
+    indexer, bridge = Indexer(cfg), Bridge(cfg)
+    await indexer.start()
+    await bridge.start()
+    try:
+        await wait_for(lambda: bridge.targets_record is not None and bridge.lease.is_leader, 10, "a leading bridge")
+        await bridge.set_masters([MasterTarget("m0", master.url)])
+        await wait_for(lambda: l3_held(indexer.l3, "127.0.0.2") == {1}, 10, "the master's block in L3")
+        await bridge.stop()  # no bridge runs while the master goes away
+        bridge = Bridge(cfg)
+        await bridge.start()
+        await wait_for(lambda: bridge._inherited_masters == {"m0"}, 10, "the next bridge to lead and read the record")
+        await bridge.set_masters([])  # discovery no longer shows it
+        await wait_for(lambda: l3_held(indexer.l3, "127.0.0.2") == set(), 10, "its L3 entries dropped")
+    finally:
+        await bridge.stop()
+        await indexer.stop()
         await master.runner.cleanup()
 
 

@@ -1,0 +1,64 @@
+"""What the active bridge publishes for, kept in the KV bucket ``snapshot.metaBucket`` (key
+``bridge.targets``): the vLLM pods it subscribes to and the Mooncake masters it polls.
+
+Pods and masters that leave discovery are dropped from the index through the streams, but only by a
+bridge that sees them leave. One that left while no bridge watched (all were down, or a standby was
+taking over) would stay in the index for ever. A bridge that starts leading reads the record and
+treats what it lists as known, so its first discovery result removes what has gone since.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgpack
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+KEY = "bridge.targets"
+
+
+class TargetsRecord:
+    def __init__(self, js, bucket: str) -> None:
+        self.js = js
+        self.bucket = bucket
+        self._kv = None
+        self._pods: set[str] | None = None
+        self._masters: set[str] | None = None
+
+    async def _store(self):
+        if self._kv is None:
+            try:
+                self._kv = await self.js.key_value(self.bucket)
+            except (BucketNotFoundError, NotFoundError):
+                self._kv = await self.js.create_key_value(bucket=self.bucket, history=5)
+        return self._kv
+
+    async def load(self) -> tuple[set[str], set[str]]:
+        """(pods, masters) as last saved; empty when there is no record or it cannot be read."""
+        try:
+            entry = await (await self._store()).get(KEY)
+            record = msgpack.unpackb(entry.value) if entry.value else {}
+            pods, masters = set(record.get("pods", ())), set(record.get("masters", ()))
+        except (KeyNotFoundError, NotFoundError):
+            pods, masters = set(), set()
+        except Exception as exc:  # unreadable: nothing is inherited, which is what happened before records
+            log.warning("bridge targets record unreadable (%s): pods that left meanwhile stay indexed", exc)
+            pods, masters = set(), set()
+        self._pods, self._masters = set(pods), set(masters)
+        return pods, masters
+
+    async def save(self, pods: set[str] | None = None, masters: set[str] | None = None) -> None:
+        """Replace the pods and/or the masters; written only when something changed."""
+        new_pods = self._pods if pods is None else set(pods)
+        new_masters = self._masters if masters is None else set(masters)
+        if new_pods == self._pods and new_masters == self._masters:
+            return
+        value = msgpack.packb({"pods": sorted(new_pods or ()), "masters": sorted(new_masters or ())})
+        try:
+            await (await self._store()).put(KEY, value)
+        except Exception as exc:
+            log.warning("bridge targets record not written (%s)", exc)
+            return
+        self._pods, self._masters = new_pods, new_masters
