@@ -173,13 +173,19 @@ async def test_malformed_payload_is_counted_and_the_subscription_survives(stack)
     assert stack.bridge_metrics.bridge_malformed._value.get() == 2
 
 
-async def test_pod_leaving_discovery_is_dropped_through_the_stream(stack):
+async def two_pods_indexed(stack):
+    """POD holding the whole chain, POD2 half of it, both applied."""
     a, b = stack.engine(POD), stack.engine(POD2)
     await stack.connect((a, POD, 0), (b, POD2, 0))
     await a.publish([stored(CHAIN[:8])])
     await b.publish([stored(CHAIN[:4])])
     await until_ratio(stack, POD, 1.0)
     await until_ratio(stack, POD2, 0.5)
+    return a, b
+
+
+async def test_pod_leaving_discovery_is_dropped_through_the_stream(stack):
+    _, b = await two_pods_indexed(stack)
     await stack.bridge.set_endpoints([b.endpoint(POD2, 0)])
     await until_ratio(stack, POD, 0.0)
     assert (await stack.ratios([POD2], TOKENS, BS)) == [0.5]
@@ -188,12 +194,7 @@ async def test_pod_leaving_discovery_is_dropped_through_the_stream(stack):
 async def test_pod_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(stack):
     from bridge.service import Bridge
 
-    a, b = stack.engine(POD), stack.engine(POD2)
-    await stack.connect((a, POD, 0), (b, POD2, 0))
-    await a.publish([stored(CHAIN[:8])])
-    await b.publish([stored(CHAIN[:4])])
-    await until_ratio(stack, POD, 1.0)
-    await until_ratio(stack, POD2, 0.5)
+    _, b = await two_pods_indexed(stack)
     await stack.bridge.stop()  # no bridge runs while POD leaves
     stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
     await stack.bridge.start()
