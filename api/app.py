@@ -78,6 +78,18 @@ class HitRateApi:
             self.metrics.http_requests.labels(path, str(status)).inc()
             self.metrics.http_latency.labels(path, str(status)).observe(time.perf_counter() - start)
 
+    def _observe_answer(self, scores) -> None:
+        best_l1 = best_l3 = 0.0
+        unknown = 0
+        for s in scores:
+            best_l1 = max(best_l1, s.ratios[0])
+            best_l3 = max(best_l3, s.ratios[1])
+            unknown += not s.known
+        self.metrics.best_hit_ratio.labels("l1").observe(best_l1)
+        self.metrics.best_hit_ratio.labels("l3").observe(best_l3)
+        if unknown:
+            self.metrics.unknown_candidates.inc(unknown)
+
     async def hit_rate(self, request: web.Request) -> web.Response:
         if request.method != "POST":
             return _error(405, f"method {request.method} not allowed; use POST")
@@ -105,5 +117,6 @@ class HitRateApi:
         self.metrics.hashed_blocks.inc(result.hashed_blocks)
         items = [{"server_ip": s.pod, "l1_hit_ratio": s.ratios[0], "l3_hit_ratio": s.ratios[1],
                   "message": "" if s.known else UNKNOWN_POD_MESSAGE, "status": 0} for s in result.scores]
+        self._observe_answer(result.scores)
         return web.Response(body=json.dumps({"status": 0, "message": "success", "server_score_list": items}),
                             content_type="application/json")

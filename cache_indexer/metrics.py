@@ -20,6 +20,14 @@ class Metrics:
         self.http_latency = Histogram(p + "http_request_duration_seconds", "HTTP request latency by path and status.",
                                       ["path", "status"], buckets=_LATENCY_BUCKETS, registry=r)
         self.hashed_blocks = Counter(p + "hit_rate_hashed_blocks_total", "Blocks hashed by hit-rate queries.", registry=r)
+        self.best_hit_ratio = Histogram(p + "hit_rate_best_ratio", "Per answered query, the best ratio among its "
+                                        "candidates, by tier: how much of the traffic could land on cached "
+                                        "prefixes.", ["tier"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+                                        registry=r)
+        self.unknown_candidates = Counter(p + "hit_rate_unknown_candidates_total",
+                                          "Candidates no KV-cache event was seen for (a router naming pods by "
+                                          "anything but the IP the bridge subscribes to shows up here).",
+                                          registry=r)
         # index / ingest
         self.index_blocks = Gauge(p + "index_blocks", "Distinct block hashes held, by tier.", ["tier"], registry=r)
         self.index_entries = Gauge(p + "index_entries", "(block, worker) entries held, by tier.", ["tier"], registry=r)

@@ -221,3 +221,15 @@ async def test_health_readiness_metrics(api):
     assert 'cache_indexer_http_requests_total{path="/kv-cache/hit-rate",status="200"} 1.0' in text
     assert 'cache_indexer_http_requests_total{path="/kv-cache/hit-rate",status="400"} 1.0' in text
     assert "cache_indexer_http_request_duration_seconds_bucket" in text
+    # the one answered query: its best L1 ratio (0.75 of 127.0.1.1) in the 0.75 bucket, not below
+    assert 'cache_indexer_hit_rate_best_ratio_bucket{le="0.5",tier="l1"} 0.0' in text
+    assert 'cache_indexer_hit_rate_best_ratio_bucket{le="0.75",tier="l1"} 1.0' in text
+    assert 'cache_indexer_hit_rate_best_ratio_bucket{le="0.0",tier="l3"} 1.0' in text
+
+
+async def test_candidates_nobody_reported_are_counted(api):
+    session, _ = api
+    await post(session, req(["127.0.1.1", "10.9.9.9", "vllm-0.vllm:8000"]))
+    async with session.get("/metrics") as r:
+        text = await r.text()
+    assert "cache_indexer_hit_rate_unknown_candidates_total 2.0" in text
