@@ -56,6 +56,7 @@ class Indexer:
         self.history_lost = 0
         self.snapshots_written = 0
         self._reloading = False
+        self._stopping = False
         self._accept_jump_to = 0
         self._last_snapshot_seq = 0
         self._last_snapshot_time = time.monotonic()
@@ -145,15 +146,16 @@ class Indexer:
         self.metrics.stream_reloads.inc()
         self.ready.clear()
         self.metrics.ready.set(0)
-        try:
-            await self._load_and_follow()
-        except Exception:
-            log.exception("reload failed; retrying")
-            await asyncio.sleep(1.0)
-            self._tasks.append(asyncio.create_task(self._reload()))
+        while not self._stopping:
+            try:
+                await self._load_and_follow()
+                return
+            except Exception:
+                log.exception("reload failed; retrying in 1s")
+                await asyncio.sleep(1.0)
 
     async def _on_msg(self, msg) -> None:
-        if self._reloading:
+        if self._reloading or self._stopping:
             return
         seq = msg.metadata.sequence.stream
         if seq <= self.applied_seq:
@@ -252,6 +254,7 @@ class Indexer:
         await asyncio.wait_for(_wait(), timeout)
 
     async def stop(self) -> None:
+        self._stopping = True  # no reload may start once the tasks are being cancelled
         await cancel_and_wait(*self._tasks)
         if self.lease is not None:
             await self.lease.stop()
