@@ -92,10 +92,13 @@ class Bridge:
             await self.lease.changed.wait()
             self.lease.changed.clear()
             self.metrics.bridge_leader.set(1 if self.lease.is_leader else 0)
-            if self.lease.is_leader:
-                await self._start_sources()
-            else:
-                await self._stop_sources()
+            try:
+                if self.lease.is_leader:
+                    await self._start_sources()
+                else:
+                    await self._stop_sources()
+            except Exception:  # this loop must outlive any one change, or leadership is no longer followed
+                log.exception("following the bridge lease failed")
 
     async def _start_sources(self) -> None:
         self._inherited_pods, self._inherited_masters = await self.targets_record.load()
