@@ -72,6 +72,9 @@ def matches(hasher: BlockHasher, probe: HashProbe) -> bool:
 
 def diagnose(probe: HashProbe, seed: str | None) -> str:
     """Which usual setting would match the engine's hash, as advice for the log."""
+    if probe.lookahead:
+        return ("The engine hashes blocks with lookahead tokens (EAGLE/MTP speculative decoding): no index can "
+                "follow that; set speculative_config.disable_lookahead_block_hashes=true on the engines.")
     for s in dict.fromkeys([seed, None, "0"]):
         for algo in HASH_ALGOS:
             if s is None and algo.startswith("xxhash"):

@@ -35,6 +35,9 @@ class HashProbe:
 
     token_ids: list[int]
     block_hash: int
+    #: the event carries lookahead_token_ids (vLLM >= 0.33 with EAGLE/MTP): the engine hashes each block
+    #: with the tokens after it, which no query can reproduce
+    lookahead: bool = False
 
 
 @dataclass(slots=True)
@@ -56,7 +59,7 @@ def _probe(event: object) -> HashProbe | None:
     block_tokens = tokens[:size]
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in block_tokens):
         return None
-    return HashProbe(block_tokens, _hashes(f.get("block_hashes")[:1])[0])
+    return HashProbe(block_tokens, _hashes(f.get("block_hashes")[:1])[0], bool(f.get("lookahead_token_ids")))
 
 
 def _fields(event: object, positional: tuple[str, ...]) -> tuple[str, dict]:

@@ -7,14 +7,14 @@ import logging
 
 import pytest
 
-from bridge.block_key_check import BlockKeyCheck, matches
+from bridge.block_key_check import BlockKeyCheck, diagnose, matches
 from bridge.vllm_events import HashProbe, decode_batch
 from cache_indexer.metrics import Metrics
 from indexer.block_hash import BlockHasher
 from schemas.config import BlockKeyConfig
 from tests.conftest import SHARED, make_config, wait_for
 from tests.l1_stack import L1Stack
-from tests.vllm_fake import stored
+from tests.vllm_fake import batch_payload, stored
 
 EVENTS = SHARED / "vectors" / "vllm-events"
 
@@ -47,6 +47,16 @@ def test_the_engines_setting_matches_and_a_wrong_one_is_named(caplog):
     assert metrics.block_key_mismatched_pods._value.get() == 1
     wrong.forget("127.0.0.2")
     assert metrics.block_key_mismatched_pods._value.get() == 0
+
+
+def test_an_engine_hashing_with_lookahead_tokens_is_told_apart():
+    h = BlockHasher("sha256_cbor", "0")
+    tokens = list(range(200, 216)) + [7]  # one block and the token after it
+    engine_hash = h.event_hashes(tokens, 16, lookahead_tokens=1)[0]
+    payload = batch_payload([dict(stored([engine_hash], token_ids=tokens[:16]), lookahead_token_ids=[[7]])])
+    probe = decode_batch(payload, want_probe=True).probe
+    assert probe.lookahead and not matches(h, probe)
+    assert "disable_lookahead_block_hashes" in diagnose(probe, "0")
 
 
 @pytest.mark.parametrize("scale", [2, 4])
