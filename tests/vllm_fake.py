@@ -57,6 +57,9 @@ class FakeVllmPublisher:
         self.seq = 0
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        # every subscription reaches wait_subscribed, also one for a topic an old, still closing SUB
+        # holds (a resubscription would otherwise be swallowed as a duplicate)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.SNDHWM, 100000)
         if pub_port:
             self.pub.bind(f"tcp://{host}:{pub_port}")
