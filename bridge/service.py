@@ -85,6 +85,7 @@ class Bridge:
             self.lease.start()
             self._lease_task = asyncio.create_task(self._follow_lease(), name="bridge-lease")
         else:
+            self.metrics.bridge_leader.set(1)  # the only bridge: always the active one
             await self._start_sources()
 
     async def _follow_lease(self) -> None:

@@ -122,6 +122,34 @@ def test_renders_as_a_subchart_without_release_hardcoding(tmp_path):
     assert config_of(mine)["nats"]["url"] == "nats://prod-nats.ai.svc:4222"
 
 
+def test_monitoring_objects_scrape_and_alert_on_metrics_the_product_exports():
+    from cache_indexer.metrics import Metrics
+
+    assert not {"PodMonitor", "PrometheusRule"} & {o["kind"] for o in render()}, "off by default"
+    objs = render({"monitoring": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True,
+                                                                                      "ingestLagMessages": 500}}})
+    validate_all([o for o in objs if o["apiVersion"] != "monitoring.coreos.com/v1"])  # CRDs: not in the schemas
+    pm = by_kind(objs, "PodMonitor")[0]
+    deployments = by_kind(objs, "Deployment")
+    for d in deployments:  # the monitor selects every component's pods and the port they name http
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert [p["name"] for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]] == ["http"]
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+    exported = {f.name + sfx for f in Metrics().registry.collect() for sfx in suffixes.get(f.type, [""])}
+    containers = {d["spec"]["template"]["spec"]["containers"][0]["name"] for d in deployments}
+    rules = by_kind(objs, "PrometheusRule")[0]["spec"]["groups"][0]["rules"]
+    assert len(rules) == 5
+    for rule in rules:
+        expr = rule["expr"]
+        for name in re.findall(r"cache_indexer_[a-z0-9_]+", expr):
+            assert name in exported, f"{rule['alert']} uses {name}, which nothing exports"
+        assert 'job="infer/cache-indexer"' in expr, "series of this release's PodMonitor only"
+        assert set(re.findall(r'container="([a-z]+)"', expr)) <= containers
+    assert "> 500" in next(r["expr"] for r in rules if r["alert"] == "CacheIndexerIngestLag")
+
+
 def test_lint():
     report = helm.lint(str(CHART), strict=False, kube_version=f"v{KUBE_VERSION}")
     assert report["total_charts_linted"] == 1
