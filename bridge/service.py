@@ -69,12 +69,12 @@ class Bridge:
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge")
-        js = self.nc.jetstream(publish_async_max_pending=self.cfg.nats.publish.window * 2)
+        js = self.nc.jetstream()
         await ensure_l1_stream(js, self.cfg.nats)
         await ensure_l3_stream(js, self.cfg.nats)
-        self.publisher = JetStreamPublisher(js, self.metrics, self.cfg.nats.publish.window,
+        self.publisher = JetStreamPublisher(self.nc, self.metrics, self.cfg.nats.publish.window,
                                             self.cfg.nats.publish.ackTimeout)
-        self.publisher.start()
+        await self.publisher.start()
         self.l1 = L1Publisher(self.publisher, self.cfg.nats.l1Stream.subjectPrefix, js, self.cfg.nats.l1Stream.name)
         max_payload = min(self.nc.max_payload, self.cfg.nats.l3Stream.maxMsgSize) - 4096
         self.l3 = L3Publisher(self.publisher, self.cfg.nats.l3Stream.subjectPrefix, max_payload, self.metrics)

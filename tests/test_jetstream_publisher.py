@@ -1,0 +1,50 @@
+"""The bridge's JetStream publisher against a real nats-server: acks on one inbox subscription, a
+message the server refuses is re-sent under the same id until stored, and nothing is stored twice."""
+
+from __future__ import annotations
+
+import nats
+import pytest
+
+from bridge.jetstream_publisher import JetStreamPublisher
+from cache_indexer.metrics import Metrics
+
+
+@pytest.fixture
+async def nc(nats_url):
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+async def test_every_message_is_stored_once_and_the_window_drains(nc, stream_prefix):
+    js = nc.jetstream()
+    await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"])
+    metrics = Metrics()
+    pub = JetStreamPublisher(nc, metrics, window=64, ack_timeout=2)
+    await pub.start()
+    try:
+        for i in range(1000):
+            await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
+        await pub.publish(f"{stream_prefix}.a", b"0", {"Nats-Msg-Id": "m0"})  # the same message again
+        assert await pub.flush(10)
+        assert (await js.stream_info(stream_prefix)).state.messages == 1000
+        assert metrics.publish_inflight._value.get() == 0
+    finally:
+        await pub.close()
+
+
+async def test_a_refused_message_is_resent_until_a_stream_takes_it(nc, stream_prefix):
+    metrics = Metrics()
+    pub = JetStreamPublisher(nc, metrics, window=8, ack_timeout=0.3)
+    await pub.start()
+    try:
+        await pub.publish(f"{stream_prefix}.late", b"x", {"Nats-Msg-Id": "only"})  # no stream yet: 503
+        assert not await pub.flush(0.5)
+        assert metrics.publish_retries._value.get() >= 1
+        js = nc.jetstream()
+        await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"])
+        assert await pub.flush(10)
+        assert (await js.stream_info(stream_prefix)).state.messages == 1
+    finally:
+        await pub.close()
