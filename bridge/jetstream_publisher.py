@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from itertools import count
 
 from cache_indexer.metrics import Metrics
+from cache_indexer.streams import unsubscribe_quietly
 from cache_indexer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -64,12 +65,8 @@ class JetStreamPublisher:
         if self._watchdog:
             await cancel_and_wait(self._watchdog)
             self._watchdog = None
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                pass
-            self._sub = None
+        await unsubscribe_quietly(self._sub)
+        self._sub = None
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         """Queue one message; returns once it is sent (not acked). ``headers`` must hold Nats-Msg-Id."""

@@ -89,3 +89,13 @@ async def connect(cfg: NatsConfig, name: str, **callbacks) -> nats.NATS:
         cfg.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         connect_timeout=cfg.connectTimeout, **opts,
     )
+
+
+async def unsubscribe_quietly(sub) -> None:
+    """Unsubscribe when stopping or switching: a subscription the connection already lost is no error."""
+    if sub is None:
+        return
+    try:
+        await sub.unsubscribe()
+    except Exception as exc:
+        log.debug("unsubscribe: %s", exc)

@@ -25,7 +25,7 @@ from nats.js import api
 
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
-from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream
+from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream, unsubscribe_quietly
 from cache_indexer.tasks import cancel_and_wait
 from indexer.l1_state import L1State
 from indexer.l3_state import L3State
@@ -82,12 +82,8 @@ class Indexer:
     # -- rebuild and follow ----------------------------------------------------------------------------
     async def _load_and_follow(self) -> None:
         """(Re)build from the snapshot if it is ahead of us, then follow the stream from there."""
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                pass
-            self._sub = None
+        await unsubscribe_quietly(self._sub)
+        self._sub = None
         if self.snapshots is not None:
             t = time.perf_counter()
             failed = self.snapshots.failed_loads
@@ -259,10 +255,6 @@ class Indexer:
         if self.lease is not None:
             await self.lease.stop()
         for sub in (self._sub, self._l3_sub):
-            if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except Exception:
-                    pass
+            await unsubscribe_quietly(sub)
         if self.nc:
             await self.nc.close()

@@ -30,6 +30,7 @@ from nats.js import api
 from nats.js.errors import (BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError,
                             ObjectNotFoundError)
 
+from cache_indexer.streams import unsubscribe_quietly
 from indexer.l1_state import L1State, _Cursor
 
 log = logging.getLogger(__name__)
@@ -195,10 +196,7 @@ class SnapshotStore:
                 if msg.metadata.num_pending == 0:
                     break
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+            await unsubscribe_quietly(sub)
         expected = base64.urlsafe_b64decode(info.digest.split("=", 1)[1]) if info.digest else None
         if expected is not None and digest.digest() != expected:
             raise SnapshotUnreadable("digest mismatch")
