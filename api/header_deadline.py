@@ -4,9 +4,10 @@ aiohttp has no header deadline: a connection that is accepted and then sends not
 its request line a byte at a time, holds a slot for ever (slowloris). Go's ``ReadHeaderTimeout``,
 which the Helm value mirrors, bounds that. Here each accepted connection's protocol is wrapped: a
 timer starts at accept and at the first byte of each later request on a kept-alive connection, and
-stops when aiohttp hands the request to the application (the headers are then complete). When it
-fires, the connection is closed. Waiting between requests on a kept-alive connection is
-``http.idleTimeout``'s job; reading the body is ``http.readTimeout``'s.
+stops as soon as the bytes received hold the end of the header block (``CRLF CRLF``), whether or not
+the server has got round to the request yet (a busy event loop must not cost waiting clients their
+connection). When it fires, the connection is closed. Waiting between requests on a kept-alive
+connection is ``http.idleTimeout``'s job; reading the body is ``http.readTimeout``'s.
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ class HeaderDeadlineProtocol(asyncio.Protocol):
         self.registry = registry
         self.on_timeout = on_timeout
         self.transport: asyncio.Transport | None = None
-        self.in_request = False
+        self.awaiting_headers = True  # from accept, and from the end of each request to the next header block
+        self._tail = b""  # the last bytes seen while awaiting headers: a CRLF CRLF may straddle two reads
         self._timer: asyncio.TimerHandle | None = None
 
     # -- called by the middleware ------------------------------------------------------------------------
     def request_started(self) -> None:
-        self.in_request = True
+        self.awaiting_headers = False
         self._disarm()
 
     def request_finished(self) -> None:
-        self.in_request = False
+        self.awaiting_headers = True  # the timer starts with the next request's first byte
+        self._tail = b""
 
     # -- the timer ---------------------------------------------------------------------------------------
     def _arm(self) -> None:
@@ -51,7 +54,7 @@ class HeaderDeadlineProtocol(asyncio.Protocol):
 
     def _expired(self) -> None:
         self._timer = None
-        if self.in_request or self.transport is None or self.transport.is_closing():
+        if not self.awaiting_headers or self.transport is None or self.transport.is_closing():
             return
         peer = self.transport.get_extra_info("peername")
         log.debug("closing %s: request headers not complete within %ss", peer, self.timeout)
@@ -66,8 +69,15 @@ class HeaderDeadlineProtocol(asyncio.Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if self._timer is None and not self.in_request:
-            self._arm()  # the first byte of the next request on a kept-alive connection
+        if self.awaiting_headers:
+            if self._timer is None:
+                self._arm()  # the first byte of the next request on a kept-alive connection
+            seen = self._tail + data
+            if b"\r\n\r\n" in seen:  # the header block is complete; what follows is body (or pipelined)
+                self.awaiting_headers = False
+                self._disarm()
+            else:
+                self._tail = seen[-3:]
         self.inner.data_received(data)
 
     def eof_received(self):
