@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 
 import msgpack
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from cache_indexer.streams import kv_bucket
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +31,7 @@ class TargetsRecord:
 
     async def _store(self):
         if self._kv is None:
-            try:
-                self._kv = await self.js.key_value(self.bucket)
-            except (BucketNotFoundError, NotFoundError):
-                self._kv = await self.js.create_key_value(bucket=self.bucket, history=5)
+            self._kv = await kv_bucket(self.js, self.bucket, history=5)
         return self._kv
 
     async def load(self) -> tuple[set[str], set[str]]:

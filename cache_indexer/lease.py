@@ -11,18 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError
 
+from cache_indexer.streams import kv_bucket
 from cache_indexer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
-
-
-async def lease_bucket(js, bucket: str, ttl: float):
-    try:
-        return await js.key_value(bucket)
-    except (BucketNotFoundError, NotFoundError):
-        return await js.create_key_value(bucket=bucket, ttl=ttl, history=1)
 
 
 class Lease:
@@ -62,7 +56,7 @@ class Lease:
         while True:
             try:
                 if kv is None:
-                    kv = await lease_bucket(self.js, self.bucket, self.ttl)
+                    kv = await kv_bucket(self.js, self.bucket, ttl=self.ttl, history=1)
                 if self.is_leader:
                     rev = await kv.update(self.key, self.holder, last=rev)
                 else:

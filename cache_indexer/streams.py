@@ -13,7 +13,7 @@ import re
 
 import nats
 from nats.js import api
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from schemas.config import NatsConfig, StreamConfig
 
@@ -99,3 +99,11 @@ async def unsubscribe_quietly(sub) -> None:
         await sub.unsubscribe()
     except Exception as exc:
         log.debug("unsubscribe: %s", exc)
+
+
+async def kv_bucket(js, bucket: str, **create):
+    """The KV bucket, created with ``create`` (history, ttl, ...) where it does not exist yet."""
+    try:
+        return await js.key_value(bucket)
+    except (BucketNotFoundError, NotFoundError):
+        return await js.create_key_value(bucket=bucket, **create)

@@ -30,7 +30,7 @@ from nats.js import api
 from nats.js.errors import (BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError,
                             ObjectNotFoundError)
 
-from cache_indexer.streams import unsubscribe_quietly
+from cache_indexer.streams import kv_bucket, unsubscribe_quietly
 from indexer.l1_state import L1State, _Cursor
 
 log = logging.getLogger(__name__)
@@ -135,10 +135,7 @@ class SnapshotStore:
                 self._obs = await self.js.object_store(self.bucket)
             except (BucketNotFoundError, NotFoundError):
                 self._obs = await self.js.create_object_store(self.bucket, storage=api.StorageType.FILE)
-            try:
-                self._kv = await self.js.key_value(self.meta_bucket)
-            except (BucketNotFoundError, NotFoundError):
-                self._kv = await self.js.create_key_value(bucket=self.meta_bucket, history=5)
+            self._kv = await kv_bucket(self.js, self.meta_bucket, history=5)
         return self._obs, self._kv
 
     async def pointer(self) -> SnapshotRef | None:

@@ -117,13 +117,19 @@ async def test_pending_and_terminating_pods_are_not_targets(discovery):
     await wait_for(lambda: seen.pods() == {("127.0.0.46", 0)}, 10, "only the running, ready pod")
 
 
+async def watching_one_pod(discovery, ip: str) -> int:
+    """Pod "a" at ``ip`` discovered and a watch open; the list calls made so far."""
+    kube, d, seen = discovery
+    kube.add(make_pod("a", ip))
+    d.start()
+    await wait_for(lambda: seen.pods() == {(ip, 0)}, 10, "first pod")
+    await wait_for(lambda: kube.watching, 10, "watch open")
+    return kube.list_calls
+
+
 async def test_gone_watch_relists(discovery):
     kube, d, seen = discovery
-    kube.add(make_pod("a", "127.0.0.51"))
-    d.start()
-    await wait_for(lambda: seen.pods() == {("127.0.0.51", 0)}, 10, "first pod")
-    await wait_for(lambda: kube.watching, 10, "watch open")
-    lists = kube.list_calls
+    lists = await watching_one_pod(discovery, "127.0.0.51")
     kube.expire()  # the open watch gets 410 Gone
     kube.add(make_pod("b", "127.0.0.52"))
     await wait_for(lambda: kube.list_calls > lists, 10, "relist after 410")
@@ -132,11 +138,7 @@ async def test_gone_watch_relists(discovery):
 
 async def test_broken_watch_recovers_what_happened_meanwhile(discovery):
     kube, d, seen = discovery
-    kube.add(make_pod("a", "127.0.0.53"))
-    d.start()
-    await wait_for(lambda: seen.pods() == {("127.0.0.53", 0)}, 10, "first pod")
-    await wait_for(lambda: kube.watching, 10, "watch open")
-    lists = kube.list_calls
+    lists = await watching_one_pod(discovery, "127.0.0.53")
     kube.break_watches()
     kube.delete("a")
     kube.add(make_pod("c", "127.0.0.54"))
