@@ -30,8 +30,9 @@ _KNOWN_PATHS = {HIT_RATE_PATH, "/healthz", "/readyz", "/metrics"}
 UNKNOWN_POD_MESSAGE = "no KV-cache events seen for this server"
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"status": status, "message": message, "server_score_list": []}, status=status)
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"status": status, "message": message, "server_score_list": []}, status=status,
+                             headers=headers or None)
 
 
 class HitRateApi:
@@ -48,7 +49,7 @@ class HitRateApi:
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
                               middlewares=[self._observe])
-        app.router.add_route("*", HIT_RATE_PATH, self.hit_rate)
+        app.router.add_route("*", HIT_RATE_PATH, self.hit_rate, expect_handler=self._expect)
         add_ops_routes(app, self.metrics, self.ready, "catching up with the event streams")
         return app
 
@@ -90,13 +91,33 @@ class HitRateApi:
         if unknown:
             self.metrics.unknown_candidates.inc(unknown)
 
-    async def hit_rate(self, request: web.Request) -> web.Response:
-        if request.method != "POST":
-            return _error(405, f"method {request.method} not allowed; use POST")
-        length = request.content_length
-        limit = self.http.maxHitRateBodyBytes
+    def _too_large(self, request: web.Request) -> web.Response | None:
+        length, limit = request.content_length, self.http.maxHitRateBodyBytes
         if length is not None and length > limit:
             return _error(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
+        return None
+
+    async def _expect(self, request: web.Request) -> web.Response | None:
+        """``Expect: 100-continue``: refuse an oversized or non-POST body before the client sends it."""
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return _error(417, f"unsupported Expect: {request.headers.get('Expect')}")
+        refusal = (_error(405, f"method {request.method} not allowed; use POST", Allow="POST")
+                   if request.method != "POST" else self._too_large(request))
+        if refusal is not None:
+            refusal.force_close()  # the body was never sent: the connection cannot carry another request
+            return refusal
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
+        return None
+
+    async def hit_rate(self, request: web.Request) -> web.Response:
+        if request.method != "POST":
+            return _error(405, f"method {request.method} not allowed; use POST", Allow="POST")
+        too_large = self._too_large(request)
+        if too_large is not None:
+            return too_large
+        limit = self.http.maxHitRateBodyBytes
         try:
             body = await asyncio.wait_for(request.read(), self.http.readTimeout or None)
         except web.HTTPRequestEntityTooLarge:
@@ -118,5 +139,5 @@ class HitRateApi:
         items = [{"server_ip": s.pod, "l1_hit_ratio": s.ratios[0], "l3_hit_ratio": s.ratios[1],
                   "message": "" if s.known else UNKNOWN_POD_MESSAGE, "status": 0} for s in result.scores]
         self._observe_answer(result.scores)
-        return web.Response(body=json.dumps({"status": 0, "message": "success", "server_score_list": items}),
+        return web.Response(body=json.dumps({"status": 0, "message": "", "server_score_list": items}),
                             content_type="application/json")

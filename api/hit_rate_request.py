@@ -29,7 +29,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _Request(msgspec.Struct, forbid_unknown_fields=True):
-    server_ip: Annotated[list[str], msgspec.Meta(min_length=1)]
+    server_ip: Annotated[list[Annotated[str, msgspec.Meta(pattern=r"\S")]], msgspec.Meta(min_length=1)]
     body: _Body
 
 

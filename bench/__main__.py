@@ -1,6 +1,6 @@
-"""``python -m bench [all|hashing|memory|query|ingest|replay] [--quick] [--write]``
+"""python -m bench [all|hashing|memory|query|ingest|replay] [--quick] [--write]
 
-Runs the benchmarks and prints one Markdown report; ``--write`` also stores it in bench/RESULTS.md.
+Runs the benchmarks and prints one Markdown report; --write also stores it in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -21,11 +21,22 @@ SECTIONS = {
 }
 
 
+def _parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n", 1)[1].strip(),
+                                epilog="benchmarks: " + ", ".join(f"{k} ({v[0]})" for k, v in SECTIONS.items()))
+    p.add_argument("names", nargs="*", metavar="NAME", choices=["all", *SECTIONS], default=["all"],
+                   help="benchmarks to run (default: all)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--write", action="store_true", help="also write the report to bench/RESULTS.md")
+    return p
+
+
 def main(argv: list[str]) -> int:
-    quick = "--quick" in argv
-    names = [a for a in argv if not a.startswith("--")] or ["all"]
-    if names == ["all"]:
-        names = list(SECTIONS)
+    args = _parser().parse_args(argv)
+    quick = args.quick
+    names = list(SECTIONS) if "all" in args.names else list(dict.fromkeys(args.names))
     import importlib
 
     parts = ["# cache-indexer benchmark results", "",
@@ -43,7 +54,7 @@ def main(argv: list[str]) -> int:
         parts += [f"## {title}", "", (mod.__doc__ or "").strip(), "", mod.table(res), ""]
     report = "\n".join(parts)
     print(report)
-    if "--write" in argv:
+    if args.write:
         (Path(__file__).parent / "RESULTS.md").write_text(report)
     return 0
 

@@ -10,7 +10,7 @@ import time
 
 import zmq.asyncio
 
-from tests.vllm_fake import FakeVllmPublisher, batch_payload, removed, stored
+from cache_indexer.vllm_publisher import VllmPublisher, batch_payload, removed, stored
 
 
 def payloads(batches: int, events: int, seed: int) -> list[bytes]:
@@ -46,7 +46,7 @@ async def main() -> None:
     args = ap.parse_args()
     data = payloads(args.batches, args.events, args.seed)
     ctx = zmq.asyncio.Context()
-    eng = FakeVllmPublisher(ctx, args.host, 0, 0, buffer_steps=args.batches + 1)
+    eng = VllmPublisher(ctx, args.host, 0, 0, buffer_steps=args.batches + 1)
     print(f"PORTS {eng.pub_port} {eng.replay_port}", flush=True)
     await eng.wait_subscribed(60)
     print(f"START {time.time()}", flush=True)

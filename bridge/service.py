@@ -136,19 +136,23 @@ class Bridge:
         return self.publisher is not None and self.nc is not None and self.nc.is_connected
 
     async def _watch_static(self) -> None:
-        targets = StaticTargets(self.cfg.discovery.static.file)
+        targets = StaticTargets(self.cfg.discovery.static.file, *self.cfg.discovery.static.extraFiles)
         interval = min(1.0, self.cfg.discovery.refreshInterval)
         while True:
             try:
                 found = targets.changed()
                 if found is not None:
+                    for path in targets.vanished:  # the configured file; an extra one comes and goes
+                        log.log(logging.WARNING if path == targets.path else logging.INFO,
+                                "targets file %s was removed: unsubscribing every pod and master it listed", path)
                     await self.set_endpoints(found.endpoints())
                     if self.cfg.ingest.l3.enabled:
                         await self.set_masters([m.target(self.cfg.ingest.l3.scheme) for m in found.mooncakeMasters])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.error("targets file %s: %s (keeping the current targets)", targets.path, exc)
+                self.metrics.targets_reload_errors.inc()
+                log.error("targets file %s: %s (keeping the last good targets)", targets.path, exc)
             await asyncio.sleep(interval)
 
     async def set_endpoints(self, endpoints: list[Endpoint]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bridge.mooncake_poller import MasterTarget
 from bridge.vllm_subscriber import Endpoint
@@ -66,29 +66,79 @@ class TargetsFile(BaseModel):
         return [ep for t in self.vllm for ep in t.endpoints()]
 
 
+class TargetsError(ValueError):
+    """A targets file that cannot be used; the message names the file and line."""
+
+
+def _line_of(root: yaml.Node | None, loc: tuple) -> int | None:
+    """1-based line of the YAML node at a pydantic error location (as deep as the location exists)."""
+    node, line = root, None
+    for key in loc:
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if k.value == key), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+        else:
+            node = None
+    return node.start_mark.line + 1 if node is not None else line
+
+
 def load_targets(path: str | Path) -> TargetsFile:
     text = Path(path).read_text()
-    return TargetsFile.model_validate(yaml.safe_load(text) or {})
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise TargetsError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise TargetsError(f"{path}:1: expected a mapping with 'vllm' and 'mooncakeMasters' lists")
+    try:
+        return TargetsFile.model_validate(data)
+    except ValidationError as exc:
+        errors = []
+        for err in exc.errors(include_url=False):
+            line = _line_of(root, err["loc"])
+            loc = ".".join(str(x) for x in err["loc"])
+            errors.append(f"{path}:{line or 1}: {loc}: {err['msg']}")
+        raise TargetsError("; ".join(errors)) from None
 
 
 class StaticTargets:
-    """Polls the file's modification time; ``changed()`` returns the new targets when it changed,
-    None when it did not. A file that disappears means no targets; one that never existed, no change."""
+    """Polls the files' modification times; ``changed()`` returns the targets of all files together when
+    any changed, None when none did. A file that disappears lists nothing any more (``vanished`` names
+    it); one that never existed, no change. A file that cannot be used raises TargetsError once per
+    version, and the caller keeps what it had.
 
-    def __init__(self, path: str | Path) -> None:
+    Local mode watches two: the configured file and the overlay ``cache-indexer simulate`` writes."""
+
+    def __init__(self, path: str | Path, *extra: str | Path) -> None:
         self.path = Path(path)
-        self._stamp: tuple[int, int] | None = None
+        self.paths = [self.path, *map(Path, extra)]
+        self._stamps: dict[Path, tuple[int, int] | None] = {p: None for p in self.paths}
+        self.vanished: list[Path] = []
+
+    def _stamp(self, path: Path) -> tuple[int, int] | None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
 
     def changed(self) -> TargetsFile | None:
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            if self._stamp is None:
-                return None
-            self._stamp = None
-            return TargetsFile()
-        stamp = (st.st_mtime_ns, st.st_size)
-        if stamp == self._stamp:
+        stamps = {p: self._stamp(p) for p in self.paths}
+        if stamps == self._stamps:
             return None
-        self._stamp = stamp
-        return load_targets(self.path)
+        self.vanished = [p for p in self.paths if self._stamps[p] is not None and stamps[p] is None]
+        self._stamps = stamps
+        merged = TargetsFile()
+        for path, stamp in stamps.items():
+            if stamp is not None:
+                one = load_targets(path)
+                merged.vllm += one.vllm
+                merged.mooncakeMasters += one.mooncakeMasters
+        return merged

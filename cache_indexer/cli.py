@@ -1,28 +1,35 @@
-"""``cache-indexer``: one command, a subcommand per component.
+"""cache-indexer: one command, a subcommand per component.
 
-    cache-indexer local      all-in-one: a local nats-server, the bridge (static targets) and one
-                             indexer replica serving the API on 127.0.0.1:28080
-    cache-indexer bridge     vLLM ZMQ events -> JetStream
-    cache-indexer indexer    an indexer replica with the HTTP API
-    cache-indexer events     view|tail: print the L1 stream human-readably
-    cache-indexer config     print the effective configuration
+  local      all-in-one for a laptop: an embedded nats-server, the bridge (static targets) and one
+             indexer replica serving the API on 127.0.0.1:28080
+  simulate   simulated vLLM engines that feed a running `local` (or a targets file you name)
+  bridge     vLLM ZMQ events and Mooncake masters -> JetStream
+  indexer    an indexer replica with the HTTP API
+  events     view|tail: print the L1 or L3 stream as JSON lines
+  config     show: print the effective configuration
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from cache_indexer.config_loader import ConfigError, load_config
 from schemas.config import Config
 
 log = logging.getLogger("cache_indexer")
+
+Step = Callable[[], Awaitable[None]]
 
 
 class _JsonFormatter(logging.Formatter):
@@ -45,47 +52,113 @@ def setup_logging(cfg: Config) -> None:
     root.setLevel(cfg.log.level.upper())
 
 
-async def _until_signalled(stop_fns) -> None:
-    stop = asyncio.Event()
+async def serve(start: list[Step], stop: list[Step], shutdown_timeout: float,
+                on_second_signal: Callable[[], None] = lambda: None) -> int:
+    """Run the start steps, wait for SIGINT/SIGTERM, run the stop steps in order within ``shutdown_timeout``.
+
+    The handlers are installed first, so a signal during start-up cancels it and still runs every stop
+    step (each must cope with a half-started component). A second signal ends the process at once.
+    Returns the exit code: 0 after a signal, 1 when start-up failed."""
     loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def _on_signal(signame: str) -> None:
+        if stopping.is_set():
+            log.warning("%s again: exiting now", signame)
+            on_second_signal()
+            os._exit(130)
+        log.info("%s: shutting down", signame)
+        stopping.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down")
-    for fn in stop_fns:
+        loop.add_signal_handler(sig, _on_signal, sig.name)
+
+    async def _start_all() -> None:
+        for step in start:
+            await step()
+
+    code = 0
+    starting = asyncio.create_task(_start_all(), name="start-up")
+    waiter = asyncio.create_task(stopping.wait(), name="wait-for-signal")
+    await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done() and starting.exception() is not None:
+        log.error("start-up failed: %s", starting.exception(), exc_info=starting.exception())
+        code = 1
+    elif starting.done():
+        await waiter
+    else:
+        from cache_indexer.tasks import cancel_and_wait
+
+        await cancel_and_wait(starting)
+    waiter.cancel()
+
+    async def _stop_all() -> None:
+        for step in stop:
+            try:
+                await step()
+            except Exception:
+                log.exception("error during shutdown")
+
+    began = time.monotonic()
+    try:
+        await asyncio.wait_for(_stop_all(), shutdown_timeout or None)
+    except asyncio.TimeoutError:
+        log.warning("shutdown did not finish within http.shutdownTimeout (%.1fs); exiting", shutdown_timeout)
+    log.info("stopped in %.2fs", time.monotonic() - began)
+    return code
+
+
+def check_port_free(host: str, port: int) -> str | None:
+    """The reason the API port cannot be bound, or None. Checked before anything starts, so a busy port
+    costs one line instead of a traceback and a half-started process."""
+    if not port:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        if os.name != "nt":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
         try:
-            await fn()
-        except Exception:
-            log.exception("error during shutdown")
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is in use"
+            return f"cannot bind {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
-async def run_bridge(cfg: Config) -> None:
+async def run_bridge(cfg: Config) -> int:
     from api.ops import make_ops_app
     from api.server import HttpServer
     from bridge.service import Bridge
 
     bridge = Bridge(cfg)
     http = HttpServer(make_ops_app(bridge.metrics, bridge.is_ready, "not connected to NATS"), cfg.http, bridge.metrics)
-    await http.start()  # health and metrics of the bridge
-    await bridge.start()
-    await _until_signalled([http.stop, bridge.stop])
+    return await serve([http.start, bridge.start], [http.stop, bridge.stop], cfg.http.shutdownTimeout)
 
 
-async def run_indexer(cfg: Config) -> None:
+async def run_indexer(cfg: Config) -> int:
     from cache_indexer.replica import Replica
 
     replica = Replica(cfg)
-    await replica.start()
-    await _until_signalled([replica.stop])
+    return await serve([replica.start], [replica.http.stop, replica.indexer.stop], cfg.http.shutdownTimeout)
 
 
-async def run_local(cfg: Config) -> None:
-    """Everything in one process, for a laptop: embedded nats-server unless nats.embedded=false."""
+async def run_local(cfg: Config) -> int:
+    """Everything in one process, for a laptop: embedded nats-server unless nats.embedded=false.
+
+    Shutdown goes in order: stop accepting and drain the API, stop the bridge and the indexer, then the
+    server. The server runs in its own session (a terminal's Ctrl-C reaches only this process) and dies
+    with this process, so nothing is left behind whichever process gets the signal."""
     from bridge.service import Bridge
+    from cache_indexer import runtime_file
     from cache_indexer.metrics import Metrics
     from cache_indexer.nats_server import NatsServer
     from cache_indexer.replica import Replica
 
+    stale = runtime_file.clean_stale_local()
+    if stale:
+        log.info("removed the store of a local instance that did not stop cleanly: %s", stale)
+    runtime_file.simulated_targets_path().unlink(missing_ok=True)  # engines of an earlier run are gone
     server = None
     if cfg.nats.embedded:
         server = NatsServer(store_dir=cfg.nats.embeddedStoreDir or None).start()
@@ -94,52 +167,117 @@ async def run_local(cfg: Config) -> None:
     metrics = Metrics()
     bridge = Bridge(cfg, metrics)
     replica = Replica(cfg, metrics)
-    await bridge.start()
-    await replica.start()
+    api_url = f"http://{cfg.http.host}:{cfg.http.port}"
 
-    async def _stop_server() -> None:
-        if server is None:
-            return
-        if cfg.nats.embeddedStoreDir:
-            server.stop()  # keep the configured store: the next start replays it
-        else:
-            server.close()  # a temporary store goes with the server
+    def _stop_server() -> None:
+        if server is not None:
+            if cfg.nats.embeddedStoreDir:
+                server.stop()  # keep the configured store: the next start replays it
+            else:
+                server.close()  # a temporary store goes with the server
+        runtime_file.remove_local()
 
-    await _until_signalled([replica.stop, bridge.stop, _stop_server])
+    async def _stop_server_step() -> None:
+        _stop_server()
+
+    async def _announce() -> None:
+        runtime_file.write_local({"nats_url": cfg.nats.url, "api_url": api_url, "config": cfg.model_dump(mode="json"),
+                                  "targets": str(Path(cfg.discovery.static.file).resolve()),
+                                  "store_dir": server.store_dir if server else "",
+                                  "temporary_store": bool(server and not cfg.nats.embeddedStoreDir)})
+        log.info("ready to start: API on %s; feed it with `cache-indexer simulate`", api_url)
+
+    try:
+        return await serve([_announce, bridge.start, replica.start],
+                           [replica.http.stop, bridge.stop, replica.indexer.stop, _stop_server_step],
+                           cfg.http.shutdownTimeout, on_second_signal=_stop_server)
+    finally:
+        _stop_server()
 
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", "-c", help="YAML configuration file (the Helm values' shape)")
+    common.add_argument("--config", "-c", metavar="FILE",
+                        help="YAML configuration file: the Helm values' shape (the chart's or the documented product's)")
     common.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                         help="override one field, e.g. --set http.port=8080 (repeatable)")
     p = argparse.ArgumentParser(prog="cache-indexer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    local = sub.add_parser("local", parents=[common], help="all-in-one local mode")
-    local.add_argument("--targets", help="static targets file (default: discovery.static.file)")
-    sub.add_parser("bridge", parents=[common], help="run the bridge")
-    sub.add_parser("indexer", parents=[common], help="run an indexer replica with the API")
-    ev = sub.add_parser("events", parents=[common], help="print stream events")
-    ev.add_argument("mode", choices=["view", "tail"])
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def add(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=summary, description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    local = add("local", "all-in-one local mode",
+                "Runs an embedded nats-server, the bridge on a static targets file and one indexer replica\n"
+                "with the API on 127.0.0.1:28080. Ctrl-C stops everything in order.")
+    local.add_argument("--targets", metavar="FILE", help="static targets file (default: discovery.static.file)")
+    sim = add("simulate", "simulated vLLM engines for a running local instance",
+              "Starts simulated vLLM engines that publish vLLM's exact ZMQ frames (with a replay socket):\n"
+              "shared system prompts, multi-turn conversations, evictions under a block budget, several\n"
+              "pods and data-parallel ranks. They are added to the targets of the running `local`\n"
+              "instance (or written to --targets FILE), and a ready-to-paste curl is printed once the API\n"
+              "shows a non-zero L1 ratio. Ctrl-C removes them again.")
+    from cache_indexer.simulate import add_arguments
+
+    add_arguments(sim)
+    add("bridge", "run the bridge",
+        "Discovers vLLM pods and Mooncake masters, relays their KV events into JetStream.")
+    add("indexer", "run an indexer replica with the API",
+        "Rebuilds the L1 and L3 indexes from the streams (snapshot + tail) and serves the hit-rate API.")
+    ev = add("events", "print stream messages",
+             "Prints stream messages as JSON lines. Without --config, --set or a CACHE_INDEXER_NATS__URL, it\n"
+             "finds a running `cache-indexer local` by itself.")
+    ev.add_argument("mode", choices=["view", "tail"], help="view: what the stream holds now; tail: follow it")
     ev.add_argument("--subject", help="subject filter, e.g. 'kvcache.l1.10_0_0_1.>'")
     ev.add_argument("--last", type=int, default=0, help="start this many messages before the end")
     ev.add_argument("--tier", choices=["l1", "l3"], default="l1", help="the L1 (vLLM) or L3 (Mooncake) stream")
-    cfg = sub.add_parser("config", parents=[common], help="print the effective configuration as YAML")
+    cfg = add("config", "print the effective configuration",
+              "Prints the effective configuration tree as YAML: defaults < --config FILE < environment\n"
+              "(CACHE_INDEXER_<SECTION>__<FIELD>) < --set.")
     cfg.add_argument("action", choices=["show"], nargs="?", default="show")
+    cfg.add_argument("--local", action="store_true", help="the tree `cache-indexer local` runs with")
     return p
 
 
-LOCAL_DEFAULTS = {"http": {"host": "127.0.0.1"}, "nats": {"embedded": True}}
+def local_defaults() -> dict:
+    """What `local` changes from the defaults: loopback, embedded NATS, and the simulate overlay watched."""
+    from cache_indexer.runtime_file import simulated_targets_path
+
+    return {"http": {"host": "127.0.0.1"}, "nats": {"embedded": True},
+            "discovery": {"static": {"extraFiles": [str(simulated_targets_path())]}}}
+
+
+def _validate_static_targets(cfg: Config, required: bool) -> str | None:
+    """At start-up a targets file that cannot be used is a configuration error, not an empty fleet."""
+    from bridge.static_targets import TargetsError, load_targets
+
+    path = Path(cfg.discovery.static.file)
+    if not path.exists():
+        return f"targets file {path} not found (see examples/targets.yaml; pass --targets FILE)" if required else None
+    try:
+        load_targets(path)
+    except (TargetsError, OSError) as exc:
+        return f"targets file {exc}" if isinstance(exc, TargetsError) else f"targets file {path}: {exc}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the event loop's handlers were installed, or in `events`
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     overrides = list(args.set)
-    if getattr(args, "targets", None):
+    if getattr(args, "targets", None) and args.cmd == "local":
         overrides.append(f"discovery.static.file={args.targets}")
+    local_tree = args.cmd == "local" or (args.cmd == "config" and args.local)
     try:
-        cfg = load_config(args.config, overrides=overrides, base=LOCAL_DEFAULTS if args.cmd == "local" else None)
+        cfg = load_config(args.config, overrides=overrides, base=local_defaults() if local_tree else None)
     except ConfigError as exc:
         print(f"cache-indexer: {exc}", file=sys.stderr)
         return 2
@@ -153,13 +291,23 @@ def main(argv: list[str] | None = None) -> int:
         from cache_indexer.inspect_events import run
 
         return asyncio.run(run(cfg, args.mode, args.subject, args.last, tier=args.tier))
-    if args.cmd == "local" and not Path(cfg.discovery.static.file).exists():
-        print(f"cache-indexer: targets file {cfg.discovery.static.file} not found "
-              "(see examples/targets.yaml; pass --targets FILE)", file=sys.stderr)
-        return 2
+    if args.cmd == "simulate":
+        from cache_indexer.simulate import run as simulate
+
+        return asyncio.run(simulate(cfg, args))
+    if args.cmd in ("local", "bridge") and cfg.discovery.mode == "static":
+        problem = _validate_static_targets(cfg, required=args.cmd == "local")
+        if problem:
+            print(f"cache-indexer: {problem}", file=sys.stderr)
+            return 2
+    if args.cmd in ("local", "indexer", "bridge"):
+        busy = check_port_free(cfg.http.host, cfg.http.port)
+        if busy:
+            print(f"cache-indexer: {busy}; choose another with --set http.port=PORT "
+                  f"(or CACHE_INDEXER_HTTP__PORT)", file=sys.stderr)
+            return 2
     runner = {"bridge": run_bridge, "indexer": run_indexer, "local": run_local}[args.cmd]
-    asyncio.run(runner(cfg))
-    return 0
+    return asyncio.run(runner(cfg))
 
 
 if __name__ == "__main__":

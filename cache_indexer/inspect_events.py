@@ -1,5 +1,10 @@
 """``cache-indexer events view|tail [--tier l1|l3]``: prints stream messages as JSON lines, since the
-nats CLI is not always at hand. L1 block hashes are printed as integers and as 16-digit hex."""
+nats CLI is not always at hand. L1 block hashes are printed as integers and as 16-digit hex.
+
+Without a configured ``nats.url`` it reads the record a running ``cache-indexer local`` leaves
+(cache_indexer.runtime_file), so the documented commands work against local mode as they are. It
+gives up with one line after ``nats.connectTimeout`` when nothing answers.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,36 @@ import json
 import sys
 
 import msgpack
+import nats
 from nats.js import api
+from nats.js.errors import NotFoundError
 
-from cache_indexer.streams import connect
-from schemas.config import Config
+from cache_indexer import runtime_file
+from schemas.config import Config, NatsConfig
+
+
+def resolve_nats(cfg: Config) -> tuple[NatsConfig, str]:
+    """The NATS settings to use, and where they came from: configured, or a running local instance's."""
+    if "url" in cfg.nats.model_fields_set:
+        return cfg.nats, "configured"
+    record = runtime_file.read_local()
+    if record is None:
+        return cfg.nats, "default"
+    local = Config.model_validate(record.get("config") or {}).nats if record.get("config") else cfg.nats
+    return local.model_copy(update={"url": record["nats_url"], "connectTimeout": cfg.nats.connectTimeout}), \
+        f"the local instance (pid {record['pid']})"
+
+
+async def connect_once(cfg: NatsConfig, name: str) -> nats.NATS:
+    """One bounded attempt: no reconnect loop and no warnings (a CLI reports failure itself)."""
+
+    async def _quiet(exc: Exception) -> None:
+        pass
+
+    return await asyncio.wait_for(
+        nats.connect(cfg.url, name=name, connect_timeout=cfg.connectTimeout, allow_reconnect=False,
+                     max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=_quiet),
+        cfg.connectTimeout + 1)
 
 
 def render(seq: int, subject: str, headers: dict | None, data: bytes) -> str:
@@ -26,13 +57,27 @@ def render(seq: int, subject: str, headers: dict | None, data: bytes) -> str:
     return json.dumps({"seq": seq, "subject": subject, "headers": headers or {}, "data": payload}, default=str)
 
 
-async def run(cfg: Config, mode: str, subject: str | None, last: int, out=sys.stdout, tier: str = "l1") -> int:
-    nc = await connect(cfg.nats, name="cache-indexer-inspect")
+async def run(cfg: Config, mode: str, subject: str | None, last: int, out=sys.stdout, tier: str = "l1",
+              err=sys.stderr) -> int:
+    ncfg, source = resolve_nats(cfg)
+    try:
+        nc = await connect_once(ncfg, "cache-indexer-inspect")
+    except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+        hint = " (is `cache-indexer local` running?)" if source == "default" else ""
+        print(f"cache-indexer: no NATS server answered at {ncfg.url} within {ncfg.connectTimeout:g}s{hint}: "
+              f"{exc or type(exc).__name__}", file=err)
+        return 1
     js = nc.jetstream()
-    scfg = cfg.nats.l1Stream if tier == "l1" else cfg.nats.l3Stream
+    scfg = ncfg.l1Stream if tier == "l1" else ncfg.l3Stream
     stream = scfg.name
     filt = subject or f"{scfg.subjectPrefix}.>"
-    info = await js.stream_info(stream)
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        await nc.close()
+        print(f"cache-indexer: stream {stream} does not exist at {ncfg.url}: no bridge or indexer has started "
+              "against this server yet", file=err)
+        return 1
     done = asyncio.Event()
     end = info.state.last_seq
 
@@ -44,6 +89,9 @@ async def run(cfg: Config, mode: str, subject: str | None, last: int, out=sys.st
 
     if mode == "view" and (info.state.messages == 0):
         await nc.close()
+        what = "vLLM engine" if tier == "l1" else "Mooncake master"
+        print(f"stream {stream} at {ncfg.url} holds no messages yet: no {what} has published "
+              "(try `cache-indexer simulate`, or `events tail` to wait for the first)", file=err)
         return 0
     start = max(info.state.first_seq, end - last + 1) if last else info.state.first_seq
     cfg_c = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)

@@ -72,6 +72,9 @@ class Metrics:
         self.l3_keys = Gauge(p + "l3_keys", "Keys tracked per Mooncake master.", ["master"], registry=r)
         self.l3_poll_seconds = Histogram(p + "l3_poll_seconds", "Duration of one Mooncake master poll.",
                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
+        self.targets_reload_errors = Counter(p + "targets_reload_errors_total",
+                                             "Static targets file versions that could not be used (kept the last good).",
+                                             registry=r)
         self.bridge_leader = Gauge(p + "bridge_leader", "1 while this bridge holds the ingest lease.", registry=r)
 
     def render(self) -> bytes:

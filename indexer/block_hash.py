@@ -3,7 +3,7 @@
 vLLM (v1) hashes block i of a request as ``H((parent, tuple(tokens[i*B:(i+1)*B]), extra_keys_i))``
 with ``parent = NONE_HASH`` for block 0 and the previous block's full digest afterwards. A single
 wrong byte here turns every hit ratio into a silent 0, so this module follows
-``../shared/reference/vllm-hashing-and-events.md`` to the letter and is tested against vectors
+vLLM's own hashing code to the letter and is tested against vectors
 produced by vLLM's own code.
 
 Blocks without extra keys (all but a salted first block, for plain requests) take a fast path: the

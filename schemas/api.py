@@ -26,7 +26,8 @@ class HitRateBody(BaseModel):
 class HitRateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    server_ip: list[str] = Field(min_length=1, description="Candidate vLLM pod IPs; answered in this order.")
+    server_ip: list[Annotated[str, Field(pattern=r"\S")]] = Field(
+        min_length=1, description="Candidate vLLM pod IPs; answered in this order. Empty or blank entries are a 400.")
     body: HitRateBody
 
 
@@ -40,7 +41,7 @@ class ServerScore(BaseModel):
 
 class HitRateResponse(BaseModel):
     status: int = Field(0, description="0 on success; on error the HTTP status code.")
-    message: str = "success"
+    message: str = Field("", description="Empty on success (the documented contract); on error what was wrong.")
     server_score_list: list[ServerScore] = []
 
 

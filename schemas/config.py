@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|Ki|Mi|Gi|KB|MB|GB|K|M|G)?\s*$")
@@ -36,7 +36,20 @@ def _parse_size(value: object) -> object:
     return value
 
 
-Duration = Annotated[float, BeforeValidator(_parse_duration), Field(ge=0)]
+def _format_duration(seconds: float) -> str:
+    """Print a duration the way it is written in the values (``10s``, ``2m``, ``24h``, ``500ms``)."""
+    ms = round(seconds * 1000)
+    if ms % 1000:
+        return f"{ms}ms"
+    s = ms // 1000
+    for unit, size in (("h", 3600), ("m", 60)):
+        if s and s % size == 0:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+Duration = Annotated[float, BeforeValidator(_parse_duration), Field(ge=0),
+                     PlainSerializer(_format_duration, return_type=str, when_used="json")]
 Size = Annotated[int, BeforeValidator(_parse_size), Field(ge=0)]
 
 
@@ -84,6 +97,8 @@ class BlockKeyConfig(_Section):
 class StaticDiscoveryConfig(_Section):
     #: YAML file listing vLLM pods (and Mooncake masters); reloaded when it changes.
     file: str = "targets.yaml"
+    #: More files of the same format, merged with ``file`` (local mode adds the one ``simulate`` writes).
+    extraFiles: list[str] = []
 
 
 class VllmDiscoveryConfig(_Section):

@@ -11,7 +11,7 @@ import zmq.asyncio
 from bridge.service import Bridge
 from cache_indexer.metrics import Metrics
 from cache_indexer.replica import Replica
-from tests.vllm_fake import FakeVllmPublisher
+from cache_indexer.vllm_publisher import VllmPublisher
 
 
 class L1Stack:
@@ -21,7 +21,7 @@ class L1Stack:
         self.bridge_metrics = Metrics()
         self.bridge = Bridge(cfg, self.bridge_metrics)
         self.replica = Replica(cfg)
-        self.engines: list[FakeVllmPublisher] = []
+        self.engines: list[VllmPublisher] = []
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> "L1Stack":
@@ -30,8 +30,8 @@ class L1Stack:
         self.session = aiohttp.ClientSession(base_url=f"http://127.0.0.1:{self.replica.http.port}")
         return self
 
-    def engine(self, host: str = "127.0.0.1", **kw) -> FakeVllmPublisher:
-        eng = FakeVllmPublisher(self.ctx, host, kw.pop("pub_port", 0), kw.pop("replay_port", 0), **kw)
+    def engine(self, host: str = "127.0.0.1", **kw) -> VllmPublisher:
+        eng = VllmPublisher(self.ctx, host, kw.pop("pub_port", 0), kw.pop("replay_port", 0), **kw)
         self.engines.append(eng)
         return eng
 

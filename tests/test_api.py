@@ -67,7 +67,7 @@ async def test_ratios_in_input_order(api):
     status, body = await post(session, req(["127.0.1.2", "127.0.1.9", "127.0.1.1", "127.0.1.3"]))
     assert status == 200
     HitRateResponse.model_validate(body)
-    assert body["status"] == 0
+    assert body["status"] == 0 and body["message"] == "", "the documented success body: message is empty"
     got = [(s["server_ip"], s["l1_hit_ratio"], s["l3_hit_ratio"], s["status"]) for s in body["server_score_list"]]
     assert got == [("127.0.1.2", 0.25, 0.0, 0), ("127.0.1.9", 0.0, 0.0, 0), ("127.0.1.1", 0.75, 0.0, 0),
                    ("127.0.1.3", 1.0, 0.0, 0)]
@@ -117,6 +117,8 @@ BAD_REQUESTS = {
     "server_ip numbers": json.dumps({**req(["a"]), "server_ip": [1]}).encode(),
     "cache_salt number": json.dumps(req(["a"], salt=5)).encode(),
     "token_ids float": json.dumps(req(["a"], tokens=[1, 2.5])).encode(),
+    "server_ip empty string": json.dumps(req([""])).encode(),
+    "server_ip blank": json.dumps(req(["10.0.0.1", "  "])).encode(),
     "token_ids exponent": b'{"server_ip": ["a"], "body": {"token_ids": [1e3], "block_size": 16}}',
     "token_ids null": json.dumps(req(["a"], tokens=[None])).encode(),
     "token_ids not a list": json.dumps(req(["a"], tokens=5)).encode(),
@@ -182,6 +184,40 @@ async def test_other_methods_get_405(api, method):
     async with session.request(method, "/kv-cache/hit-rate") as r:
         body = await r.json()
         assert r.status == 405 and body["status"] == 405 and "POST" in body["message"]
+        assert r.headers["Allow"] == "POST"
+
+
+async def test_expect_100_continue_over_the_limit_gets_413_before_the_body_is_sent(api):
+    """Raw socket: the client sends headers only and waits, as curl does for large bodies."""
+    import asyncio
+
+    session, _ = api
+    port = session._base_url.port
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 10000000\r\nExpect: 100-continue\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 413"), head
+        length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+        body = json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
+        assert b"connection: close" in head.lower(), "the unsent body cannot be skipped: the connection ends"
+        assert body["status"] == 413 and "limit" in body["message"]
+    finally:
+        writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)  # within the limit: 100 Continue
+    try:
+        payload = json.dumps(req(["127.0.1.1"])).encode()
+        writer.write(b"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(payload))
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 100")
+        writer.write(payload)
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+    finally:
+        writer.close()
 
 
 async def test_oversized_body_gets_413(api):

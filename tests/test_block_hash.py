@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from indexer.block_hash import (BlockHasher, LoRAKey, MultiModalKey, event_block_hash,
                                 normalize_event_hash)
-from tests.conftest import SHARED
+from tests.conftest import DATA
 
-VECTORS = json.loads((SHARED / "vectors" / "vllm-block-hashes.json").read_text())
+VECTORS = json.loads((DATA / "vllm" / "vllm-block-hashes.json").read_text())
 CASES = [(c, "tagged") for c in VECTORS["primary_cases"]] + [(c, "untagged") for c in VECTORS["legacy_untagged_cases"]]
 
 

@@ -12,11 +12,10 @@ from bridge.vllm_events import HashProbe, decode_batch
 from cache_indexer.metrics import Metrics
 from indexer.block_hash import BlockHasher
 from schemas.config import BlockKeyConfig
-from tests.conftest import SHARED, make_config, wait_for
+from tests.conftest import VLLM_EVENTS as EVENTS, make_config, wait_for
 from tests.l1_stack import L1Stack
-from tests.vllm_fake import batch_payload, stored
+from cache_indexer.vllm_publisher import batch_payload, stored
 
-EVENTS = SHARED / "vectors" / "vllm-events"
 
 
 def probe_of(name: str) -> HashProbe | None:

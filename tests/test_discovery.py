@@ -225,3 +225,47 @@ async def test_mooncake_masters_by_label_and_port_name(kube):
         await wait_for(lambda: seen.current and seen.current[0].url == "http://127.0.0.56:9003", 10, "fallback port")
     finally:
         await d.stop()
+
+
+def test_targets_errors_name_the_file_and_line(tmp_path):
+    from bridge.static_targets import TargetsError, load_targets
+
+    f = tmp_path / "targets.yaml"
+    f.write_text("vllm:\n  - ip: 127.0.0.1\n  - ip: 127.0.0.2\n    dpRanks: zero\n")
+    with pytest.raises(TargetsError, match=rf"{f}:4: vllm.1.dpRanks"):
+        load_targets(f)
+    f.write_text("vllm:\n  - ip: 127.0.0.1\n    name: [unclosed\n")
+    with pytest.raises(TargetsError, match=rf"{f}:\d+: not valid YAML"):
+        load_targets(f)
+
+
+async def test_a_bad_reload_keeps_the_last_good_targets_and_is_counted(tmp_path, nats_url, stream_prefix, caplog):
+    import logging
+
+    import zmq.asyncio
+
+    from bridge.service import Bridge
+    from cache_indexer.vllm_publisher import VllmPublisher
+
+    f = tmp_path / "targets.yaml"
+    ctx = zmq.asyncio.Context()
+    engine = VllmPublisher(ctx, "127.0.0.1", 0, 0)
+    f.write_text(f"vllm:\n  - ip: 127.0.0.64\n    host: 127.0.0.1\n    zmqPort: {engine.pub_port}\n")
+    cfg = make_config(nats_url, stream_prefix, discovery={"mode": "static", "static": {"file": str(f)}},
+                      ingest={"leaderElection": False})
+    bridge = Bridge(cfg)
+    await bridge.start()
+    try:
+        await engine.wait_subscribed(10)
+        f.write_text("vllm:\n  - ip: 127.0.0.64\n    zmqPort: nope\n")
+        await wait_for(lambda: bridge.metrics.targets_reload_errors._value.get() == 1, 10, "the bad version counted")
+        assert {e.pod for e in bridge.subscribers} == {"127.0.0.64"}, "the last good targets stay"
+        assert any(r.levelno == logging.ERROR and "keeping the last good" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        f.unlink()
+        await wait_for(lambda: not bridge.subscribers, 10, "a removed file lists nothing")
+        assert any(r.levelno == logging.WARNING and "was removed" in r.getMessage() for r in caplog.records)
+    finally:
+        await bridge.stop()
+        await engine.close()
+        ctx.term()

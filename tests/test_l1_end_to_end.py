@@ -12,9 +12,9 @@ import msgpack
 import pytest
 
 from indexer.block_hash import BlockHasher
-from tests.conftest import SHARED, make_config, wait_for
+from tests.conftest import VLLM_EVENTS, make_config, wait_for
 from tests.l1_stack import L1Stack
-from tests.vllm_fake import cleared, removed, stored
+from cache_indexer.vllm_publisher import cleared, removed, stored
 
 H = BlockHasher("sha256_cbor", "0")
 BS = 16
@@ -144,7 +144,7 @@ async def test_replay_without_topic_frame_pre_0_26(stack):
 
 async def test_real_vllm_payloads_drive_the_ratio(stack):
     """The shared payloads from vLLM's own code (sha256_cbor, PYTHONHASHSEED=0, block size 4)."""
-    ev = SHARED / "vectors" / "vllm-events"
+    ev = VLLM_EVENTS
     tokens = [t for e in json.loads((ev / "01_block_stored_with_parent.json").read_text())["decoded"][1]
               for t in e["token_ids"]]
     eng = stack.engine(POD)

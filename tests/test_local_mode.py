@@ -19,7 +19,7 @@ import zmq.asyncio
 from cache_indexer.nats_server import find_binary
 from indexer.block_hash import BlockHasher
 from tests.conftest import wait_for
-from tests.vllm_fake import FakeVllmPublisher, stored
+from cache_indexer.vllm_publisher import VllmPublisher, stored
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_readme_commands_match_ci():
 @pytest.mark.skipif(not find_binary(), reason="needs the nats-server binary")
 async def test_local_mode_serves_hit_rates(tmp_path):
     ctx = zmq.asyncio.Context()
-    engine = FakeVllmPublisher(ctx, "127.0.0.21", 0, 0)
+    engine = VllmPublisher(ctx, "127.0.0.21", 0, 0)
     targets = tmp_path / "targets.yaml"
     targets.write_text(f"vllm:\n  - ip: 127.0.0.21\n    zmqPort: {engine.pub_port}\n    replayPort: {engine.replay_port}\n")
     port = free_port()

@@ -23,9 +23,9 @@ from bridge.mooncake_poller import MasterTarget, MooncakePoller
 from cache_indexer.metrics import Metrics
 from indexer.l3_state import L3State
 from schemas.config import L3IngestConfig
-from tests.conftest import SHARED, make_config, wait_for
+from tests.conftest import DATA, make_config, wait_for
 
-MC = SHARED / "reference" / "mooncake"
+MC = DATA / "mooncake"
 RESP = MC / "responses"
 ROOT = Path(__file__).resolve().parents[1]
 

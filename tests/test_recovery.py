@@ -20,7 +20,7 @@ from indexer.service import Indexer
 from tests.conftest import make_config, wait_for
 from tests.l1_stack import L1Stack
 from tests.test_local_mode import free_port
-from tests.vllm_fake import removed, stored
+from cache_indexer.vllm_publisher import removed, stored
 
 ROOT = Path(__file__).resolve().parents[1]
 H = BlockHasher("sha256_cbor", "0")

@@ -1,4 +1,4 @@
-"""The tolerant decoder against the real vLLM payloads in ../shared/vectors/vllm-events/."""
+"""The tolerant decoder against the real vLLM payloads in tests/data/vllm/events/."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import pytest
 
 from bridge.vllm_events import MalformedPayload, decode_batch
 from indexer.block_hash import BlockHasher, event_block_hash
-from tests.conftest import SHARED
+from tests.conftest import VLLM_EVENTS as EVENTS
 
-EVENTS = SHARED / "vectors" / "vllm-events"
 FILES = sorted(EVENTS.glob("*.bin")) + sorted((EVENTS / "legacy").glob("*.bin"))
 
 

@@ -1,11 +1,12 @@
-"""A stand-in vLLM KV-event publisher speaking vLLM's exact ZMQ frames (ZmqEventPublisher, 0.33).
+"""A vLLM KV-event publisher speaking vLLM's exact ZMQ frames (ZmqEventPublisher, 0.33): the engine side
+of ``cache-indexer simulate``, of the benchmarks and of the tests (one implementation for all three).
 
 - live: ``[topic, seq (8-byte big-endian), msgpack KVEventBatch]`` on a PUB-compatible socket (XPUB,
-  so a test can wait until the bridge has subscribed instead of sleeping);
+  so a caller can wait until the bridge has subscribed instead of sleeping);
 - replay: a ROUTER that answers ``[client, b"", start_seq]`` with ``[client, b"", topic, seq, payload]``
   per buffered batch with seq >= start, then ``[client, b"", b"", END_SEQ, b""]``; ``legacy_replay``
   drops the topic frame as vLLM < 0.26 did;
-- payloads: map-shaped events as vLLM >= 0.24 encodes them, or raw bytes (e.g. the shared vectors).
+- payloads: map-shaped events as vLLM >= 0.24 encodes them, or raw bytes (e.g. vLLM's own payloads).
 Helpers can skip live sends (to make gaps), restart the engine (seq back to 0) and bound the buffer.
 """
 
@@ -45,7 +46,7 @@ def batch_payload(events: list[dict], dp_rank: int = 0, ts: float | None = None)
     return msgpack.packb([ts if ts is not None else time.time(), events, dp_rank], use_bin_type=True)
 
 
-class FakeVllmPublisher:
+class VllmPublisher:
     def __init__(self, ctx: zmq.asyncio.Context, host: str, pub_port: int, replay_port: int | None = None,
                  topic: str = "", dp_rank: int = 0, buffer_steps: int = 10000, legacy_replay: bool = False) -> None:
         self.ctx = ctx

@@ -1,0 +1,252 @@
+"""``cache-indexer simulate``: simulated vLLM engines, so a ratio above 0 can be seen without a GPU.
+
+Each data-parallel rank of each simulated pod is a ``SimulatedEngine``: a model of vLLM's BlockPool
+(cached blocks in LRU order under a block budget; a request reuses its longest cached prefix, evicts the
+least recently used blocks it needs room for, and stores the rest) that turns requests into the KV
+events vLLM emits, published in vLLM's exact ZMQ frames with a replay socket (``VllmPublisher``).
+The traffic is what prefix caching is for: a few shared system prompts (prompt 0 is tokens 1..64, so
+the printed curl is short) and multi-turn conversations that grow turn by turn, pinned to a rank.
+
+The engines are listed in the targets overlay of the running ``cache-indexer local``
+(``runtime_file.simulated_targets_path``), or in ``--targets FILE``; the file is removed on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import signal
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from cache_indexer import runtime_file
+from cache_indexer.vllm_publisher import VllmPublisher, batch_payload, removed, stored
+from indexer.block_hash import BlockHasher
+from schemas.config import Config
+
+log = logging.getLogger(__name__)
+
+DEMO_PROMPT = list(range(1, 65))  # system prompt 0: the one the printed curl asks about
+VOCAB = 32000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pods", type=int, default=3, help="simulated vLLM pods (default 3), IPs 127.0.1.1 ...")
+    p.add_argument("--dp-ranks", type=int, default=2, help="data-parallel ranks per pod (default 2)")
+    p.add_argument("--block-size", type=int, default=16, help="the engines' --block-size (default 16)")
+    p.add_argument("--blocks", type=int, default=512, help="GPU blocks per rank: the eviction budget (default 512)")
+    p.add_argument("--rate", type=float, default=20.0, help="requests per second over all ranks (default 20)")
+    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (default: at Ctrl-C)")
+    p.add_argument("--seed", type=int, default=1, help="random seed of the traffic (default 1)")
+    p.add_argument("--targets", metavar="FILE",
+                   help="write the engines to this targets file instead of the running local instance's overlay")
+    p.add_argument("--api", metavar="URL", help="the hit-rate API to check and print the curl for "
+                   "(default: the running local instance's)")
+
+
+class SimulatedEngine:
+    """One rank's BlockPool, reduced to what its KV events show: which block hashes are cached."""
+
+    def __init__(self, publisher: VllmPublisher, hasher: BlockHasher, block_size: int, num_blocks: int) -> None:
+        self.publisher = publisher
+        self.hasher = hasher
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.stored = self.removed = 0
+
+    def events_for(self, tokens: list[int]) -> list[dict]:
+        """Serve one request (prompt and output together): the events vLLM would emit, in order."""
+        bs = self.block_size
+        hashes = self.hasher.event_hashes(tokens, bs)[: self.num_blocks]
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.cached:
+            self.cached.move_to_end(hashes[hit])
+            hit += 1
+        new = hashes[hit:]
+        events: list[dict] = []
+        room = self.num_blocks - len(self.cached)
+        evict = []
+        protected = set(hashes[:hit])
+        for h in list(self.cached):
+            if len(evict) >= len(new) - room:
+                break
+            if h not in protected:
+                evict.append(h)
+        for h in evict:
+            del self.cached[h]
+        if evict:
+            events.append(removed(evict))
+            self.removed += len(evict)
+        if new:
+            for h in new:
+                self.cached[h] = None
+            events.append(stored(new, parent=hashes[hit - 1] if hit else None, block_size=bs,
+                                 token_ids=tokens[hit * bs: len(hashes) * bs]))
+            self.stored += len(new)
+        return events
+
+    async def serve(self, tokens: list[int]) -> None:
+        events = self.events_for(tokens)
+        if events:
+            await self.publisher.publish_payload(batch_payload(events, self.publisher.dp_rank))
+
+
+@dataclass
+class Conversation:
+    engine: SimulatedEngine
+    tokens: list[int]
+    turns_left: int
+    rng: random.Random = field(repr=False, default_factory=random.Random)
+
+    def next_turn(self) -> list[int]:
+        """The user's next message and the model's answer: the history grows, its prefix stays."""
+        self.tokens += [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(20, 120))]  # user
+        self.tokens += [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(30, 200))]  # answer
+        self.turns_left -= 1
+        return list(self.tokens)
+
+
+class Workload:
+    """Shared system prompts (prompt 0 most popular) and multi-turn conversations pinned to one rank."""
+
+    def __init__(self, engines: list[SimulatedEngine], seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.engines = engines
+        self.prompts = [DEMO_PROMPT] + [[random.Random(seed * 100 + k).randrange(VOCAB) for _ in range(96 + 64 * k)]
+                                        for k in range(1, 4)]
+        self.weights = [8, 4, 2, 1]
+        self.active: list[Conversation] = []
+        self.requests = 0
+
+    def _new_conversation(self) -> Conversation:
+        prompt = self.rng.choices(self.prompts, self.weights)[0]
+        return Conversation(self.rng.choice(self.engines), list(prompt), self.rng.randint(1, 6),
+                            random.Random(self.rng.getrandbits(32)))
+
+    async def step(self) -> None:
+        if len(self.active) < 2 * len(self.engines) or self.rng.random() < 0.2:
+            self.active.append(self._new_conversation())
+        conv = self.rng.choice(self.active)
+        await conv.engine.serve(conv.next_turn())
+        self.requests += 1
+        if conv.turns_left <= 0:
+            self.active.remove(conv)
+
+
+async def start_engines(pods: int, ranks: int, hasher: BlockHasher, block_size: int, blocks: int, ctx):
+    """Bind each pod's ranks on consecutive ports (rank r on port + r), as the targets format expects."""
+    import zmq
+
+    engines, targets = [], []
+    rng = random.Random()
+    for i in range(pods):
+        for _ in range(50):
+            base = rng.randrange(20000, 60000 - 2 * ranks)
+            pubs: list[VllmPublisher] = []
+            try:
+                for r in range(ranks):
+                    pubs.append(VllmPublisher(ctx, "127.0.0.1", base + r, base + ranks + r, dp_rank=r))
+                break
+            except zmq.ZMQError:
+                for pub in pubs:
+                    await pub.close()
+        else:
+            raise RuntimeError("no free port range found for the simulated engines")
+        engines += [SimulatedEngine(pub, hasher, block_size, blocks) for pub in pubs]
+        targets.append({"ip": f"127.0.1.{i + 1}", "name": f"sim-{i}", "host": "127.0.0.1", "zmqPort": base,
+                        "replayPort": base + ranks, "dpRanks": ranks})
+    return engines, targets
+
+
+def demo_request(pods: list[str], block_size: int) -> dict:
+    return {"server_ip": pods, "body": {"token_ids": DEMO_PROMPT, "cache_salt": "", "block_size": block_size}}
+
+
+def curl_line(api_url: str, request: dict) -> str:
+    return f"curl -s {api_url}/kv-cache/hit-rate -d '{json.dumps(request, separators=(', ', ': '))}'"
+
+
+async def _ratios(session, api_url: str, request: dict) -> dict[str, float]:
+    async with session.post(f"{api_url}/kv-cache/hit-rate", json=request) as resp:
+        body = await resp.json(content_type=None)
+    return {s["server_ip"]: s["l1_hit_ratio"] for s in body.get("server_score_list", [])}
+
+
+async def run(cfg: Config, args: argparse.Namespace, out=sys.stdout) -> int:
+    import aiohttp
+    import zmq.asyncio
+
+    record = runtime_file.read_local()
+    if args.targets:
+        targets_path = Path(args.targets)
+    elif record is not None:
+        targets_path = runtime_file.simulated_targets_path()
+    else:
+        print("cache-indexer: no running `cache-indexer local` found; start it first, or pass --targets FILE "
+              "(and --api URL) for a bridge of your own", file=sys.stderr)
+        return 2
+    api_url = args.api or (record or {}).get("api_url") or f"http://127.0.0.1:{cfg.http.port}"
+    block_key = cfg.blockKey
+    if record is not None and record.get("config") and not {"blockKey"} & cfg.model_fields_set:
+        block_key = Config.model_validate(record["config"]).blockKey  # hash exactly as the instance expects
+    hasher = BlockHasher.for_block_key(block_key)
+    ctx = zmq.asyncio.Context()
+    engines, targets = await start_engines(args.pods, args.dp_ranks, hasher, args.block_size, args.blocks, ctx)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    tmp = targets_path.with_suffix(".tmp")
+    targets_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(yaml.safe_dump({"vllm": targets}, sort_keys=False))
+    tmp.replace(targets_path)
+    pods = [t["ip"] for t in targets]
+    print(f"simulating {args.pods} pods x {args.dp_ranks} ranks ({', '.join(pods)}), block size {args.block_size}, "
+          f"{block_key.hashAlgo} seed {block_key.pythonHashSeed!r}; targets in {targets_path}", file=out, flush=True)
+    workload = Workload(engines, args.seed)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(e.publisher.wait_subscribed(60) for e in engines)), 60)
+    except asyncio.TimeoutError:
+        print("cache-indexer: the bridge did not subscribe within 60s; is the instance watching "
+              f"{targets_path}?", file=sys.stderr)
+        stop.set()
+    request = demo_request(pods, args.block_size)
+    shown = False
+    deadline = loop.time() + args.duration if args.duration else None
+    next_report = loop.time() + 10
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set() and (deadline is None or loop.time() < deadline):
+            await workload.step()
+            if not shown and workload.requests % 10 == 0:
+                try:
+                    ratios = await _ratios(session, api_url, request)
+                except (aiohttp.ClientError, ValueError) as exc:
+                    ratios = {}
+                    log.debug("API not answering yet: %s", exc)
+                if any(ratios.values()):
+                    shown = True
+                    print("L1 ratios of system prompt 0 now: " + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()),
+                          file=out)
+                    print("try it (another terminal):\n" + curl_line(api_url, request), file=out, flush=True)
+            if loop.time() >= next_report:
+                next_report += 10
+                print(f"{workload.requests} requests, {sum(e.stored for e in engines)} blocks stored, "
+                      f"{sum(e.removed for e in engines)} evicted", file=out, flush=True)
+            try:
+                await asyncio.wait_for(stop.wait(), 1 / args.rate)
+            except asyncio.TimeoutError:
+                pass
+    targets_path.unlink(missing_ok=True)
+    for e in engines:
+        await e.publisher.close()
+    ctx.term()
+    print(f"stopped after {workload.requests} requests; the engines were removed from {targets_path}", file=out)
+    return 0
