@@ -108,13 +108,17 @@ class VllmSubscriber:
         self.metrics.subscriptions.inc()
 
     async def stop(self) -> None:
-        if self._task:
-            await cancel_and_wait(self._task)
-            self._task = None
-            self.metrics.subscriptions.dec()
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        """Also when the caller is cancelled meanwhile (a bridge stopping while a pod is being removed):
+        the socket is closed in any case, or the bridge's ``ctx.term()`` would wait for it for ever."""
+        try:
+            if self._task:
+                task, self._task = self._task, None
+                self.metrics.subscriptions.dec()
+                await cancel_and_wait(task)
+        finally:
+            if self._sock is not None:
+                self._sock.close(0)
+                self._sock = None
 
     async def _run(self) -> None:
         sock = self._sock

@@ -14,7 +14,7 @@ import time
 
 import nats
 from nats.js import api
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 
 from schemas.config import NatsConfig, StreamConfig
 
@@ -55,16 +55,53 @@ def stream_config(cfg: StreamConfig, subjects: list[str]) -> api.StreamConfig:
     )
 
 
+#: What ensure_stream compares between the configured and the existing stream.
+_COMPARED = ("subjects", "retention", "storage", "num_replicas", "max_age", "max_bytes", "max_msg_size",
+             "max_msgs_per_subject", "discard", "duplicate_window", "allow_rollup_hdrs", "deny_delete", "deny_purge",
+             "allow_direct")
+
+
+def stream_differences(existing: api.StreamConfig, wanted: api.StreamConfig) -> list[str]:
+    out = []
+    for name in _COMPARED:
+        have, want = getattr(existing, name), getattr(wanted, name)
+        if name == "subjects":
+            have, want = sorted(have or []), sorted(want or [])
+        elif isinstance(want, float) or isinstance(have, float):
+            have, want = round(have or 0, 3), round(want or 0, 3)
+        if have != want:
+            out.append(f"{name} {have} -> {want}")
+    return out
+
+
 async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.StreamInfo:
-    """Create the stream, or update it when it exists with another configuration (idempotent)."""
+    """The stream as configured: looked up first, created when missing, updated only on a real difference.
+
+    A single nats-server checks its storage reservation before it notices that a stream exists, so an
+    ``add_stream`` of an existing stream can fail with 10047 (insufficient storage) where the store holds
+    it fine: every start after the first would then fail. An update the server refuses (a larger
+    ``maxBytes`` than the store can reserve, say) is logged and the existing stream is used as it is."""
     sc = stream_config(cfg, subjects)
     try:
-        return await js.add_stream(sc)
-    except BadRequestError as exc:
-        if exc.err_code != 10058:
-            raise
-        log.info("updating stream %s to the configured limits", cfg.name)
-        return await js.update_stream(sc)
+        info = await js.stream_info(cfg.name)
+    except NotFoundError:
+        try:
+            return await js.add_stream(sc)
+        except BadRequestError as exc:
+            if exc.err_code != 10058:  # created meanwhile by another process: compare below
+                raise
+            info = await js.stream_info(cfg.name)
+    diff = stream_differences(info.config, sc)
+    if not diff:
+        return info
+    try:
+        updated = await js.update_stream(sc)
+        log.info("stream %s updated to the configured limits: %s", cfg.name, "; ".join(diff))
+        return updated
+    except APIError as exc:
+        log.error("stream %s differs from the configuration (%s) and the server refused the update: %s; "
+                  "using the stream as it is", cfg.name, "; ".join(diff), exc.description or exc)
+        return info
 
 
 async def ensure_l1_stream(js, cfg: NatsConfig) -> api.StreamInfo:

@@ -5,9 +5,12 @@ and flags override single fields (see cache_indexer.config_loader)."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from types import UnionType
+from typing import Annotated, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WrapValidator, model_validator
+
+from schemas.helm_values import fold, to_config_tree
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|Ki|Mi|Gi|KB|MB|GB|K|M|G)?\s*$")
@@ -36,8 +39,27 @@ def _parse_size(value: object) -> object:
     return value
 
 
+class DurationValue(float):
+    """Seconds, remembering how they were written (``120s`` stays ``120s`` in ``config show``)."""
+
+    text: str | None
+
+    def __new__(cls, seconds: float, text: str | None = None) -> "DurationValue":
+        obj = super().__new__(cls, seconds)
+        obj.text = text
+        return obj
+
+
+def _duration(value: object, handler) -> DurationValue:
+    seconds = handler(_parse_duration(value))
+    return DurationValue(seconds, value.strip() if isinstance(value, str) else None)
+
+
 def _format_duration(seconds: float) -> str:
-    """Print a duration the way it is written in the values (``10s``, ``2m``, ``24h``, ``500ms``)."""
+    """As written, else Go-style (``10s``, ``2m``, ``24h``, ``500ms``)."""
+    text = getattr(seconds, "text", None)
+    if text:
+        return text
     ms = round(seconds * 1000)
     if ms % 1000:
         return f"{ms}ms"
@@ -48,13 +70,44 @@ def _format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
-Duration = Annotated[float, BeforeValidator(_parse_duration), Field(ge=0),
+Duration = Annotated[float, Field(ge=0), WrapValidator(_duration),
                      PlainSerializer(_format_duration, return_type=str, when_used="json")]
 Size = Annotated[int, BeforeValidator(_parse_size), Field(ge=0)]
 
 
+def _is_text_field(annotation: object) -> bool:
+    """str, str | None, or a Literal of strings: settings whose values are text from any source."""
+    args = get_args(annotation)
+    if annotation is str:
+        return True
+    if get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in args)
+    if get_origin(annotation) in (Union, UnionType):
+        return any(a is str for a in args) and all(a is str or a is type(None) for a in args)
+    if get_origin(annotation) is Annotated:
+        return _is_text_field(args[0])
+    return False
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_as_text(cls, data: object) -> object:
+        """A text setting written as a number in YAML (``pythonHashSeed: 0``) is that text, not an error.
+        The loader keeps the exact spelling (``0123`` stays ``"0123"``) where it knows it."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        fixed = {}
+        for key, value in data.items():
+            field = fields.get(key)
+            if field is not None and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and _is_text_field(field.annotation):
+                value = str(value)
+            fixed[key] = value
+        return fixed
 
 
 class LogConfig(_Section):
@@ -63,13 +116,16 @@ class LogConfig(_Section):
 
 
 class HttpConfig(_Section):
+    """Defaults are the documented product's. idleTimeout stays above Go's default client IdleConnTimeout
+    (90s): the router is a Go program, and Go does not retry a POST on a connection the server closed."""
+
     host: str = "0.0.0.0"
     port: int = Field(28080, ge=0, le=65535)
     shutdownTimeout: Duration = 10.0
-    readHeaderTimeout: Duration = 5.0
-    readTimeout: Duration = 10.0
-    writeTimeout: Duration = 10.0
-    idleTimeout: Duration = 60.0
+    readHeaderTimeout: Duration = 10.0
+    readTimeout: Duration = 30.0
+    writeTimeout: Duration = 30.0
+    idleTimeout: Duration = 120.0
     maxHeaderBytes: Size = 1 << 20
     maxHitRateBodyBytes: Size = 4 << 20
 
@@ -77,13 +133,25 @@ class HttpConfig(_Section):
 class BlockKeyConfig(_Section):
     """How vLLM engines hash blocks. Must match the engines' settings, or every hit ratio is 0."""
 
+    #: The engines' --prefix-caching-hash-algo (the documented values call it ``prefixCachingHashAlgo``).
     hashAlgo: Literal["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"] = "sha256_cbor"
-    #: The engines' $PYTHONHASHSEED; null = unset (vLLM >= 0.29 then seeds sha256* with "vllm-none-hash").
-    pythonHashSeed: Annotated[str | None, BeforeValidator(lambda v: str(v) if isinstance(v, int) else v)] = None
+    #: Names the documented values use for settings here (for environment variables and flags).
+    synonyms: ClassVar[dict[str, tuple[str, ...]]] = {"prefixCachingHashAlgo": ()}
+    #: The engines' $PYTHONHASHSEED, as text; "0" as the documented vLLM deployment sets it; null = unset
+    #: (vLLM >= 0.29 then seeds sha256* with "vllm-none-hash").
+    pythonHashSeed: str | None = "0"
     #: "tagged" for vLLM >= 0.31 (("cache_salt", salt), ...); "untagged" for 0.11.1 - 0.30.
     extraKeysEncoding: Literal["tagged", "untagged"] = "tagged"
     #: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES on the engines; informational, events of both forms are accepted.
     useIntBlockHashes: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _documented_names(cls, data: object) -> object:
+        if isinstance(data, dict) and "prefixCachingHashAlgo" in data:
+            data = dict(data)
+            fold(data, ["hashAlgo"], data.pop("prefixCachingHashAlgo"), "blockKey.prefixCachingHashAlgo")
+        return data
 
     @model_validator(mode="after")
     def _seed_for_xxhash(self) -> "BlockKeyConfig":
@@ -118,14 +186,63 @@ class MooncakeDiscoveryConfig(_Section):
     labelSelector: dict[str, str] = {"openfuyao.com/kvmanager": "mooncake"}
     httpPortName: str = "http"
     httpPort: int = 9003
+    #: The master's RPC port (documented values); the index reads the admin HTTP port only.
+    rpcPortName: str = "rpc"
+    rpcPort: int = Field(0, ge=0, le=65535)
+
+
+#: discovery.labels.<key> of the documented values -> (section, field, how) of the richer settings here.
+_LABELS = {"engineKey": ("vllm", "labelSelector", "key"), "engineValue": ("vllm", "labelSelector", "value"),
+           "pdRoleKey": ("vllm", "pdRoleLabel", None), "pdRoleValue": ("vllm", "pdRoles", None),
+           "kvManagerKey": ("mooncakeMaster", "labelSelector", "key"),
+           "kvManagerValue": ("mooncakeMaster", "labelSelector", "value")}
+_LABEL_DEFAULTS = {"engineKey": "openfuyao.com/engine", "engineValue": "vllm",
+                   "kvManagerKey": "openfuyao.com/kvmanager", "kvManagerValue": "mooncake"}
 
 
 class DiscoveryConfig(_Section):
+    synonyms: ClassVar[dict[str, tuple[str, ...]]] = {"labels": tuple(_LABELS)}
     mode: Literal["static", "kubernetes"] = "static"
     namespace: str = ""
-    refreshInterval: Duration = 30.0
+    refreshInterval: Duration = 10.0
     #: Bound on a Mooncake master's /get_all_segments (which segments, i.e. pods, are live).
-    segmentsFetchTimeout: Duration = 3.0
+    segmentsFetchTimeout: Duration = 2.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _documented_labels(cls, data: object) -> object:
+        """``labels.{engineKey,engineValue,pdRoleKey,pdRoleValue,kvManagerKey,kvManagerValue}`` are one-label
+        selectors: folded into ``vllm.labelSelector`` / ``pdRoleLabel`` / ``pdRoles`` and
+        ``mooncakeMaster.labelSelector`` (which may hold more labels, but not another value for that one)."""
+        if not isinstance(data, dict) or "labels" not in data:
+            return data
+        data = dict(data)
+        labels = data.pop("labels") or {}
+        if not isinstance(labels, dict):
+            raise ValueError("labels must be a mapping")
+        unknown = set(labels) - set(_LABELS)
+        if unknown:
+            raise ValueError(f"labels: unknown keys {sorted(unknown)} (known: {sorted(_LABELS)})")
+        for section in ("vllm", "mooncakeMaster"):
+            data[section] = dict(data.get(section) or {})
+        for role_key, field_name in (("pdRoleKey", "pdRoleLabel"), ("pdRoleValue", "pdRoles")):
+            if role_key in labels:
+                value = labels[role_key]
+                value = [value] if role_key == "pdRoleValue" and isinstance(value, str) else value
+                fold(data["vllm"], [field_name], value, f"discovery.labels.{role_key}")
+        for prefix, section in (("engine", "vllm"), ("kvManager", "mooncakeMaster")):
+            if f"{prefix}Key" not in labels and f"{prefix}Value" not in labels:
+                continue
+            key = str(labels.get(f"{prefix}Key") or _LABEL_DEFAULTS[f"{prefix}Key"])
+            value = str(labels.get(f"{prefix}Value") or _LABEL_DEFAULTS[f"{prefix}Value"])
+            selector = data[section].get("labelSelector")
+            if selector is None:
+                data[section]["labelSelector"] = {key: value}
+            elif not isinstance(selector, dict) or selector.get(key, value) != value or key not in selector:
+                raise ValueError(f"discovery.labels.{prefix}Key/{prefix}Value ({key}={value}) and "
+                                 f"discovery.{section}.labelSelector ({selector}) name the same setting with "
+                                 "different values: set only one")
+        return data
     static: StaticDiscoveryConfig = StaticDiscoveryConfig()
     vllm: VllmDiscoveryConfig = VllmDiscoveryConfig()
     mooncakeMaster: MooncakeDiscoveryConfig = MooncakeDiscoveryConfig()
@@ -189,6 +306,8 @@ class L1StreamConfig(StreamConfig):
 class L3StreamConfig(StreamConfig):
     name: str = "KV_L3"
     subjectPrefix: str = "kvcache.l3"
+    #: Diffs and rolled-up full states of the masters: far smaller than the L1 history.
+    maxBytes: Size = 1 << 30
     maxMsgSize: Size = 8 << 20
 
 
@@ -231,6 +350,9 @@ class NatsConfig(_Section):
 
 
 class Config(_Section):
+    """The product's configuration. A Helm values file (the chart's or the documented product's) is
+    accepted as it is: schemas/helm_values.py folds its deployment-only and synonym keys first."""
+
     log: LogConfig = LogConfig()
     http: HttpConfig = HttpConfig()
     blockKey: BlockKeyConfig = BlockKeyConfig()
@@ -238,3 +360,10 @@ class Config(_Section):
     ingest: IngestConfig = IngestConfig()
     nats: NatsConfig = NatsConfig()
     snapshot: SnapshotConfig = SnapshotConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_helm_values(cls, data: object) -> object:
+        if isinstance(data, dict):
+            return to_config_tree(data, frozenset(NatsConfig.model_fields))
+        return data

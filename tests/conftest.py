@@ -21,7 +21,8 @@ import pytest
 from cache_indexer.nats_server import NatsServer, find_binary
 
 #: Test data copied into the repository (see tests/data/README.md): a clone needs nothing beside it.
-DATA = Path(__file__).resolve().parent / "data"
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
 VLLM_EVENTS = DATA / "vllm" / "events"
 #: Third-party artifacts that cannot be committed (the NATS chart archive) come from ../shared alone.
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"

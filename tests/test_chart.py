@@ -1,136 +1,298 @@
-"""The Helm chart, rendered with Helm's own engine (helm-python-sdk) and validated object by object
-against the Kubernetes schemas (kubernetes-validate). The Dockerfile's structure is linted too."""
+"""The Helm chart, rendered with Helm's own engine and the official NATS chart as its sub-chart, each
+object validated against the Kubernetes schemas (1.28 and the newest kubernetes-validate knows), for
+a default install, the documented product's values.yaml and an InferNex-like umbrella chart. The
+Dockerfile's structure is linted too."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.chart_render import (CHART, by_kind, chart_with_nats, config_of, needs_nats_chart, render,
+                                umbrella)
+from tests.conftest import DATA, ROOT
+
 helm = pytest.importorskip("helm_python")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
-ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "charts" / "cache-indexer"
-KUBE_VERSION = "1.30.0"
-NATS_VENDORED = bool(list((CHART / "charts").glob("nats-*.tgz"))) if (CHART / "charts").exists() else False
+KUBE_VERSIONS = ["1.28.0", kubernetes_validate.utils.latest_version()]
+SEED_VALUES = yaml.safe_load((DATA / "seed-values.yaml").read_text())
 
 
-def render(values=None, name="cache-indexer", namespace="infer", chart=CHART):
-    c = helm.Chart.load(str(chart))
-    try:
-        out = c.render(values, name=name, namespace=namespace)
-    finally:
-        c.close()
-    objs = []
-    for path, text in out.items():
-        if not path.endswith((".yaml", ".yml")):
-            continue
-        for doc in yaml.safe_load_all(text):
-            if doc:
-                objs.append(doc)
-    return objs
-
-
-def by_kind(objs, kind, name=None):
-    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
-
-
-def config_of(objs) -> dict:
-    cm = [o for o in by_kind(objs, "ConfigMap") if o["metadata"]["name"].endswith("-config")][0]
-    return yaml.safe_load(cm["data"]["config.yaml"])
+@pytest.fixture(scope="module")
+def chart(tmp_path_factory):
+    return chart_with_nats(tmp_path_factory.mktemp("chart"))
 
 
 def validate_all(objs):
     assert objs
+    for version in KUBE_VERSIONS:
+        for o in objs:
+            if o["apiVersion"] != "monitoring.coreos.com/v1":  # CRDs: not in the schemas
+                kubernetes_validate.validate(o, version, strict=True)
+
+
+def pod_specs(objs):
     for o in objs:
-        kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            yield o["metadata"]["name"], o["spec"]["template"]["spec"]
+        elif o["kind"] == "Pod":
+            yield o["metadata"]["name"], o["spec"]
 
 
-def test_default_render_is_valid_and_complete():
-    objs = render()
-    validate_all([o for o in objs if not o["metadata"]["name"].startswith("cache-indexer-nats")])
+def restricted_violations(objs) -> list[str]:
+    """The Pod Security Standards' "restricted" profile (v1.28+), as the admission controller checks it."""
+    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                       "projected", "secret"}
+    out = []
+    for name, spec in pod_specs(objs):
+        psc = spec.get("securityContext") or {}
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            if spec.get(key):
+                out.append(f"{name}: {key}")
+        for vol in spec.get("volumes") or []:
+            kinds = set(vol) - {"name"}
+            if not kinds <= allowed_volumes:
+                out.append(f"{name}: volume {vol['name']} of type {kinds}")
+        for c in (spec.get("initContainers") or []) + spec["containers"]:
+            sc = c.get("securityContext") or {}
+            where = f"{name}/{c['name']}"
+            if sc.get("privileged"):
+                out.append(f"{where}: privileged")
+            if sc.get("allowPrivilegeEscalation") is not False:
+                out.append(f"{where}: allowPrivilegeEscalation must be false")
+            if "ALL" not in ((sc.get("capabilities") or {}).get("drop") or []):
+                out.append(f"{where}: capabilities must drop ALL")
+            if set((sc.get("capabilities") or {}).get("add") or []) - {"NET_BIND_SERVICE"}:
+                out.append(f"{where}: adds capabilities")
+            if not sc.get("runAsNonRoot", psc.get("runAsNonRoot")):
+                out.append(f"{where}: runAsNonRoot must be true")
+            if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+                out.append(f"{where}: runAsUser 0")
+            seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+            if seccomp not in ("RuntimeDefault", "Localhost"):
+                out.append(f"{where}: seccompProfile must be RuntimeDefault or Localhost")
+            for port in c.get("ports") or []:
+                if port.get("hostPort"):
+                    out.append(f"{where}: hostPort")
+    return out
+
+
+def images(objs) -> set[str]:
+    return {c["image"] for _, spec in pod_specs(objs) for c in (spec.get("initContainers") or []) + spec["containers"]}
+
+
+def names_within_63(objs):
+    long = [o["metadata"]["name"] for o in objs if len(o["metadata"]["name"]) > 63]
+    assert not long, long
+
+
+# -- a default install ---------------------------------------------------------------------------
+@needs_nats_chart
+def test_default_install_is_valid_complete_and_restricted(chart):
+    objs = render(chart)
+    validate_all(objs)
     kinds = {o["kind"] for o in objs}
-    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"} <= kinds
+    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "StatefulSet"} <= kinds
     svc = by_kind(objs, "Service", "cache-indexer-service")[0]
-    assert svc["spec"]["ports"][0]["port"] == 8080 and svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert svc["spec"]["ports"][0]["port"] == 8080 and svc["spec"]["ports"][0]["targetPort"] == 28080
     indexer = by_kind(objs, "Deployment", "cache-indexer-indexer")[0]
-    assert indexer["spec"]["replicas"] == 2
     c = indexer["spec"]["template"]["spec"]["containers"][0]
-    assert c["ports"][0]["containerPort"] == 28080
+    assert indexer["spec"]["replicas"] == 2 and c["ports"][0]["containerPort"] == 28080
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert by_kind(objs, "Deployment", "cache-indexer-bridge")
-    role = by_kind(objs, "Role")[0]
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert c["resources"] == SEED_VALUES["resources"], "the documented single resources block"
+    assert by_kind(objs, "Role")[0]["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                                                 "verbs": ["get", "list", "watch"]}]
+    assert restricted_violations(objs) == []
+    assert images(objs) == {"cache-indexer:0.1.0", "nats:2.14.2-alpine", "natsio/nats-server-config-reloader:0.23.0",
+                            "natsio/nats-box:0.19.7"}
 
 
-def test_config_map_is_a_valid_product_config():
+@needs_nats_chart
+def test_config_map_is_the_documented_configuration(chart):
     from schemas.config import Config
 
-    cfg = Config.model_validate(config_of(render()))
+    cfg = Config.model_validate(config_of(render(chart)))
     assert cfg.nats.url == "nats://cache-indexer-nats.infer.svc:4222"
     assert cfg.discovery.mode == "kubernetes" and cfg.discovery.namespace == "infer"
-    assert cfg.http.port == 28080 and cfg.blockKey.hashAlgo == "sha256_cbor"
+    assert cfg.http.port == 28080 and cfg.blockKey.hashAlgo == "sha256_cbor" and cfg.blockKey.pythonHashSeed == "0"
+    assert (cfg.http.readTimeout, cfg.http.writeTimeout, cfg.http.idleTimeout, cfg.http.readHeaderTimeout) == (30, 30, 120, 10)
+    assert cfg.discovery.refreshInterval == 10 and cfg.discovery.segmentsFetchTimeout == 2
+    assert cfg.nats.l1Stream.maxBytes == 4 << 30 and cfg.nats.l3Stream.maxBytes == 1 << 30
 
 
-def test_replicas_and_pod_placement_values():
-    objs = render({"indexer": {"replicas": 5}, "nodeSelector": {"pool": "cpu"},
-                   "tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}],
-                   "podAnnotations": {"a": "b"}, "podLabels": {"team": "x"},
-                   "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-                       {"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                                         "labelSelector": {"matchLabels": {"x": "y"}}}}]}}})
-    validate_all([o for o in objs if "nats" not in o["metadata"]["name"]])
+# -- the documented product's values.yaml, verbatim ------------------------------------------------
+@needs_nats_chart
+def test_the_documented_values_file_renders_with_its_meaning(chart):
+    from schemas.config import Config
+
+    objs = render(chart, SEED_VALUES, name="cache-indexer", namespace="infer")
+    validate_all(objs)
+    assert restricted_violations(objs) == []
+    cfg = Config.model_validate(config_of(objs))
+    assert cfg.blockKey.hashAlgo == "sha256_cbor" and cfg.blockKey.pythonHashSeed == "0"
+    assert cfg.discovery.vllm.labelSelector == {"openfuyao.com/engine": "vllm"}
+    assert (cfg.discovery.vllm.pdRoleLabel, cfg.discovery.vllm.pdRoles) == ("openfuyao.com/pdRole", ["prefill", "aggregate"])
+    assert cfg.discovery.mooncakeMaster.labelSelector == {"openfuyao.com/kvmanager": "mooncake"}
+    assert (cfg.discovery.mooncakeMaster.httpPortName, cfg.discovery.mooncakeMaster.rpcPortName) == ("http", "rpc")
+    assert cfg.http.port == 28080 and cfg.http.idleTimeout == 120
+    svc = by_kind(objs, "Service", "cache-indexer-service")[0]
+    assert (svc["spec"]["ports"][0]["port"], svc["spec"]["ports"][0]["targetPort"]) == (8080, 28080)
+    for dep in by_kind(objs, "Deployment"):
+        if dep["metadata"]["name"].startswith("cache-indexer-"):
+            c = dep["spec"]["template"]["spec"]["containers"][0]
+            if "nats" not in dep["metadata"]["name"]:
+                assert c["image"] == "cr.openfuyao.cn/openfuyao/cache-indexer:26.6.0"
+                assert c["resources"] == SEED_VALUES["resources"]
+
+
+@needs_nats_chart
+def test_documented_service_values_move_the_port_everywhere(chart):
+    objs = render(chart, {"service": {"name": "kv-index", "port": 9090, "targetPort": 18080}})
+    svc = by_kind(objs, "Service", "kv-index")[0]
+    assert (svc["spec"]["ports"][0]["port"], svc["spec"]["ports"][0]["targetPort"]) == (9090, 18080)
+    c = by_kind(objs, "Deployment", "cache-indexer-indexer")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert c["ports"][0]["containerPort"] == 18080 and config_of(objs)["http"]["port"] == 18080
+    with pytest.raises(helm.HelmError, match="http.port .* and service.targetPort"):
+        render(chart, {"http": {"port": 9000}})
+
+
+# -- names: the router's URL whatever the release ---------------------------------------------------
+LONGEST_RELEASE = "a-very-long-release-name-for-the-inference-stack-x1-x"  # Helm allows 53 characters
+
+
+@needs_nats_chart
+@pytest.mark.parametrize("release", ["cache-indexer", "prod", LONGEST_RELEASE])
+def test_service_name_does_not_depend_on_the_release_and_names_fit(chart, release):
+    values = {"nats": {"fullnameOverride": "kv-nats"}} if release == LONGEST_RELEASE else None
+    objs = render(chart, values, name=release)
+    assert by_kind(objs, "Service", "cache-indexer-service")
+    names_within_63(objs)
+    validate_all(objs)
+
+
+@needs_nats_chart
+def test_a_release_name_too_long_for_the_nats_names_fails_saying_what_to_do(chart):
+    with pytest.raises(helm.HelmError, match="set nats.fullnameOverride"):
+        render(chart, name=LONGEST_RELEASE)
+    assert by_kind(render(chart, name=LONGEST_RELEASE[:45]), "Service", f"{LONGEST_RELEASE[:45]}-nats-headless")
+
+
+@needs_nats_chart
+def test_as_a_subchart_of_infernex_the_routers_url_resolves(chart, tmp_path):
+    parent = umbrella(tmp_path, {"cache-indexer": {"enabled": True}, "hermes-router": {"enabled": True}}, chart)
+    objs = render(parent, name="infernex", namespace="ai")
+    validate_all(objs)
+    assert restricted_violations(objs) == []
+    svc = by_kind(objs, "Service", "cache-indexer-service")
+    assert svc and svc[0]["metadata"]["namespace"] == "ai", "http://cache-indexer-service:8080 from the router"
+    assert config_of(objs)["nats"]["url"] == "nats://infernex-nats.ai.svc:4222"
+    assert by_kind(objs, "StatefulSet", "infernex-nats")
+    names_within_63(objs)
+    off = render(umbrella(tmp_path / "off", {"cache-indexer": {"enabled": False}}, chart), name="infernex")
+    assert not off
+
+
+# -- images and pull secrets -----------------------------------------------------------------------
+@needs_nats_chart
+def test_registry_and_pull_secrets_reach_every_image(chart):
+    objs = render(chart, {"global": {"imageRegistry": "mirror.example:5000/",
+                                     "imagePullSecrets": [{"name": "mirror"}]},
+                          "imagePullSecrets": [{"name": "ours"}]})
+    validate_all(objs)
+    assert all(i.startswith("mirror.example:5000/") for i in images(objs)), images(objs)
+    for name, spec in pod_specs(objs):
+        secrets = {s["name"] for s in spec.get("imagePullSecrets") or []}
+        assert "mirror" in secrets, name
+        if not name.startswith("cache-indexer-nats"):
+            assert "ours" in secrets, name
+    nats_own = render(chart, {"nats": {"global": {"image": {"registry": "r.example"}}}})
+    assert {i for i in images(nats_own) if "nats" in i} and all(
+        i.startswith("r.example/") for i in images(nats_own) if "nats" in i)
+
+
+# -- the bundled NATS ------------------------------------------------------------------------------
+@needs_nats_chart
+def test_streams_that_do_not_fit_the_nats_store_fail_at_render(chart):
+    with pytest.raises(helm.HelmError, match=r"jetstream.l1.maxBytes .* do not fit the NATS JetStream store"):
+        render(chart, {"nats": {"config": {"jetstream": {"fileStore": {"pvc": {"size": "4Gi"}}}}}})
+    with pytest.raises(helm.HelmError, match="do not fit"):  # exactly full: no room for the buckets
+        render(chart, {"jetstream": {"l1": {"maxBytes": "8GiB"}, "l3": {"maxBytes": "2GiB"}}})
+    render(chart, {"jetstream": {"l1": {"maxBytes": "8GiB"}, "l3": {"maxBytes": "2047MiB"}}})
+    objs = render(chart, {"jetstream": {"l1": {"maxBytes": "16GiB"}, "l3": {"maxBytes": "2GiB"}},
+                          "nats": {"config": {"jetstream": {"fileStore": {"pvc": {"size": "20Gi"}}}}}})
+    cfg = config_of(objs)
+    assert cfg["jetstream"]["l1"]["maxBytes"] == "16GiB" and cfg["jetstream"]["l3"]["maxBytes"] == "2GiB"
+
+
+def test_chart_without_its_nats_dependency_fails_saying_what_to_do():
+    with pytest.raises(helm.HelmError, match="helm dependency build"):
+        render(CHART)
+
+
+def test_chart_lock_pins_the_dependency_of_chart_yaml():
+    """Chart.lock's digest is Helm's: sha256 of the JSON of [Chart.yaml's dependencies, the locked ones]."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    lock = yaml.safe_load((CHART / "Chart.lock").read_text())
+    deps = chart["dependencies"]
+    assert [(d["name"], d["version"]) for d in deps] == [("nats", "2.14.2")]
+    keys = ("name", "version", "repository", "condition", "tags", "enabled", "import-values", "alias")
+    req = [{k: d[k] for k in keys if d.get(k) or k in ("name", "repository")} for d in deps]
+    locked = [{k: d[k] for k in ("name", "version", "repository")} for d in lock["dependencies"]]
+    digest = hashlib.sha256(json.dumps([req, locked], separators=(",", ":")).encode()).hexdigest()
+    assert lock["digest"] == f"sha256:{digest}"
+    assert [(d["name"], d["version"], d["repository"]) for d in lock["dependencies"]] == \
+        [(d["name"], d["version"], d["repository"]) for d in deps]
+
+
+# -- the rest of the values ------------------------------------------------------------------------
+@needs_nats_chart
+def test_replicas_and_pod_placement_values(chart):
+    objs = render(chart, {"indexer": {"replicas": 5}, "nodeSelector": {"pool": "cpu"},
+                          "tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}],
+                          "podAnnotations": {"a": "b"}, "podLabels": {"team": "x"},
+                          "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                              {"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                                "labelSelector": {"matchLabels": {"x": "y"}}}}]}},
+                          "bridge": {"resources": {"limits": {"memory": "1Gi"}}}})
+    validate_all(objs)
     dep = by_kind(objs, "Deployment", "cache-indexer-indexer")[0]
     spec = dep["spec"]["template"]["spec"]
     assert dep["spec"]["replicas"] == 5 and spec["nodeSelector"] == {"pool": "cpu"}
     assert spec["tolerations"][0]["key"] == "k" and "podAntiAffinity" in spec["affinity"]
     meta = dep["spec"]["template"]["metadata"]
     assert meta["annotations"]["a"] == "b" and meta["labels"]["team"] == "x"
+    bridge = by_kind(objs, "Deployment", "cache-indexer-bridge")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert bridge["resources"] == {"limits": {"memory": "1Gi"}}, "a component's own resources override the block"
 
 
 def test_external_nats():
-    objs = render({"nats": {"enabled": False}, "externalNats": {"url": "nats://nats.shared:4222"}})
+    objs = render(CHART, {"nats": {"enabled": False}, "externalNats": {"url": "nats://nats.shared:4222"}})
     validate_all(objs)
     assert config_of(objs)["nats"]["url"] == "nats://nats.shared:4222"
     assert not [o for o in objs if "nats" in o["metadata"]["name"]]
+    assert restricted_violations(objs) == []
 
 
 def test_neither_bundled_nor_external_nats_fails_with_a_clear_message():
     with pytest.raises(helm.HelmError, match="nats.enabled=true .* or externalNats.url"):
-        render({"nats": {"enabled": False}})
+        render(CHART, {"nats": {"enabled": False}})
 
 
-def test_renders_as_a_subchart_without_release_hardcoding(tmp_path):
-    parent = tmp_path / "suite"
-    (parent / "charts").mkdir(parents=True)
-    shutil.copytree(CHART, parent / "charts" / "cache-indexer", ignore=shutil.ignore_patterns("*.tgz"))
-    (parent / "Chart.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "v2", "name": "suite", "version": "1.0.0",
-        "dependencies": [{"name": "cache-indexer", "version": "0.1.0", "repository": "file://charts/cache-indexer"}]}))
-    (parent / "values.yaml").write_text(yaml.safe_dump({"cache-indexer": {"indexer": {"replicas": 3}}}))
-    objs = render(name="prod", namespace="ai", chart=parent)
-    mine = [o for o in objs if o["metadata"].get("labels", {}).get("app.kubernetes.io/name") == "cache-indexer"]
-    validate_all(mine)
-    names = {o["metadata"]["name"] for o in mine}
-    assert "prod-cache-indexer-service" in names and "prod-cache-indexer-indexer" in names
-    assert all(o["metadata"]["namespace"] == "ai" for o in mine)
-    assert by_kind(mine, "Deployment", "prod-cache-indexer-indexer")[0]["spec"]["replicas"] == 3
-    assert config_of(mine)["nats"]["url"] == "nats://prod-nats.ai.svc:4222"
-
-
-def test_monitoring_objects_scrape_and_alert_on_metrics_the_product_exports():
+@needs_nats_chart
+def test_monitoring_objects_scrape_and_alert_on_metrics_the_product_exports(chart):
     from cache_indexer.metrics import Metrics
 
-    assert not {"PodMonitor", "PrometheusRule"} & {o["kind"] for o in render()}, "off by default"
-    objs = render({"monitoring": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True,
-                                                                                      "ingestLagMessages": 500}}})
-    validate_all([o for o in objs if o["apiVersion"] != "monitoring.coreos.com/v1"])  # CRDs: not in the schemas
+    assert not {"PodMonitor", "PrometheusRule"} & {o["kind"] for o in render(chart)}, "off by default"
+    objs = render(chart, {"monitoring": {"podMonitor": {"enabled": True},
+                                         "prometheusRule": {"enabled": True, "ingestLagMessages": 500}}})
+    validate_all(objs)
     pm = by_kind(objs, "PodMonitor")[0]
-    deployments = by_kind(objs, "Deployment")
+    deployments = [d for d in by_kind(objs, "Deployment") if not d["metadata"]["name"].startswith("cache-indexer-nats")]
     for d in deployments:  # the monitor selects every component's pods and the port they name http
         labels = d["spec"]["template"]["metadata"]["labels"]
         assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -150,23 +312,12 @@ def test_monitoring_objects_scrape_and_alert_on_metrics_the_product_exports():
     assert "> 500" in next(r["expr"] for r in rules if r["alert"] == "CacheIndexerIngestLag")
 
 
-def test_lint():
-    report = helm.lint(str(CHART), strict=False, kube_version=f"v{KUBE_VERSION}")
+@needs_nats_chart
+def test_lint(chart):
+    report = helm.lint(str(chart), strict=False, kube_version=f"v{KUBE_VERSIONS[-1]}")
     assert report["total_charts_linted"] == 1
-    errors = [m for m in report["messages"] if m["severity"] >= 3]
-    assert not errors, errors
-    warnings = [m["error"] for m in report["messages"] if m["severity"] == 2]
-    expected = [] if NATS_VENDORED else ["chart directory is missing these dependencies: nats"]
-    assert warnings == expected
-
-
-@pytest.mark.skipif(not NATS_VENDORED, reason="the NATS subchart archive is not vendored "
-                    "(run `helm dependency build charts/cache-indexer` on a machine with access to its repository)")
-def test_with_the_nats_subchart():  # pragma: no cover - needs the vendored archive
-    objs = render()
-    validate_all(objs)
-    sts = by_kind(objs, "StatefulSet")
-    assert sts and "jetstream" in str(by_kind(objs, "ConfigMap"))
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems, problems
 
 
 def test_dockerfile_structure():

@@ -9,6 +9,9 @@ import pytest
 
 from cache_indexer.config_loader import ConfigError, load_config
 from schemas import generate
+from tests.conftest import DATA, ROOT
+
+SEED_VALUES = DATA / "seed-values.yaml"  # the documented product's values.yaml, exactly as documented
 
 
 def test_defaults():
@@ -38,7 +41,7 @@ def test_env_paths_are_case_insensitive():
     (["blockKey.hashAlgo=md5"], "blockKey.hashAlgo"),
     (["http.readTimeout=soon"], "http.readTimeout"),
     (["http.nope=1"], "http.nope"),
-    (["blockKey.hashAlgo=xxhash"], "blockKey"),
+    (["blockKey.hashAlgo=xxhash", "blockKey.pythonHashSeed=null"], "blockKey"),
 ])
 def test_invalid_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError) as exc:
@@ -61,3 +64,89 @@ def test_openapi_documents_every_error_code():
     doc = generate.openapi()
     responses = doc["paths"]["/kv-cache/hit-rate"]["post"]["responses"]
     assert {"200", "400", "405", "413", "500"} <= set(responses)
+
+
+def test_the_documented_values_file_loads_with_its_documented_meaning():
+    cfg = load_config(SEED_VALUES, env={})
+    assert cfg.blockKey.hashAlgo == "sha256_cbor" and cfg.blockKey.pythonHashSeed == "0"
+    assert cfg.blockKey.useIntBlockHashes is True
+    assert cfg.http.port == 28080, "service.targetPort is the port the API listens on"
+    assert (cfg.http.shutdownTimeout, cfg.http.readHeaderTimeout, cfg.http.readTimeout, cfg.http.writeTimeout,
+            cfg.http.idleTimeout) == (10, 10, 30, 30, 120)
+    assert (cfg.http.maxHeaderBytes, cfg.http.maxHitRateBodyBytes) == (1048576, 4194304)
+    assert (cfg.discovery.refreshInterval, cfg.discovery.segmentsFetchTimeout) == (10, 2)
+    v, m = cfg.discovery.vllm, cfg.discovery.mooncakeMaster
+    assert v.labelSelector == {"openfuyao.com/engine": "vllm"} and v.zmqPortName == "zmq-pub"
+    assert v.pdRoleLabel == "openfuyao.com/pdRole" and v.pdRoles == ["prefill", "aggregate"]
+    assert m.labelSelector == {"openfuyao.com/kvmanager": "mooncake"}
+    assert (m.httpPortName, m.rpcPortName, m.httpPort, m.rpcPort) == ("http", "rpc", 9003, 0)
+    assert (cfg.ingest.l1.backoffInitial, cfg.ingest.l1.backoffMax) == (1, 30)
+    assert (cfg.ingest.l3.scheme, cfg.ingest.l3.pollInterval, cfg.ingest.l3.httpTimeout) == ("http", 10, 5)
+    assert cfg.log.level == "info"
+
+
+def test_defaults_are_the_documented_ones():
+    documented = load_config(SEED_VALUES, env={}).model_dump()
+    assert load_config(env={}).model_dump() == documented
+
+
+def test_the_charts_own_values_file_loads():
+    cfg = load_config(ROOT / "charts" / "cache-indexer" / "values.yaml", env={})
+    assert cfg.discovery.mode == "kubernetes" and cfg.blockKey.pythonHashSeed == "0"
+    assert cfg.nats.l3Stream.maxBytes < cfg.nats.l1Stream.maxBytes
+
+
+@pytest.mark.parametrize("path", [SEED_VALUES, ROOT / "charts" / "cache-indexer" / "values.yaml"], ids=["documented", "chart"])
+def test_config_show_prints_the_effective_tree_of_a_values_file(path):
+    import yaml
+
+    r = subprocess.run([sys.executable, "-m", "cache_indexer.cli", "config", "show", "--config", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    tree = yaml.safe_load(r.stdout)
+    assert tree["blockKey"]["hashAlgo"] == "sha256_cbor" and tree["blockKey"]["pythonHashSeed"] == "0"
+    assert "image" not in tree and "resources" not in tree and "labels" not in tree["discovery"]
+    assert tree["http"]["idleTimeout"] == "120s"
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("blockKey:\n  hashAlgo: sha256\n  prefixCachingHashAlgo: sha256_cbor\n", "blockKey.prefixCachingHashAlgo"),
+    ("http:\n  port: 9000\nservice:\n  targetPort: 28080\n", "service.targetPort"),
+    ("discovery:\n  labels:\n    engineValue: sglang\n  vllm:\n    labelSelector: {openfuyao.com/engine: vllm}\n",
+     "discovery.labels.engineKey/engineValue"),
+    ("discovery:\n  labels:\n    pdRoleValue: [prefill]\n  vllm:\n    pdRoles: [decode]\n", "discovery.labels.pdRoleValue"),
+    ("discovery:\n  labels:\n    engineName: x\n", "unknown keys"),
+    ("nats:\n  bogus: 1\n", "nats.bogus"),
+])
+def test_two_names_for_one_setting_must_agree(tmp_path, text, problem):
+    f = tmp_path / "values.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=problem.replace(".", r"\.")):
+        load_config(f, env={})
+
+
+def test_both_names_agreeing_is_fine(tmp_path):
+    f = tmp_path / "values.yaml"
+    f.write_text("blockKey:\n  hashAlgo: sha256\n  prefixCachingHashAlgo: sha256\nservice:\n  targetPort: 9000\n"
+                 "http:\n  port: 9000\ndiscovery:\n  labels:\n    engineKey: app\n    engineValue: vllm\n"
+                 "  vllm:\n    labelSelector: {app: vllm, tier: gpu}\n")
+    cfg = load_config(f, env={})
+    assert cfg.blockKey.hashAlgo == "sha256" and cfg.http.port == 9000
+    assert cfg.discovery.vllm.labelSelector == {"app": "vllm", "tier": "gpu"}
+
+
+@pytest.mark.parametrize("text", ["0123", "00", "0", "1e3", "0x1F"])
+def test_text_settings_stay_text_from_every_source(tmp_path, text):
+    assert load_config(env={"CACHE_INDEXER_BLOCKKEY__PYTHONHASHSEED": text}).blockKey.pythonHashSeed == text
+    assert load_config(env={}, overrides=[f"blockKey.pythonHashSeed={text}"]).blockKey.pythonHashSeed == text
+    f = tmp_path / "c.yaml"
+    f.write_text(f"blockKey:\n  pythonHashSeed: {text}\ningest:\n  l1:\n    topic: {text}\n")
+    cfg = load_config(f, env={})
+    assert cfg.blockKey.pythonHashSeed == text and cfg.ingest.l1.topic == text
+    assert load_config(env={"CACHE_INDEXER_BLOCKKEY__PYTHONHASHSEED": "null"}).blockKey.pythonHashSeed is None
+
+
+def test_documented_names_work_from_the_environment():
+    cfg = load_config(env={"CACHE_INDEXER_BLOCKKEY__PREFIXCACHINGHASHALGO": "xxhash",
+                           "CACHE_INDEXER_DISCOVERY__LABELS__ENGINEVALUE": "vllm-a"})
+    assert cfg.blockKey.hashAlgo == "xxhash" and cfg.discovery.vllm.labelSelector == {"openfuyao.com/engine": "vllm-a"}

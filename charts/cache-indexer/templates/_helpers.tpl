@@ -2,30 +2,41 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The release's prefix of our objects, short enough that the longest suffix ("-pod-reader", 11)
+     keeps every name within 63 characters. */}}
 {{- define "cache-indexer.fullname" -}}
 {{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" -}}
 {{- else -}}
 {{- $name := default .Chart.Name .Values.nameOverride -}}
 {{- if contains $name .Release.Name -}}
-{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- .Release.Name | trunc 52 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The Service the router calls: cache-indexer-service whatever the release (service.name overrides). */}}
+{{- define "cache-indexer.serviceName" -}}
+{{- $name := .Values.service.name | default "cache-indexer-service" -}}
+{{- if gt (len $name) 63 -}}
+{{- fail (printf "service.name %q is longer than 63 characters" $name) -}}
+{{- end -}}
+{{- $name -}}
 {{- end -}}
 
 {{- define "cache-indexer.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 app.kubernetes.io/name: {{ include "cache-indexer.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/instance: {{ .Release.Name | trunc 63 | trimSuffix "-" }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{- define "cache-indexer.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "cache-indexer.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/instance: {{ .Release.Name | trunc 63 | trimSuffix "-" }}
 {{- end -}}
 
 {{- define "cache-indexer.serviceAccountName" -}}
@@ -37,29 +48,90 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "cache-indexer.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- $image := printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- with (.Values.global | default dict).imageRegistry -}}
+{{- $image = printf "%s/%s" (trimSuffix "/" .) $image -}}
+{{- end -}}
+{{- $image -}}
 {{- end -}}
 
-{{/* The NATS URL: the bundled subchart's client Service, or externalNats.url. Mirrors the nats
-     chart's own fullname rule so it also holds when this chart is a sub-chart of a suite. */}}
-{{- define "cache-indexer.natsUrl" -}}
+{{/* The API port: http.port or the documented service.targetPort (both given: they must agree). */}}
+{{- define "cache-indexer.apiPort" -}}
+{{- $http := .Values.http.port -}}
+{{- $target := .Values.service.targetPort -}}
+{{- if and $http $target (ne (toString $http) (toString $target)) -}}
+{{- fail (printf "http.port (%v) and service.targetPort (%v) name the same port with different values: set only one" $http $target) -}}
+{{- end -}}
+{{- $http | default $target | default 28080 -}}
+{{- end -}}
+
+{{- define "cache-indexer.resources" -}}
+{{- $own := index .Values .component -}}
+{{- toYaml (($own | default dict).resources | default .Values.resources) -}}
+{{- end -}}
+
+{{/* Bytes of a Kubernetes quantity or a size of ours: 10Gi, 4GiB, 500M, 1048576. */}}
+{{- define "cache-indexer.bytes" -}}
+{{- $s := toString . | trim -}}
+{{- $num := regexFind "^[0-9]+" $s -}}
+{{- if not $num -}}{{- fail (printf "not a size: %q" $s) -}}{{- end -}}
+{{- $unit := trimPrefix $num $s | trimSuffix "B" -}}
+{{- $mult := dict "" 1 "K" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "k" 1000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- if not (hasKey $mult $unit) -}}{{- fail (printf "not a size: %q" $s) -}}{{- end -}}
+{{- mul (atoi $num) (get $mult $unit) -}}
+{{- end -}}
+
+{{/* The bundled NATS: present, and its JetStream store large enough for the streams' reservations. */}}
+{{- define "cache-indexer.checkNats" -}}
 {{- if .Values.nats.enabled -}}
 {{- $n := .Values.nats -}}
-{{- $name := default "nats" $n.nameOverride -}}
-{{- $full := "" -}}
-{{- if $n.fullnameOverride -}}
-{{- $full = $n.fullnameOverride | trunc 63 | trimSuffix "-" -}}
-{{- else if contains $name .Release.Name -}}
-{{- $full = .Release.Name | trunc 63 | trimSuffix "-" -}}
-{{- else -}}
-{{- $full = printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- if not (and $n.container $n.container.image $n.container.image.repository) -}}
+{{- fail "nats.enabled is true but the NATS sub-chart is missing from charts/: run `helm dependency build` in the chart directory (Chart.lock pins nats 2.14.2), or set nats.enabled=false and externalNats.url" -}}
 {{- end -}}
-{{- printf "nats://%s.%s.svc:4222" $full .Release.Namespace -}}
+{{- $natsName := include "cache-indexer.natsFullname" . -}}
+{{- if gt (len $natsName) 50 -}}
+{{- fail (printf "the NATS sub-chart would name objects %q plus up to 13 characters (\"-box-contexts\"), over Kubernetes' 63: set nats.fullnameOverride to a shorter name (or use a shorter release name)" $natsName) -}}
+{{- end -}}
+{{- $fs := $n.config.jetstream.fileStore -}}
+{{- $store := include "cache-indexer.bytes" ($fs.maxSize | default $fs.pvc.size) | atoi -}}
+{{- $l1 := include "cache-indexer.bytes" .Values.jetstream.l1.maxBytes | atoi -}}
+{{- $l3 := include "cache-indexer.bytes" .Values.jetstream.l3.maxBytes | atoi -}}
+{{- if ge (add $l1 $l3) $store -}}
+{{- fail (printf "jetstream.l1.maxBytes (%v) + jetstream.l3.maxBytes (%v) do not fit the NATS JetStream store (nats.config.jetstream.fileStore: %v): a NATS server reserves each stream's maxBytes and refuses any new stream, the snapshot store and the lease buckets included, once nothing is left; keep the sum below the store" .Values.jetstream.l1.maxBytes .Values.jetstream.l3.maxBytes ($fs.maxSize | default $fs.pvc.size)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The bundled NATS chart's fullname, by its own rule (so it also holds under an umbrella chart). */}}
+{{- define "cache-indexer.natsFullname" -}}
+{{- $n := .Values.nats -}}
+{{- $name := default "nats" $n.nameOverride -}}
+{{- if $n.fullnameOverride -}}
+{{- $n.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The NATS URL: the bundled sub-chart's client Service, or externalNats.url. */}}
+{{- define "cache-indexer.natsUrl" -}}
+{{- if .Values.nats.enabled -}}
+{{- printf "nats://%s.%s.svc:4222" (include "cache-indexer.natsFullname" .) .Release.Namespace -}}
 {{- else if .Values.externalNats.url -}}
 {{- .Values.externalNats.url -}}
 {{- else -}}
 {{- fail "cache-indexer needs NATS with JetStream: set nats.enabled=true (bundled NATS chart) or externalNats.url" -}}
 {{- end -}}
+{{- end -}}
+
+{{- define "cache-indexer.imagePullSecrets" -}}
+{{- $secrets := concat (.Values.imagePullSecrets | default list) ((.Values.global | default dict).imagePullSecrets | default list) -}}
+{{- with $secrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{- define "cache-indexer.podMeta" -}}
@@ -75,8 +147,35 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.imagePullSecrets }}
-imagePullSecrets:
-  {{- toYaml . | nindent 2 }}
+{{- include "cache-indexer.imagePullSecrets" . }}
+{{- end -}}
+
+{{/* Merged into the NATS sub-chart's containers (rendered in its context, through its $tplYaml):
+     global.imageRegistry for the image, and a Pod Security "restricted" securityContext. */}}
+{{- define "cache-indexer.natsContainer" -}}
+{{- $g := .root.Values.global | default dict -}}
+{{- if and $g.imageRegistry (not .image.registry) (not ($g.image | default dict).registry) (not .image.fullImageName) }}
+image: {{ printf "%s/%s:%s" (trimSuffix "/" $g.imageRegistry) .image.repository (toString .image.tag) }}
 {{- end }}
+securityContext:
+  allowPrivilegeEscalation: false
+  capabilities: {drop: [ALL]}
+  runAsNonRoot: true
+  seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+
+{{/* Merged into the NATS sub-chart's pod templates: non-root, RuntimeDefault seccomp, pull secrets. */}}
+{{- define "cache-indexer.natsPod" -}}
+{{- $g := .Values.global | default dict -}}
+spec:
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: 1000
+    runAsGroup: 1000
+    fsGroup: 1000
+    seccompProfile: {type: RuntimeDefault}
+  {{- with $g.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
 {{- end -}}
