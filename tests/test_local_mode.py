@@ -40,6 +40,18 @@ def test_readme_commands_match_ci():
     assert (ROOT / "examples" / "targets.yaml").exists()
 
 
+def test_run_it_ends_with_simulate_and_the_curl_it_prints():
+    from cache_indexer.simulate import curl_line, demo_request
+
+    readme = (ROOT / "README.md").read_text()
+    run_it = readme[readme.index("## Run it"):readme.index("\n## ", readme.index("## Run it") + 1)]
+    blocks = re.findall(r"```\n(.*?)\n```", run_it, re.S)
+    assert blocks[-2] == ".venv/bin/cache-indexer simulate"
+    pods = [f"127.0.1.{i}" for i in range(1, 4)]
+    assert blocks[-1] == curl_line("http://127.0.0.1:28080", demo_request(pods, 16)), "what simulate prints"
+    assert run_it.rstrip().endswith("```")
+
+
 @pytest.mark.skipif(not find_binary(), reason="needs the nats-server binary")
 async def test_local_mode_serves_hit_rates(tmp_path):
     ctx = zmq.asyncio.Context()
