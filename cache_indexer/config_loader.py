@@ -20,6 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from schemas.config import Config, _is_text_field
+from schemas.helm_values import parent_node
 
 ENV_PREFIX = "CACHE_INDEXER_"
 
@@ -82,13 +83,7 @@ def _field_names(model: type, path: list[str]) -> list[str]:
 
 
 def _set_path(tree: dict, path: list[str], value: Any) -> None:
-    node = tree
-    for seg in path[:-1]:
-        nxt = node.get(seg)
-        if not isinstance(nxt, dict):
-            nxt = node[seg] = {}
-        node = nxt
-    node[path[-1]] = value
+    parent_node(tree, path)[path[-1]] = value
 
 
 def _scalar(text: str, path: list[str]) -> Any:

@@ -31,15 +31,21 @@ NATS_CHART_KEYS = frozenset({
 _MISSING = object()
 
 
-def fold(tree: dict, path: list[str], value: Any, source: str) -> None:
-    """Set ``tree[path]`` to ``value`` given under the name ``source``; a different value already there
-    (given under the product's own name) is a conflict."""
+def parent_node(tree: dict, path: list[str]) -> dict:
+    """The mapping that holds ``path[-1]``, created on the way where missing."""
     node = tree
     for seg in path[:-1]:
         nxt = node.get(seg)
         if not isinstance(nxt, dict):
             nxt = node[seg] = {}
         node = nxt
+    return node
+
+
+def fold(tree: dict, path: list[str], value: Any, source: str) -> None:
+    """Set ``tree[path]`` to ``value`` given under the name ``source``; a different value already there
+    (given under the product's own name) is a conflict."""
+    node = parent_node(tree, path)
     have = node.get(path[-1], _MISSING)
     if have is not _MISSING and have != value and str(have) != str(value):
         raise ValueError(f"{source} ({value!r}) and {'.'.join(path)} ({have!r}) name the same setting with "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import socket
 import sys
 import threading
 import time
@@ -141,3 +142,21 @@ async def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a subprocess that must be told its port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def http_ready(session, url: str) -> bool:
+    """True when ``url`` (a /readyz) answers 200; a refused or broken connection is not ready yet."""
+    import aiohttp
+
+    try:
+        async with session.get(url) as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -23,17 +22,11 @@ import yaml
 
 from cache_indexer.nats_server import find_binary
 from tests.chart_render import chart_with_nats, config_of, nats_conf_of, needs_nats_chart, render
-from tests.conftest import DATA, ROOT, wait_for
+from tests.conftest import DATA, ROOT, free_port, http_ready, wait_for
 from tests.kube_fake import FakeKubeApi
 
 pytestmark = [needs_nats_chart, pytest.mark.skipif(not find_binary(), reason="needs the nats-server binary")]
 pytest.importorskip("helm_python")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nats_version() -> str:
@@ -97,11 +90,7 @@ class Component:
 
     async def ready(self, session: aiohttp.ClientSession) -> bool:
         assert self.proc.poll() is None, f"{self.kind} exited {self.proc.returncode}: {self.log.read_text()[-2000:]}"
-        try:
-            async with session.get(f"http://127.0.0.1:{self.port}/readyz") as r:
-                return r.status == 200
-        except aiohttp.ClientError:
-            return False
+        return await http_ready(session, f"http://127.0.0.1:{self.port}/readyz")
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -20,17 +20,11 @@ import aiohttp
 import pytest
 
 from cache_indexer.nats_server import find_binary
-from tests.conftest import wait_for
+from tests.conftest import free_port, http_ready, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not find_binary(), reason="needs the nats-server binary")
 SHUTDOWN_TIMEOUT = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int, comm: str) -> list[int]:
@@ -86,11 +80,7 @@ class Local:
         async with aiohttp.ClientSession() as session:
             async def ready():
                 assert self.proc.poll() is None, f"local exited: {self.stderr_text()}"
-                try:
-                    async with session.get(f"http://127.0.0.1:{self.port}/readyz") as r:
-                        return r.status == 200
-                except aiohttp.ClientError:
-                    return False
+                return await http_ready(session, f"http://127.0.0.1:{self.port}/readyz")
             await wait_for(ready, 30, "local mode ready")
 
     def record(self) -> dict:
@@ -182,24 +172,20 @@ async def test_kill_9_leaves_no_server_and_the_next_start_cleans_the_store(tmp_p
         again.kill()
 
 
-async def test_malformed_targets_at_start_are_a_configuration_error(tmp_path):
+@pytest.mark.parametrize("text,expect", [
+    ("vllm:\n  - ip: 10.0.0.1\n    zmqPort: 5557\n  - ip: 10.0.0.2\n    zmqPort: lots\n", ":5: vllm.1.zmqPort"),
+    ("vllm: [\n", ":2: not valid YAML"),
+], ids=["bad-field", "bad-yaml"])
+async def test_malformed_targets_at_start_are_a_configuration_error(tmp_path, text, expect):
     bad = tmp_path / "targets.yaml"
-    bad.write_text("vllm:\n  - ip: 10.0.0.1\n    zmqPort: 5557\n  - ip: 10.0.0.2\n    zmqPort: lots\n")
+    bad.write_text(text)
     local = Local(tmp_path, bad).start()
     try:
         code, _ = await local.wait_exit(15)
     finally:
         local.kill()
     err = local.stderr_text()
-    assert code == 2, err
-    assert f"{bad}:5:" in err and "zmqPort" in err, err
-    bad.write_text("vllm: [\n")
-    local = Local(tmp_path, bad).start()
-    try:
-        code, _ = await local.wait_exit(15)
-    finally:
-        local.kill()
-    assert code == 2 and f"{bad}:" in local.stderr_text() and "YAML" in local.stderr_text()
+    assert code == 2 and f"{bad}{expect}" in err, err
 
 
 async def test_events_without_anything_running_fails_fast(tmp_path):

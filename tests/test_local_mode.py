@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,16 +17,10 @@ import zmq.asyncio
 
 from cache_indexer.nats_server import find_binary
 from indexer.block_hash import BlockHasher
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
 from cache_indexer.vllm_publisher import VllmPublisher, stored
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_readme_commands_match_ci():
