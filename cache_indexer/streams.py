@@ -120,14 +120,15 @@ class ThrottledWarning:
     """Logs a warning at most once per ``every`` seconds and says how many it held back: a server that is
     down makes nats-py report every reconnect attempt (two a second), which would drown the log."""
 
-    def __init__(self, logger: logging.Logger, every: float = 30.0) -> None:
+    def __init__(self, logger: logging.Logger, every: float = 30.0, clock=time.monotonic) -> None:
         self.logger = logger
         self.every = every
+        self.clock = clock
         self._last: float | None = None
         self._held = 0
 
     def __call__(self, msg: str, *args) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if self._last is not None and now - self._last < self.every:
             self._held += 1
             self.logger.debug(msg, *args)

@@ -234,3 +234,53 @@ async def test_simulate_shows_real_ratios_and_events_view_finds_local(tmp_path, 
         if sim is not None and sim.poll() is None:
             os.killpg(sim.pid, signal.SIGKILL)
         local.kill()
+
+
+async def test_events_tail_follows_local_and_ctrl_c_ends_it_quietly(tmp_path, targets):
+    local = Local(tmp_path, targets).start()
+    tail = None
+    try:
+        await local.wait_ready()
+        tail = subprocess.Popen([sys.executable, "-m", "cache_indexer.cli", "events", "tail"], cwd=tmp_path,
+                                env=local.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        import threading
+
+        import msgpack
+        import nats as nats_client
+
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(iter(tail.stdout.readline, "")), daemon=True).start()
+        nc = await nats_client.connect(local.record()["nats_url"])
+        js = nc.jetstream()
+        body = {"v": 1, "type": "pod_removed", "pod": "127.0.9.9", "reason": "test"}
+
+        async def printed():  # published again until the tail (which starts at new messages) has joined
+            await js.publish("kvcache.l1.127_0_9_9.lifecycle", msgpack.packb(body))
+            return any("127.0.9.9" in line for line in lines)
+        await wait_for(printed, 20, "events tail prints what is published")
+        await nc.close()
+        t0 = time.monotonic()
+        os.killpg(tail.pid, signal.SIGINT)
+        code = await asyncio.to_thread(tail.wait, 10)
+        err = tail.stderr.read()
+        assert code == 130 and time.monotonic() - t0 < 5 and "Traceback" not in err, err
+    finally:
+        if tail is not None and tail.poll() is None:
+            os.killpg(tail.pid, signal.SIGKILL)
+        local.kill()
+
+
+def test_reconnect_warnings_are_throttled(caplog):
+    import logging
+
+    from cache_indexer.streams import ThrottledWarning
+
+    log = logging.getLogger("throttle-test")
+    clock = [1000.0]
+    warn = ThrottledWarning(log, every=30, clock=lambda: clock[0])
+    for i in range(80):  # a server down for 40 s: nats-py reports two reconnect failures a second
+        clock[0] = 1000 + i * 0.5
+        warn("nats: %s", "connection refused")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["nats: connection refused", "nats: connection refused (59 more held back in the last 30s)"]
