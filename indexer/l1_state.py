@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from indexer.l1_index import BlockIndex, WorkerTable
 
-_DEAD = 1 << 64  # next_seq of a removed pod: every batch of its generation is stale
+_DEAD = (1 << 64) - 1  # next_seq of a removed pod: every batch of its generation is stale (a uint64,
+#                       so snapshots can encode it)
 
 
 @dataclass(slots=True)

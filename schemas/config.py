@@ -297,6 +297,14 @@ class StreamConfig(_Section):
     storage: Literal["file", "memory"] = "file"
     maxMsgSize: Size = 1 << 20
 
+    @model_validator(mode="after")
+    def _window_within_age(self) -> "StreamConfig":
+        """JetStream refuses a duplicate window longer than the stream's max age (the bridge crashed)."""
+        if self.maxAge and self.duplicateWindow > self.maxAge:
+            raise ValueError(f"duplicateWindow ({self.duplicateWindow:g}s) must not exceed maxAge "
+                             f"({self.maxAge:g}s): JetStream refuses such a stream")
+        return self
+
 
 class L1StreamConfig(StreamConfig):
     name: str = "KV_L1"

@@ -42,6 +42,7 @@ def test_env_paths_are_case_insensitive():
     (["http.readTimeout=soon"], "http.readTimeout"),
     (["http.nope=1"], "http.nope"),
     (["blockKey.hashAlgo=xxhash", "blockKey.pythonHashSeed=null"], "blockKey"),
+    (["nats.l1Stream.maxAge=1m", "nats.l1Stream.duplicateWindow=2m"], "nats.l1Stream"),
 ])
 def test_invalid_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError) as exc:

@@ -159,3 +159,17 @@ def test_hybrid_model_sliding_window_eviction_keeps_the_full_attention_blocks():
     assert held(s) == {2, 3}
     s.apply(batch(3, [{"kind": "cleared", "medium": None}]))
     assert held(s) == set() and not s.index.groups
+
+
+def test_a_snapshot_after_a_pod_left_round_trips():
+    """A removed pod's cursor must stay encodable: it broke every snapshot after any scale-down."""
+    from indexer.snapshot import decode_l1, encode_l1
+
+    s = L1State()
+    s.apply(batch(0, [stored(1)], pod="127.0.1.1"))
+    s.apply(batch(0, [stored(2)], pod="127.0.1.2"))
+    s.apply({"type": "pod_removed", "pod": "127.0.1.1", "reason": "discovery"})
+    loaded, seq = decode_l1(encode_l1(s, 42))
+    assert seq == 42 and held(loaded, pod="127.0.1.2") == {2} and not loaded.pod_workers("127.0.1.1")
+    loaded.apply(batch(1, [stored(3)], pod="127.0.1.1"))  # late batch of the removed generation: still stale
+    assert not loaded.pod_workers("127.0.1.1")
