@@ -162,3 +162,8 @@ class L1State:
 
     def pod_workers(self, pod: str) -> dict[int, int]:
         return self.workers.pod_workers(pod)
+
+    def knows(self, pod: str) -> bool:
+        """Events were seen for the pod and it was not removed, though it may hold nothing now (after
+        AllBlocksCleared or a reset). Scans the cursors: asked only for pods without workers."""
+        return any(key[0] == pod and cur.next_seq != _DEAD for key, cur in self.cursors.items())

@@ -41,6 +41,8 @@ async def api():
     l1.apply(batch("127.0.1.3", 1, 0, chain))  # rank 1 holds everything: best of ranks
     salted = HASHER.event_hashes(TOKENS, 16, cache_salt="tenant-a")
     l1.apply(batch("127.0.1.4", 0, 0, salted[:2]))
+    l1.apply(batch("127.0.1.5", 0, 0, chain[:2]))
+    l1.apply({"type": "batch", "pod": "127.0.1.5", "rank": 0, "gen": 1, "seq": 1, "events": [{"kind": "cleared"}]})
     state = {"ready": False, "tiers": (l1, None)}
     http = HttpConfig(host="127.0.0.1", port=0, maxHitRateBodyBytes=64 * 1024, readTimeout=2)
     metrics = Metrics()
@@ -269,3 +271,11 @@ async def test_candidates_nobody_reported_are_counted(api):
     async with session.get("/metrics") as r:
         text = await r.text()
     assert "cache_indexer_hit_rate_unknown_candidates_total 2.0" in text
+
+
+async def test_a_pod_that_cleared_its_cache_is_known_and_holds_nothing(api):
+    session, _ = api
+    _, body = await post(session, req(["127.0.1.5", "127.0.1.9"]))
+    cleared, unknown = body["server_score_list"]
+    assert cleared["l1_hit_ratio"] == 0.0 and cleared["message"] == "", "AllBlocksCleared: known, empty"
+    assert unknown["message"] == UNKNOWN_POD_MESSAGE
