@@ -189,7 +189,7 @@ class BlockHasher:
             parent = self.hash_block(parent, token_ids[0:block_size], self.block_extra_keys(0, block_size, cache_salt))
             yield parent
             start = 1
-        if self._accel is not None and start < n_blocks:
+        if self._accel is not None and start < n_blocks and (self._cbor or block_size <= PICKLE_ONE_FRAME_TOKENS):
             if not isinstance(token_ids, (list, tuple)) and not (isinstance(token_ids, array) and token_ids.typecode == "Q"):
                 token_ids = list(token_ids)
             digest_fn, sha_mode = (hashlib.sha256, True) if self._sha else (self._digest, False)
@@ -239,6 +239,12 @@ class BlockHasher:
     def event_hashes(self, token_ids: Sequence[int], block_size: int, **kwargs) -> list[int]:
         """The chain in the integer form vLLM puts in KV events (and the index keys on)."""
         return [event_block_hash(d) for d in self.iter_block_hashes(token_ids, block_size, **kwargs)]
+
+
+#: The C encoder writes a pickle as one frame; CPython starts a new frame past 64 KiB. A token takes at
+#: most 11 bytes (LONG1 of a uint64), so blocks up to this many tokens always fit one frame; larger
+#: blocks (rare: vLLM's block sizes are 16 - 256) take pickle.dumps itself.
+PICKLE_ONE_FRAME_TOKENS = (65536 - 256) // 11
 
 
 def _cbor_bytes_head(n: int) -> bytes:

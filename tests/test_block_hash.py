@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+from array import array
 
 import cbor2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.block_hash import (BlockHasher, LoRAKey, MultiModalKey, event_block_hash,
+from indexer.block_hash import (PICKLE_ONE_FRAME_TOKENS, BlockHasher, LoRAKey, MultiModalKey, event_block_hash,
                                 normalize_event_hash)
 from tests.conftest import DATA
 
@@ -193,3 +194,28 @@ def test_iteration_is_lazy():  # noqa: D103
     it = h.iter_block_hashes(list(range(1 << 16)), 16)
     first = next(it)
     assert first == h.hash_block(None, list(range(16)))
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+@pytest.mark.parametrize("token,sizes", [
+    (100000, range(13090, 13111, 5)),  # BININT tokens: CPython's pickle starts a second frame near 13100
+    (1 << 40, range(8180, 8201, 5)),   # LONG1 tokens: near 8190
+    (7, range(PICKLE_ONE_FRAME_TOKENS - 2, PICKLE_ONE_FRAME_TOKENS + 3)),  # where the C path stops
+])
+def test_pickle_blocks_on_both_sides_of_a_frame_boundary_match_pickle_itself(algo, token, sizes):
+    """The reported case: sha256, seed "0", block_size 13100, tokens [100000] * 13100."""
+    h = BlockHasher(algo, "0")
+    for bs in sizes:
+        tokens = [token] * (2 * bs)
+        expect = []
+        parent = h.none_hash
+        for i in range(2):
+            parent = h.hash_object((parent, tuple(tokens[i * bs:(i + 1) * bs]), None))  # pickle.dumps itself
+            expect.append(parent)
+        assert h.block_hashes(tokens, bs) == expect, bs
+        assert h.block_hashes(array("Q", tokens), bs) == expect, bs
+
+
+def test_the_reported_13100_token_block():
+    got = BlockHasher("sha256", "0").block_hashes([100000] * 13100, 13100)[0].hex()
+    assert got == "d1a05c96670ae6d41d28dc37c2eaa68e37e9bdf5b9b8876c2c9e391a683046fc"
