@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from cache_indexer.config_loader import ConfigError, load_config
+from cache_indexer.tasks import cancel_and_wait
 from schemas.config import Config
 
 log = logging.getLogger("cache_indexer")
@@ -87,8 +88,6 @@ async def serve(start: list[Step], stop: list[Step], shutdown_timeout: float,
     elif starting.done():
         await waiter
     else:
-        from cache_indexer.tasks import cancel_and_wait
-
         await cancel_and_wait(starting)
     waiter.cancel()
 
