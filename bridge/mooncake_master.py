@@ -6,6 +6,12 @@
   >= 0.3.12, NDJSON text before). ``/query_key`` grants a read lease on the object, so it is only
   used where nothing else exists, and only for keys new since the last poll.
 Only the host part of ``transport_endpoint_`` is kept: it is the pod IP of the holder.
+
+Only what a master sends is accepted: no redirects are followed, listings must be ``text/plain`` that
+decodes as UTF-8, JSON must parse (however deep), and no answer may exceed ``ingest.l3.maxResponseBytes``
+(read in chunks, so a huge or endless body costs at most that much). Anything else is a MasterError:
+counted, and the previous state stands; a proxy's HTML error page never reads as an empty store.
+Large listings are decoded and split in a worker thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ def _hosts(descriptors) -> set[str]:
     return out
 
 
+#: Bodies larger than this are decoded and split off the event loop.
+_OFF_LOOP_BYTES = 1 << 20
+
+
 def parse_query_key(status: int, content_type: str, body: bytes) -> set[str] | None:
     """Hosts holding the key, None when the key does not exist; raises MasterError otherwise."""
     if status == 404:
@@ -54,8 +64,8 @@ def parse_query_key(status: int, content_type: str, body: bytes) -> set[str] | N
                 return None
             return _hosts(doc.get("data"))
         return _hosts([json.loads(line) for line in text.splitlines() if line.strip()])
-    except (ValueError, AttributeError) as exc:
-        raise MasterError(f"query_key: malformed body: {exc}") from None
+    except (ValueError, AttributeError, RecursionError) as exc:
+        raise MasterError(f"query_key: malformed body: {type(exc).__name__}: {exc}") from None
 
 
 def parse_batch_query(body: bytes) -> dict[str, set[str] | None]:
@@ -63,13 +73,27 @@ def parse_batch_query(body: bytes) -> dict[str, set[str] | None]:
         doc = json.loads(body)
         data = doc["data"]
         return {k: (_hosts(v.get("values")) if v.get("ok") else None) for k, v in data.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise MasterError(f"batch_query_keys: malformed body: {exc}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise MasterError(f"batch_query_keys: malformed body: {type(exc).__name__}: {exc}") from None
+
+
+def parse_lines(path: str, content_type: str, body: bytes) -> list[str]:
+    """A listing: text/plain, UTF-8, one item per line (an empty body is an empty store)."""
+    if not content_type.startswith("text/plain"):
+        raise MasterError(f"{path}: not a master's listing (Content-Type {content_type or 'missing'!r})")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MasterError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if "\x00" in text:
+        raise MasterError(f"{path}: binary body")
+    return [line for line in text.split("\n") if line]
 
 
 class MasterClient:
     def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout: float, batch_keys: int = 500,
-                 concurrency: int = 4, segments_timeout: float | None = None) -> None:
+                 concurrency: int = 4, segments_timeout: float | None = None, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
         self.base = base_url.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -81,14 +105,29 @@ class MasterClient:
 
     async def _get(self, path: str, timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, str, bytes]:
         async with self.sem:
-            async with self.session.get(URL(self.base + path, encoded=True), timeout=timeout or self.timeout) as r:
-                return r.status, r.headers.get("Content-Type", ""), await r.read()
+            async with self.session.get(URL(self.base + path, encoded=True), timeout=timeout or self.timeout,
+                                        allow_redirects=False) as r:
+                if 300 <= r.status < 400:
+                    raise MasterError(f"{path.split('?')[0]}: HTTP {r.status} redirect to "
+                                      f"{r.headers.get('Location', '?')!r} (a master does not redirect)")
+                if (r.content_length or 0) > self.max_bytes:
+                    raise MasterError(f"{path.split('?')[0]}: answer of {r.content_length} bytes is over "
+                                      f"ingest.l3.maxResponseBytes ({self.max_bytes})")
+                body = bytearray()
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    body += chunk
+                    if len(body) > self.max_bytes:
+                        raise MasterError(f"{path.split('?')[0]}: answer over ingest.l3.maxResponseBytes "
+                                          f"({self.max_bytes} bytes)")
+                return r.status, r.headers.get("Content-Type", ""), bytes(body)
 
     async def _lines(self, path: str, timeout: aiohttp.ClientTimeout | None = None) -> list[str]:
-        status, _, body = await self._get(path, timeout)
+        status, ctype, body = await self._get(path, timeout)
         if status != 200:
             raise MasterError(f"{path}: HTTP {status}")
-        return [line for line in body.decode("utf-8", "replace").split("\n") if line]
+        if len(body) > _OFF_LOOP_BYTES:
+            return await asyncio.to_thread(parse_lines, path, ctype, body)
+        return parse_lines(path, ctype, body)
 
     async def all_keys(self) -> list[str]:
         return await self._lines("/get_all_keys")
@@ -135,7 +174,7 @@ class MasterClient:
             self.batch_supported = False
             return {}
         self.batch_supported = True
-        return result
+        return {k: result[k] for k in keys if k in result}  # an answer for a key not asked about is ignored
 
     async def _one(self, key: str) -> set[str] | None:
         status, ctype, body = await self._get("/query_key?key=" + key)

@@ -29,6 +29,23 @@ from schemas.config import L3IngestConfig
 log = logging.getLogger(__name__)
 
 
+def poll_error_reason(exc: BaseException) -> str:
+    """The label of cache_indexer_l3_poll_errors_total."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientError):
+        return "connection"
+    if isinstance(exc, MasterError):
+        return "malformed"
+    return "internal"
+
+
+def describe(exc: BaseException) -> str:
+    """Never an empty reason (a timeout's str() is empty)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 @dataclass(frozen=True, slots=True)
 class MasterTarget:
     name: str  # stable identity (pod name or configured name)
@@ -43,7 +60,7 @@ class MooncakePoller:
         self.sink = sink
         self.metrics = metrics
         self.client = MasterClient(target.url, session, cfg.httpTimeout, cfg.batchKeys, cfg.concurrency,
-                                   segments_timeout=segments_timeout)
+                                   segments_timeout=segments_timeout, max_bytes=cfg.maxResponseBytes)
         self.parser = KeyParser(cfg.keyFormats, cfg.extraKeyPatterns)
         self.key_hosts: dict[str, set[str]] = {}  # key -> hosts of its replicas, live segments or not
         self.live_hosts: set[str] = set()  # hosts with a mounted segment at the last poll
@@ -55,9 +72,20 @@ class MooncakePoller:
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
+        self._stopping = False
         self._task = asyncio.create_task(self._run(), name=f"mooncake-poll-{self.target.name}")
+        self._task.add_done_callback(self._restart_if_it_died)
+
+    def _restart_if_it_died(self, task: asyncio.Task) -> None:
+        """The loop catches every Exception; should it end anyway, L3 must not freeze silently."""
+        if self._stopping or task.cancelled():
+            return
+        self.metrics.l3_poller_restarts.inc()
+        log.error("mooncake master %s: the poller ended (%r); restarting it", self.target.name, task.exception())
+        self.start()
 
     async def stop(self, reset: bool = False) -> None:
+        self._stopping = True
         if self._task:
             await cancel_and_wait(self._task)
         if reset:  # the master is gone: its entries can no longer be vouched for
@@ -69,9 +97,11 @@ class MooncakePoller:
                 await self.poll()
             except asyncio.CancelledError:
                 raise
-            except (MasterError, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                self.metrics.l3_poll_errors.inc()
-                log.warning("mooncake master %s: poll failed (%s); keeping the previous state", self.target.name, exc)
+            except Exception as exc:  # any one poll's failure: counted, logged, the next poll runs
+                reason = poll_error_reason(exc)
+                self.metrics.l3_poll_errors.labels(reason).inc()
+                log.warning("mooncake master %s: poll failed (%s: %s); keeping the previous state",
+                            self.target.name, reason, describe(exc))
             await asyncio.sleep(self.cfg.pollInterval)
 
     async def poll(self) -> None:
@@ -109,7 +139,7 @@ class MooncakePoller:
                     add(host, self.key_hash[key])
         self.live_hosts = live_hosts
         for key, hosts in located.items():
-            if hosts is None:
+            if hosts is None or key not in self.key_hash:
                 continue  # vanished between listing and locating: the next poll sees it gone
             h = self.key_hash[key]
             self.key_hosts[key] = hosts

@@ -64,7 +64,11 @@ class Metrics:
         self.publish_retries = Counter(p + "bridge_publish_retries_total", "JetStream publishes re-sent.", registry=r)
         self.publish_inflight = Gauge(p + "bridge_publish_inflight", "Unacknowledged JetStream publishes.", registry=r)
         self.subscriptions = Gauge(p + "bridge_subscriptions", "Active vLLM ZMQ subscriptions.", registry=r)
-        self.l3_poll_errors = Counter(p + "l3_poll_errors_total", "Mooncake master polls that failed.", registry=r)
+        self.l3_poll_errors = Counter(p + "l3_poll_errors_total",
+                                      "Mooncake master polls that failed, by reason (timeout, connection, "
+                                      "malformed, internal).", ["reason"], registry=r)
+        self.l3_poller_restarts = Counter(p + "l3_poller_restarts_total",
+                                          "Mooncake pollers that ended unexpectedly and were restarted.", registry=r)
         self.l3_unparsed_keys = Counter(p + "l3_unparsed_keys_total", "Mooncake keys without a usable block hash.",
                                         registry=r)
         self.l3_full_state_skipped = Counter(p + "l3_full_state_skipped_total",

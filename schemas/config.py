@@ -272,6 +272,9 @@ class L3IngestConfig(_Section):
     concurrency: int = Field(4, ge=1)
     #: Every this many polls the full state is published with Nats-Rollup (compacts the subject).
     fullStateEvery: int = Field(30, ge=1)
+    #: Cap of one answer of a master (a key listing of ~300k keys of ~150 bytes is ~45 MB); over it the
+    #: poll fails and the previous state stands.
+    maxResponseBytes: Size = 64 << 20
     #: Key grammars (bridge/mooncake_keys.py) and extra regexes with a named group ``hash``.
     keyFormats: list[str] = ["ascend_v2", "ascend_v2_layer", "ascend_v2_layer_v020", "ascend_v1", "ascend_v1_layer",
                              "vllm_store_v2", "vllm_store_v1"]

@@ -120,6 +120,7 @@ class FakeMaster:
         app.router.add_get("/get_all_keys", self.all_keys)
         app.router.add_get("/get_all_segments", self.all_segments)
         app.router.add_get("/batch_query_keys", self.batch)
+        app.router.add_get("/empty", self.empty)
         self.runner = web.AppRunner(app, max_line_size=4 << 20)  # the real master takes 500 kB query strings
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -135,8 +136,24 @@ class FakeMaster:
         return None
 
     async def all_keys(self, request):
+        if self.fault == "html":  # an ingress's error page, with status 200
+            return web.Response(text="<html><body><h1>Bad Gateway</h1></body></html>\n", content_type="text/html")
+        if self.fault == "binary":
+            return web.Response(body=b"\xff\xfe\x00\x01garbage\n", content_type="text/plain")
+        if self.fault == "redirect":
+            raise web.HTTPFound("/empty")
+        if self.fault == "huge":  # one body over ingest.l3.maxResponseBytes
+            return web.Response(body=b"k\n" * (1 << 20), content_type="text/plain")
+        if self.fault == "endless":  # a chunked stream that never ends
+            resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+            await resp.prepare(request)
+            while True:
+                await resp.write(b"key\n" * 4096)
         return await self._faulty() or web.Response(text="".join(k + "\n" for k in self.keys),
-                                                    content_type="text/plain")
+                                                    content_type="text/plain; version=0.0.4")
+
+    async def empty(self, request):
+        return web.Response(text="", content_type="text/plain")
 
     async def all_segments(self, request):
         await asyncio.sleep(self.segments_delay)
@@ -146,11 +163,15 @@ class FakeMaster:
     async def batch(self, request):
         if self.fault == "malformed":
             return web.Response(text="{garbage", content_type="application/json")
+        if self.fault == "nested":  # valid JSON, 100,000 levels deep
+            return web.Response(text="[" * 100000 + "]" * 100000, content_type="application/json")
         self.batch_calls += 1
         asked = request.query["keys"].split(",")
         self.batch_keys_asked += len(asked)
         data = {k: ({"ok": True, "error": None, "values": [{"size_": 64, "transport_endpoint_": ep} for ep in self.keys[k]]}
                     if k in self.keys else {"ok": False, "error": "OBJECT_NOT_FOUND", "values": None}) for k in asked}
+        if self.fault == "unasked":  # an answer about a key nobody asked for
+            data[key(999)] = {"ok": True, "error": None, "values": [{"transport_endpoint_": "127.0.0.9:1"}]}
         return web.json_response({"success": True, "data": data})
 
 
@@ -280,21 +301,31 @@ async def test_a_master_that_left_while_no_bridge_ran_is_dropped_by_the_next_bri
         await master.runner.cleanup()
 
 
-@pytest.mark.parametrize("fault", ["timeout", "503", "malformed"])
-async def test_failed_polls_keep_the_previous_state(poller, fault):
+def poll_errors(metrics: Metrics) -> dict[str, float]:
+    return {s.labels["reason"]: s.value for s in metrics.l3_poll_errors.collect()[0].samples
+            if s.name.endswith("_total")}
+
+
+@pytest.mark.parametrize("fault,reason", [
+    ("timeout", "timeout"), ("503", "malformed"), ("malformed", "malformed"), ("nested", "malformed"),
+    ("html", "malformed"), ("binary", "malformed"), ("redirect", "malformed"), ("huge", "malformed"),
+    ("endless", "malformed"),
+])
+async def test_failed_polls_keep_the_previous_state(poller, fault, reason, caplog):
     master, p, sink, metrics = poller
+    p.client.max_bytes = 1 << 20  # ingest.l3.maxResponseBytes, small for the test
     master.segments = ["127.0.0.2:12001"]
     master.keys = {key(1): ["127.0.0.2:16001"]}
     await p.poll()
     master.keys[key(2)] = ["127.0.0.2:16001"]
     master.fault = fault
-    task = asyncio.create_task(p._run())
+    p.start()
     try:
-        async def failed():
-            while metrics.l3_poll_errors._value.get() < 1:
-                await asyncio.sleep(0.01)
-        await asyncio.wait_for(failed(), 10)
+        await wait_for(lambda: poll_errors(metrics).get(reason, 0) >= 2, 15, f"two failed polls ({fault})")
         assert sink.held("127.0.0.2") == {1}, "previous state kept"
+        assert all(m["pods"] for m in sink.messages if m["type"] == "l3_full"), "never an empty full state"
+        failures = [r.getMessage() for r in caplog.records if "poll failed" in r.getMessage()]
+        assert failures and all("()" not in m and f"({reason}: " in m for m in failures), failures
         master.fault = None
 
         async def recovered():
@@ -302,8 +333,37 @@ async def test_failed_polls_keep_the_previous_state(poller, fault):
                 await asyncio.sleep(0.01)
         await asyncio.wait_for(recovered(), 10)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await p.stop()
+
+
+async def test_an_answer_about_a_key_not_asked_for_is_ignored(poller):
+    master, p, sink, metrics = poller
+    master.segments = ["127.0.0.2:12001"]
+    master.keys = {key(1): ["127.0.0.2:16001"]}
+    master.fault = "unasked"
+    await p.poll()
+    assert sink.held("127.0.0.2") == {1} and not sink.held("127.0.0.9") and not poll_errors(metrics)
+
+
+async def test_a_poller_that_ends_is_restarted_and_counted(poller, monkeypatch):
+    master, p, sink, metrics = poller
+    master.segments = ["127.0.0.2:12001"]
+    master.keys = {key(1): ["127.0.0.2:16001"]}
+    real_sleep, broken = asyncio.sleep, [True]
+
+    async def sleep_once_broken(delay, *a):  # a BaseException the per-poll handler does not catch
+        if broken and delay == p.cfg.pollInterval:
+            broken.clear()
+            raise SystemError("the loop itself failed")
+        return await real_sleep(delay, *a)
+    monkeypatch.setattr(asyncio, "sleep", sleep_once_broken)
+    p.start()
+    try:
+        await wait_for(lambda: metrics.l3_poller_restarts._value.get() == 1, 10, "a restart counted")
+        master.keys[key(2)] = ["127.0.0.2:16001"]
+        await wait_for(lambda: sink.held("127.0.0.2") == {1, 2}, 10, "the restarted poller polls")
+    finally:
+        await p.stop()
 
 
 # -- a real master ---------------------------------------------------------------------------------
