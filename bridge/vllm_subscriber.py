@@ -127,6 +127,7 @@ class VllmSubscriber:
         # socket: each awaited receive of zmq.asyncio costs a future and poller bookkeeping, which was
         # the bridge's largest cost per batch under load. A burst is bounded so others get the loop.
         queued = zmq.Socket.shadow(sock.underlying)
+        await self._catch_up()
         while True:
             await self._on_frames(await sock.recv_multipart())
             for _ in range(RECV_BURST):
@@ -135,6 +136,32 @@ class VllmSubscriber:
                 except zmq.Again:
                     break
                 await self._on_frames(frames)
+
+    async def _catch_up(self) -> None:
+        """A resumed subscription asks the replay socket at once for what the engine published while no
+        bridge listened: an engine that has gone quiet would otherwise stay behind until its next batch.
+        Live batches queue on the socket meanwhile; those already replayed are dropped as duplicates."""
+        if self.gen is None or self.last is None or not self.ep.replay:
+            return
+        try:
+            replayed = await self._replay(self.last + 1, empty_is_failure=False)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s rank %d: catching up from the replay socket failed", self.ep.pod, self.ep.rank)
+            return
+        caught = 0
+        for s, p in replayed:
+            if s <= self.last:
+                continue
+            if s != self.last + 1:
+                break  # the buffer no longer holds the next one: the first live batch resolves the gap
+            await self._publish(s, p)
+            self.last = s
+            caught += 1
+        if caught:
+            log.info("%s rank %d: caught up %d batches published while no bridge listened", self.ep.pod,
+                     self.ep.rank, caught)
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         try:
@@ -195,8 +222,9 @@ class VllmSubscriber:
         await self._publish(live_seq, live_payload)
         self.last = self.last_live = live_seq
 
-    async def _replay(self, start: int) -> list[tuple[int, bytes]]:
-        """Everything vLLM's replay buffer holds from ``start`` on; empty when unavailable."""
+    async def _replay(self, start: int, empty_is_failure: bool = True) -> list[tuple[int, bytes]]:
+        """Everything vLLM's replay buffer holds from ``start`` on; empty when unavailable. An empty
+        answer starts the cooldown, except for a catch-up, where nothing new is the usual answer."""
         if not self.ep.replay:
             return []
         if time.monotonic() - self._last_failed_replay < self.cfg.replayCooldown:
@@ -236,7 +264,7 @@ class VllmSubscriber:
                 sock.close(0)
         out.sort(key=lambda x: x[0])
         self.metrics.bridge_replays.labels("ok" if out else "empty").inc()
-        if not out:
+        if not out and empty_is_failure:
             self._last_failed_replay = time.monotonic()
         return out
 

@@ -50,6 +50,24 @@ async def test_stored_removed_cleared(stack):
     assert stack.replica.indexer.l1.pod_workers(POD) == {}
 
 
+async def test_an_idle_engine_is_caught_up_when_a_bridge_resumes_it(stack):
+    """Batches published while no bridge listened are fetched at subscription, not at the next batch."""
+    from bridge.service import Bridge
+
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:2])])
+    await until_ratio(stack, POD, 2 / 8)
+    await stack.bridge.stop()  # e.g. a bridge restart
+    await eng.publish([stored(CHAIN[2:5], parent=CHAIN[1])])  # nobody subscribed: only the replay buffer has it
+    await eng.publish([stored(CHAIN[5:8], parent=CHAIN[4])])
+    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)  # the engine now stays quiet
+    await stack.bridge.start()
+    await stack.connect((eng, POD, 0))
+    await until_ratio(stack, POD, 1.0, what="caught up without any new live batch")
+    assert stack.bridge_metrics.bridge_resets.labels("gap-beyond-replay")._value.get() == 0
+
+
 async def test_gap_is_filled_from_the_replay_socket(stack):
     eng = stack.engine(POD)
     await stack.connect((eng, POD, 0))
