@@ -52,14 +52,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class SimulatedEngine:
-    """One rank's BlockPool, reduced to what its KV events show: which block hashes are cached."""
+    """One rank's BlockPool, reduced to what its KV events show: which block hashes are cached, in how
+    many physical blocks (vLLM does not de-duplicate: blocks computed after a prefix miss are stored
+    even when their hash is cached already, and each copy is evicted on its own)."""
 
     def __init__(self, publisher: VllmPublisher, hasher: BlockHasher, block_size: int, num_blocks: int) -> None:
         self.publisher = publisher
         self.hasher = hasher
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.cached: OrderedDict[int, int] = OrderedDict()  # hash -> physical copies, LRU first
+        self.used = 0  # physical blocks cached
         self.stored = self.removed = 0
 
     def events_for(self, tokens: list[int]) -> list[dict]:
@@ -72,22 +75,23 @@ class SimulatedEngine:
             hit += 1
         new = hashes[hit:]
         events: list[dict] = []
-        room = self.num_blocks - len(self.cached)
-        evict = []
         protected = set(hashes[:hit])
+        evict: list[int] = []
         for h in list(self.cached):
-            if len(evict) >= len(new) - room:
+            if self.used + len(new) <= self.num_blocks:
                 break
             if h not in protected:
-                evict.append(h)
-        for h in evict:
-            del self.cached[h]
+                copies = self.cached.pop(h)
+                evict += [h] * copies  # one BlockRemoved per physical block
+                self.used -= copies
         if evict:
             events.append(removed(evict))
             self.removed += len(evict)
         if new:
             for h in new:
-                self.cached[h] = None
+                self.cached[h] = self.cached.get(h, 0) + 1
+                self.cached.move_to_end(h)
+            self.used += len(new)
             events.append(stored(new, parent=hashes[hit - 1] if hit else None, block_size=bs,
                                  token_ids=tokens[hit * bs: len(hashes) * bs]))
             self.stored += len(new)

@@ -80,6 +80,29 @@ class BlockIndex:
         self.worker_blocks: dict[int, int] = {}
         #: worker id -> {block hash: bitmask of KV-cache groups}, for entries not held by group 0 alone
         self.groups: dict[int, dict[int, int]] = {}
+        #: worker id -> {block: copies beyond the first}. vLLM's BlockPool does not de-duplicate: one hash
+        #: can be cached in several physical blocks, each evicted (BlockRemoved) on its own, and the hash
+        #: stays reusable while any copy is cached. The block key is the hash for group 0, (hash, group
+        #: bit) for other groups. Only duplicates are recorded, so the common case costs nothing.
+        self.copies: dict[int, dict] = {}
+
+    def _copy_added(self, wid: int, key) -> None:
+        extra = self.copies.setdefault(wid, {})
+        extra[key] = extra.get(key, 0) + 1
+
+    def _copy_removed(self, wid: int, key) -> bool:
+        """One copy of several goes: True (the block stays held); False when this was the last one."""
+        extra = self.copies.get(wid)
+        if not extra or key not in extra:
+            return False
+        n = extra[key] - 1
+        if n:
+            extra[key] = n
+        else:
+            del extra[key]
+            if not extra:
+                del self.copies[wid]
+        return True
 
     def _bit(self, wid: int) -> int:
         bits = self._bits
@@ -102,6 +125,8 @@ class BlockIndex:
             elif not m & bit:
                 blocks[h] = m | bit
                 added += 1
+            else:
+                self._copy_added(wid, h)
         if added:
             self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) + added
 
@@ -114,9 +139,12 @@ class BlockIndex:
         blocks = self.blocks
         get = blocks.get
         removed = 0
+        copies = self.copies
         for h in hashes:
             m = get(h)
             if m is not None and m & bit:
+                if wid in copies and self._copy_removed(wid, h):
+                    continue
                 self._drop(h, m ^ bit)
                 removed += 1
         if removed:
@@ -142,9 +170,11 @@ class BlockIndex:
                 if gbit != 1:
                     held_by[h] = gbit
             else:
-                now = held_by.get(h, 1) | gbit
-                if now != 1:
-                    held_by[h] = now
+                held = held_by.get(h, 1)
+                if held & gbit:  # this group already holds it: another physical copy
+                    self._copy_added(wid, h if gbit == 1 else (h, gbit))
+                elif held | gbit != 1:
+                    held_by[h] = held | gbit
         if added:
             self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) + added
 
@@ -157,6 +187,8 @@ class BlockIndex:
             m = blocks.get(h, 0)
             groups = held_by.get(h, 1)
             if not (m & bit and groups & gbit):
+                continue
+            if self._copy_removed(wid, h if gbit == 1 else (h, gbit)):
                 continue
             groups ^= gbit
             if groups:  # another group of this worker still holds it
@@ -172,17 +204,19 @@ class BlockIndex:
             self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) - removed
 
     def restore(self, hashes: list[int], masks: list[int], worker_blocks: dict[int, int],
-                groups: dict[int, dict[int, int]] | None = None) -> None:
+                groups: dict[int, dict[int, int]] | None = None, copies: dict[int, dict] | None = None) -> None:
         """Adopt a loaded table; single-bit masks become the shared objects (a C-level map, no loop)."""
         self._bit(max(max(worker_blocks, default=0), 0))
         shared = {b: b for b in self._bits}
         self.blocks = dict(zip(hashes, map(shared.get, masks, masks)))
         self.worker_blocks = dict(worker_blocks)
         self.groups = {wid: dict(held_by) for wid, held_by in (groups or {}).items()}
+        self.copies = {wid: dict(extra) for wid, extra in (copies or {}).items() if extra}
 
     def clear(self, wid: int) -> int:
         """Drop every block of one worker; returns how many it held."""
         self.groups.pop(wid, None)
+        self.copies.pop(wid, None)
         held = self.worker_blocks.pop(wid, 0)
         if not held:
             return 0

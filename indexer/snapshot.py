@@ -63,6 +63,7 @@ def encode_l1(state: L1State, stream_seq: int) -> bytes:
                     for (pod, rank), c in state.cursors.items()],
         "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in wide.items()},
         "groups": [[wid, list(held_by.items())] for wid, held_by in state.index.groups.items()],
+        "copies": [[wid, list(extra.items())] for wid, extra in state.index.copies.items()],
     }
     head = msgpack.packb(header)
     return len(head).to_bytes(8, "little") + head + keys.tobytes() + masks.tobytes()
@@ -98,7 +99,9 @@ def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     for i, raw in header["wide"].items():
         mask_list[int(i)] = int.from_bytes(raw, "little")
     groups = {wid: dict(pairs) for wid, pairs in header.get("groups", ())}  # absent before KV-cache groups
-    state.index.restore(keys.tolist(), mask_list, dict(header["worker_blocks"]), groups)
+    copies = {wid: {tuple(k) if isinstance(k, list) else k: n for k, n in pairs}  # absent before copies
+              for wid, pairs in header.get("copies", ())}
+    state.index.restore(keys.tolist(), mask_list, dict(header["worker_blocks"]), groups, copies)
     for pod, rank, gen, next_seq, reset_seen, held in header["cursors"]:
         state.cursors[(pod, rank)] = _Cursor(gen=gen, next_seq=next_seq, reset_seen=reset_seen,
                                              held={m["seq"]: m for m in held})

@@ -50,6 +50,22 @@ async def test_stored_removed_cleared(stack):
     assert stack.replica.indexer.l1.pod_workers(POD) == {}
 
 
+async def test_a_block_cached_twice_survives_the_eviction_of_one_copy(stack):
+    """vLLM 0.33's BlockPool, 8 blocks of 16: the prompt 1..32 runs twice (block 1 stored twice); a
+    65-token request evicts the first copy and vLLM emits BlockRemoved for it; 1..32 still hits fully."""
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    prompt = list(range(1, 33))
+    b0, b1 = H.event_hashes(prompt, BS)
+    await eng.publish([stored([b0, b1], token_ids=prompt, block_size=BS)])
+    await eng.publish([stored([b1], parent=b0, token_ids=prompt[16:], block_size=BS)])
+    await until_ratio(stack, POD, 1.0, tokens=prompt)
+    await eng.publish([removed([b1])])
+    await eng.publish([stored(CHAIN[:1])])  # a later batch: the removal has been applied
+    await until_ratio(stack, POD, 1 / 8, what="the later batch applied")
+    assert (await stack.ratios([POD], prompt, BS))[0] == 1.0
+
+
 async def test_an_idle_engine_is_caught_up_when_a_bridge_resumes_it(stack):
     """Batches published while no bridge listened are fetched at subscription, not at the next batch."""
     from bridge.service import Bridge

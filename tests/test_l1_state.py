@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from indexer.l1_index import BlockIndex
@@ -101,47 +101,63 @@ def test_block_shared_by_workers_and_worker_ids_reused():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["s", "r", "c"]), st.integers(0, 3), st.lists(st.integers(0, 20), max_size=5)),
                 max_size=40))
-def test_index_matches_a_model_of_sets(ops):
+@example([("s", 0, [1, 2]), ("s", 0, [2]), ("r", 0, [2])])  # one hash, two physical blocks
+def test_index_matches_vllms_multiset_of_cached_hashes(ops):
+    """vLLM's BlockPool: each stored hash is one physical block; a BlockRemoved evicts one of them; the
+    hash is held while any copy is cached."""
+    from collections import Counter
+
     idx = BlockIndex()
-    model = {w: set() for w in range(4)}
+    model = {w: Counter() for w in range(4)}
     for op, wid, hashes in ops:
         if op == "s":
             idx.store(wid, hashes)
-            model[wid] |= set(hashes)
+            model[wid].update(hashes)
         elif op == "r":
             idx.remove(wid, hashes)
-            model[wid] -= set(hashes)
+            for h in hashes:
+                if model[wid][h]:
+                    model[wid][h] -= 1
         else:
             idx.clear(wid)
-            model[wid] = set()
+            model[wid] = Counter()
     for wid, hs in model.items():
-        assert {h for h, m in idx.blocks.items() if m >> wid & 1} == hs
-        assert idx.worker_blocks.get(wid, 0) == len(hs)
+        held = {h for h, n in hs.items() if n}
+        assert {h for h, m in idx.blocks.items() if m >> wid & 1} == held
+        assert idx.worker_blocks.get(wid, 0) == len(held)
+        assert {h: n - 1 for h, n in hs.items() if n > 1} == idx.copies.get(wid, {}), "only duplicates recorded"
     assert all(m for m in idx.blocks.values())
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["s", "r", "c"]), st.integers(0, 2), st.sampled_from([None, 0, 1, 2]),
                           st.lists(st.integers(0, 12), max_size=5)), max_size=50))
+@example([("s", 0, None, [1]), ("s", 0, None, [1]), ("r", 0, None, [1])])
+@example([("s", 0, 1, [1]), ("s", 0, 1, [1]), ("r", 0, 1, [1]), ("s", 0, 0, [1]), ("r", 0, 1, [1])])
 def test_a_block_is_held_while_any_of_the_workers_kv_cache_groups_holds_it(ops):
     idx = BlockIndex()
-    model = {w: {} for w in range(3)}  # worker -> block -> groups holding it
+    model = {w: {} for w in range(3)}  # worker -> block -> {group: copies cached}
     for op, wid, group, hashes in ops:
         g = group or 0
         if op == "s":
             idx.store(wid, hashes, group)
             for h in hashes:
-                model[wid].setdefault(h, set()).add(g)
+                copies = model[wid].setdefault(h, {})
+                copies[g] = copies.get(g, 0) + 1
         elif op == "r":
             idx.remove(wid, hashes, group)
             for h in hashes:
-                if g in model[wid].get(h, ()):
-                    model[wid][h].discard(g)
-                    if not model[wid][h]:
+                copies = model[wid].get(h, {})
+                if copies.get(g):
+                    copies[g] -= 1
+                    if not copies[g]:
+                        del copies[g]
+                    if not copies:
                         del model[wid][h]
         else:
             idx.clear(wid)
             model[wid] = {}
+    model = {w: {h: set(copies) for h, copies in blocks.items()} for w, blocks in model.items()}
     for wid, held_by in model.items():
         assert {h for h, m in idx.blocks.items() if m >> wid & 1} == set(held_by)
         assert idx.worker_blocks.get(wid, 0) == len(held_by)
@@ -173,3 +189,26 @@ def test_a_snapshot_after_a_pod_left_round_trips():
     assert seq == 42 and held(loaded, pod="127.0.1.2") == {2} and not loaded.pod_workers("127.0.1.1")
     loaded.apply(batch(1, [stored(3)], pod="127.0.1.1"))  # late batch of the removed generation: still stale
     assert not loaded.pod_workers("127.0.1.1")
+
+
+
+def test_a_hash_cached_twice_stays_until_both_copies_are_evicted_and_snapshots_keep_the_count():
+    """The reported case, in the normalised stream: block 1 of the prompt stored twice, evicted once."""
+    from indexer.snapshot import decode_l1, encode_l1
+
+    s = L1State()
+    s.apply(batch(0, [stored(10, 11)]))
+    s.apply(batch(1, [stored(11)]))  # the same prefix scheduled again before the first copy was cached
+    s.apply(batch(2, [removed(11)]))  # one copy evicted: vLLM still reuses the other
+    assert held(s) == {10, 11}
+    s.apply(batch(3, [stored(11)]))
+    loaded, _ = decode_l1(encode_l1(s, 7))
+    assert loaded.index.copies == s.index.copies == {s.workers.get("127.0.1.1", 0): {11: 1}}
+    for state in (s, loaded):
+        state.apply(batch(4, [removed(11)]))
+        assert held(state) == {10, 11}
+        state.apply(batch(5, [removed(11)]))
+        assert held(state) == {10}
+    s.apply(batch(6, [stored(10)]))
+    s.apply(batch(7, [{"kind": "cleared"}]))
+    assert held(s) == set() and not s.index.copies
