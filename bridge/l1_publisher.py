@@ -43,9 +43,10 @@ class L1Publisher:
         self._js = js
         self._stream = stream
 
-    async def last_position(self, pod: str, rank: int) -> tuple[int, int, str] | None:
-        """(gen, last published vLLM seq, epoch) of a (pod, rank) from the stream's last message on its
-        subject, so a restarted bridge continues where the previous one stopped; None when unknown."""
+    async def last_position(self, pod: str, rank: int) -> tuple[int, int, str, float | None] | None:
+        """(gen, last published vLLM seq, epoch, vLLM's timestamp of that batch) of a (pod, rank) from the
+        stream's last message on its subject, so a restarted bridge continues where the previous one
+        stopped (and can tell whether the engine still holds that batch); None when unknown."""
         if self._js is None:
             return None
         try:
@@ -57,9 +58,15 @@ class L1Publisher:
             gen, seq = int(h["Kv-Gen"]), int(h["Kv-Seq"])
         except (KeyError, ValueError):
             return None
+        ts = None
         if h.get("Kv-Type") == "reset":
             seq -= 1  # a reset names the next seq
-        return gen, seq, h.get("Kv-Epoch", "")
+        else:
+            try:
+                ts = msgpack.unpackb(msg.data).get("ts")
+            except Exception:  # an undecodable message: resume without the incarnation check
+                ts = None
+        return gen, seq, h.get("Kv-Epoch", ""), ts if isinstance(ts, float) else None
 
     async def batch(self, pod: str, rank: int, gen: int, seq: int, ts: float | None, events: list[dict],
                     epoch: str = "") -> None:

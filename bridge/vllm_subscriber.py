@@ -75,6 +75,9 @@ class VllmSubscriber:
         self.block_key_check = block_key_check
         self.gen: int | None = None
         self.last: int | None = None  # last seq published
+        #: vLLM's timestamp of the batch published last: what tells this engine incarnation's batch at that
+        #: seq from a restarted engine's (whose seq may have overtaken ours while the socket reconnected)
+        self.last_ts: float | None = None
         self.last_live: int | None = None  # last seq received on the live socket
         self._last_failed_replay = float("-inf")
         self._malformed_log = _BurstLog()
@@ -88,11 +91,11 @@ class VllmSubscriber:
         pos = await self.sink.last_position(self.ep.pod, self.ep.rank)
         if pos is None:
             return
-        gen, last, epoch = pos
+        gen, last, epoch, ts = pos
         if epoch != (self.ep.epoch or "-"):
             log.info("%s rank %d: engine epoch changed since the last bridge; starting fresh", self.ep.pod, self.ep.rank)
             return
-        self.gen, self.last, self.last_live = gen, last, None
+        self.gen, self.last, self.last_live, self.last_ts = gen, last, None, ts
         log.info("%s rank %d: resuming generation %d after seq %d", self.ep.pod, self.ep.rank, gen, last)
 
     def start(self) -> None:
@@ -144,13 +147,20 @@ class VllmSubscriber:
         if self.gen is None or self.last is None or not self.ep.replay:
             return
         try:
-            replayed = await self._replay(self.last + 1, empty_is_failure=False)
+            same, replayed = await self._same_incarnation()
+            if same is False:  # restarted while no bridge listened: start over from what it holds
+                latest = await self._replay(0, empty_is_failure=False)
+                if latest:
+                    await self._new_incarnation(*latest[-1])
+                return
+            if replayed is None:  # no timestamp to check against: ask for what follows
+                replayed = await self._replay(self.last + 1, empty_is_failure=False)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("%s rank %d: catching up from the replay socket failed", self.ep.pod, self.ep.rank)
             return
-        caught = 0
+        caught, before = 0, self.last
         for s, p in replayed:
             if s <= self.last:
                 continue
@@ -160,6 +170,8 @@ class VllmSubscriber:
             self.last = s
             caught += 1
         if caught:
+            # live batches queued meanwhile up to the new last are the same ones again, not a restart
+            self.last_live = before
             log.info("%s rank %d: caught up %d batches published while no bridge listened", self.ep.pod,
                      self.ep.rank, caught)
 
@@ -185,7 +197,7 @@ class VllmSubscriber:
             self.last = self.last_live = seq
         elif seq <= self.last:
             if self.last_live is None or seq <= self.last_live:
-                log.info("%s rank %d: seq went back %d -> %d: engine restarted", self.ep.pod, self.ep.rank,
+                log.info("%s rank %d: seq went back %s -> %d: engine restarted", self.ep.pod, self.ep.rank,
                          self.last_live, seq)
                 await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
             else:
@@ -194,12 +206,46 @@ class VllmSubscriber:
         else:
             self.metrics.bridge_gaps.inc()
             log.info("%s rank %d: gap %d..%d", self.ep.pod, self.ep.rank, self.last + 1, seq - 1)
-            await self._resync(seq, payload, want_from=self.last + 1, new_gen=False, reason="gap")
+            same, replayed = await self._same_incarnation()
+            if same is False:
+                await self._new_incarnation(seq, payload)
+            else:
+                if replayed is not None:  # already asked: what follows the last published batch
+                    replayed = [r for r in replayed if r[0] > self.last]
+                await self._resync(seq, payload, want_from=self.last + 1, new_gen=False, reason="gap",
+                                   replayed=replayed)
 
-    async def _resync(self, live_seq: int, live_payload: bytes, want_from: int, new_gen: bool, reason: str) -> None:
+    async def _same_incarnation(self) -> tuple[bool | None, list[tuple[int, bytes]] | None]:
+        """Does the engine still hold the batch published last, with the same vLLM timestamp? Asks the
+        replay socket from that seq and returns what it holds from there on too. False: a new engine
+        incarnation (another batch at that seq); None: cannot tell (no replay socket or timestamp: nothing
+        asked, None; no answer: []; the buffer no longer reaches back to it: the gap then cannot be
+        filled, and the reset that follows drops the old blocks all the same)."""
+        if self.last is None or self.last_ts is None or not self.ep.replay:
+            return None, None
+        replayed = await self._replay(self.last)
+        if not replayed:
+            return None, []
+        first, payload = replayed[0]
+        if first != self.last:
+            return None, replayed
+        try:
+            return decode_batch(payload).ts == self.last_ts, replayed
+        except MalformedPayload:
+            return None, replayed
+
+    async def _new_incarnation(self, seq: int, payload: bytes) -> None:
+        log.warning("%s rank %d: the engine no longer holds the batch published last (seq %d): a new engine "
+                    "incarnation; starting a new generation from what its replay buffer holds", self.ep.pod,
+                    self.ep.rank, self.last)
+        await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
+
+    async def _resync(self, live_seq: int, live_payload: bytes, want_from: int, new_gen: bool, reason: str,
+                      replayed: list[tuple[int, bytes]] | None = None) -> None:
         run: list[tuple[int, bytes]] = []
         if want_from < live_seq:
-            replayed = await self._replay(want_from)
+            if replayed is None:
+                replayed = await self._replay(want_from)
             # keep the contiguous run that ends right before the live message
             for s, p in replayed:
                 if s >= live_seq:
@@ -280,6 +326,7 @@ class VllmSubscriber:
             self.metrics.bridge_malformed.inc()
             self._malformed_log.warn("%s rank %d seq %d: malformed payload: %s", self.ep.pod, self.ep.rank, seq, exc)
             events, ts, outcome = [], None, "malformed"
+        self.last_ts = ts
         await self.sink.batch(self.ep.pod, self.ep.rank, self.gen, seq, ts, events, self.ep.epoch)
         self.metrics.bridge_batches.labels(outcome).inc()
         n = 0

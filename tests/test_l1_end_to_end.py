@@ -66,6 +66,25 @@ async def test_a_block_cached_twice_survives_the_eviction_of_one_copy(stack):
     assert (await stack.ratios([POD], prompt, BS))[0] == 1.0
 
 
+async def test_a_restarted_engine_that_overtook_the_old_seq_starts_a_new_generation(stack):
+    """A rank's engine restarts while the bridge runs; the replacement publishes more batches than the
+    old one before the SUB socket hears it again. The gap must not be filled with the new engine's
+    batches as if they continued the old stream: the old engine's blocks would stay for good."""
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    for i in range(3):  # the old incarnation: seq 0..2, CHAIN[0..2]
+        await eng.publish([stored(CHAIN[i:i + 1], parent=CHAIN[i - 1] if i else None)])
+    await until_ratio(stack, POD, 3 / 8)
+    eng.restart_engine()  # seq from 0, empty buffer: a new process
+    other = H.event_hashes(list(range(9000, 9000 + 8 * BS)), BS)
+    for i in range(5):  # seq 0..4, unheard while the socket reconnects
+        await eng.publish([stored(other[i:i + 1], parent=other[i - 1] if i else None)], send=False)
+    await eng.publish([stored(other[5:6], parent=other[4])])  # seq 5: looks like a gap 3..4
+    await until_ratio(stack, POD, 6 / 8, tokens=list(range(9000, 9000 + 8 * BS)), what="the new engine's blocks")
+    assert (await stack.ratios([POD], TOKENS, BS))[0] == 0.0, "the old engine's blocks are gone"
+    assert stack.bridge_metrics.bridge_resets.labels("engine-restart")._value.get() == 1
+
+
 async def test_an_idle_engine_is_caught_up_when_a_bridge_resumes_it(stack):
     """Batches published while no bridge listened are fetched at subscription, not at the next batch."""
     from bridge.service import Bridge
@@ -93,7 +112,7 @@ async def test_gap_is_filled_from_the_replay_socket(stack):
     await eng.publish([stored(CHAIN[3:5])], send=False)
     await eng.publish([stored(CHAIN[5:8])])
     await until_ratio(stack, POD, 1.0)
-    assert 1 in eng.replay_requests
+    assert eng.replay_requests == [0], "one request, from the seq published last (it checks the incarnation)"
     assert stack.bridge_metrics.bridge_gaps._value.get() == 1
 
 
