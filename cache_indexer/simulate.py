@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from cache_indexer import runtime_file
-from cache_indexer.vllm_publisher import VllmPublisher, batch_payload, removed, stored
+from cache_indexer.vllm_publisher import VllmPublisher, batch_payload, cleared, removed, stored
 from indexer.block_hash import BlockHasher
 from schemas.config import Config
 
@@ -65,8 +65,10 @@ class SimulatedEngine:
         self.used = 0  # physical blocks cached
         self.stored = self.removed = 0
 
-    def events_for(self, tokens: list[int]) -> list[dict]:
-        """Serve one request (prompt and output together): the events vLLM would emit, in order."""
+    def events_for(self, tokens: list[int], copies: int = 1) -> list[dict]:
+        """Serve one request (prompt and output together): the events vLLM would emit, in order.
+        ``copies`` > 1: the same prefix scheduled that many times before the first was cached, so each
+        new block is cached (and later evicted) once per copy."""
         bs = self.block_size
         hashes = self.hasher.event_hashes(tokens, bs)[: self.num_blocks]
         hit = 0
@@ -77,17 +79,21 @@ class SimulatedEngine:
         events: list[dict] = []
         protected = set(hashes[:hit])
         evict: list[int] = []
-        for h in list(self.cached):
-            if self.used + len(new) <= self.num_blocks:
+        while self.used + len(new) * copies > self.num_blocks:  # one physical block at a time, LRU first
+            h = next((h for h in self.cached if h not in protected), None)
+            if h is None:
                 break
-            if h not in protected:
-                copies = self.cached.pop(h)
-                evict += [h] * copies  # one BlockRemoved per physical block
-                self.used -= copies
+            if self.cached[h] > 1:  # its other copy was freed later: it stays, more recently used
+                self.cached[h] -= 1
+                self.cached.move_to_end(h)
+            else:
+                del self.cached[h]
+            evict.append(h)
+            self.used -= 1
         if evict:
             events.append(removed(evict))
             self.removed += len(evict)
-        if new:
+        for _ in range(copies if new else 0):
             for h in new:
                 self.cached[h] = self.cached.get(h, 0) + 1
                 self.cached.move_to_end(h)
@@ -96,6 +102,12 @@ class SimulatedEngine:
                                  token_ids=tokens[hit * bs: len(hashes) * bs]))
             self.stored += len(new)
         return events
+
+    def clear(self) -> list[dict]:
+        """vLLM's reset_prefix_cache: every cached block dropped, one AllBlocksCleared."""
+        self.cached.clear()
+        self.used = 0
+        return [cleared()]
 
     async def serve(self, tokens: list[int]) -> None:
         events = self.events_for(tokens)

@@ -10,6 +10,8 @@ import json
 
 import msgpack
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from indexer.block_hash import BlockHasher
 from tests.conftest import VLLM_EVENTS, make_config, wait_for
@@ -30,9 +32,9 @@ async def stack(nats_url, stream_prefix):
     await s.stop()
 
 
-async def until_ratio(stack, pod, expected, tokens=TOKENS, what=""):
+async def until_ratio(stack, pod, expected, tokens=TOKENS, what="", bs=BS):
     async def check():
-        return (await stack.ratios([pod], tokens, BS))[0] == expected
+        return (await stack.ratios([pod], tokens, bs))[0] == expected
     await wait_for(check, 10, what or f"{pod} ratio {expected}")
 
 
@@ -48,6 +50,26 @@ async def test_stored_removed_cleared(stack):
     await eng.publish([cleared()])
     await until_ratio(stack, POD, 0.0)
     assert stack.replica.indexer.l1.pod_workers(POD) == {}
+    body = {"server_ip": [POD], "body": {"token_ids": TOKENS, "block_size": BS}}
+    async with stack.session.post("/kv-cache/hit-rate", data=json.dumps(body)) as r:
+        score = (await r.json())["server_score_list"][0]
+    assert score["message"] == "", "a pod that cleared its cache is known, not 'no events seen'"
+
+
+async def test_a_pickle_hashed_block_over_64_kib_matches_vllm(nats_url, stream_prefix):
+    """algo sha256, seed "0", block_size 13100, tokens [100000] * 13100: vLLM's hash is d1a05c...46fc."""
+    from indexer.block_hash import event_block_hash
+
+    cfg = make_config(nats_url, stream_prefix, blockKey={"hashAlgo": "sha256", "pythonHashSeed": "0"})
+    s = await L1Stack(cfg).start()
+    try:
+        eng = s.engine(POD)
+        await s.connect((eng, POD, 0))
+        vllm = event_block_hash(bytes.fromhex("d1a05c96670ae6d41d28dc37c2eaa68e37e9bdf5b9b8876c2c9e391a683046fc"))
+        await eng.publish([stored([vllm], block_size=13100, token_ids=[100000] * 13100)])
+        await until_ratio(s, POD, 1.0, tokens=[100000] * 13100 + [1], bs=13100)
+    finally:
+        await s.stop()
 
 
 async def test_a_block_cached_twice_survives_the_eviction_of_one_copy(stack):
@@ -304,3 +326,56 @@ async def test_new_epoch_resubscribes_and_rebuilds_from_the_replay_buffer(stack)
     await until_ratio(stack, POD, 0.75)
     assert stack.bridge_metrics.bridge_resets.labels("subscribed")._value.get() == 2
     assert 0 in eng.replay_requests
+
+
+MODEL_PROMPTS = [list(range(1, 97)), list(range(2000, 2160)), list(range(1, 49)) + list(range(3000, 3064))]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from(["request", "request", "request", "twice", "clear", "restart"]),
+                          st.integers(0, len(MODEL_PROMPTS) - 1), st.integers(0, 40)), min_size=4, max_size=12))
+@example(ops=[("twice", 0, 0), ("request", 1, 0), ("request", 2, 0)])  # one copy of a doubled block evicted
+@example(ops=[("request", 0, 30), ("restart", 1, 0), ("request", 1, 40), ("clear", 0, 0), ("twice", 2, 10)])
+def test_the_index_equals_a_model_engines_cached_blocks_at_every_quiet_point(nats_url, ops):
+    """A model of vLLM's BlockPool (LRU eviction under a 24-block budget, duplicate copies, prefix-cache
+    resets, engine restarts) publishes in vLLM's frames through the bridge, NATS and the indexer; after
+    each step the index holds exactly the hashes the engine has cached."""
+    import asyncio
+    import random
+    import uuid
+
+    from cache_indexer.simulate import SimulatedEngine
+    from cache_indexer.vllm_publisher import batch_payload
+
+    async def run() -> None:
+        prefix = "P" + uuid.uuid4().hex[:10].upper()
+        stack = await L1Stack(make_config(nats_url, prefix, blockKey={"pythonHashSeed": "0"})).start()
+        try:
+            pub = stack.engine(POD)
+            await stack.connect((pub, POD, 0))
+            engine = SimulatedEngine(pub, H, BS, 24)
+            rng = random.Random(len(ops))
+            for op, prompt, tail in ops:
+                if op == "restart":
+                    pub.restart_engine()
+                    engine.cached.clear()
+                    engine.used = 0
+                    events = engine.events_for(MODEL_PROMPTS[prompt])  # the new engine's first request
+                elif op == "clear":
+                    events = engine.clear()
+                else:
+                    tokens = MODEL_PROMPTS[prompt] + [rng.randrange(32000) for _ in range(tail)]
+                    events = engine.events_for(tokens, copies=2 if op == "twice" else 1)
+                if events:
+                    await pub.publish_payload(batch_payload(events))
+
+                def index_matches():
+                    l1 = stack.replica.indexer.l1
+                    wid = l1.workers.get(POD, 0)
+                    held = {h for h, m in l1.blocks.items() if wid is not None and m >> wid & 1}
+                    return held == set(engine.cached)
+                await wait_for(index_matches, 10, f"the index to equal the engine after {op}")
+        finally:
+            await stack.stop()
+
+    asyncio.run(run())
