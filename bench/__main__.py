@@ -1,4 +1,4 @@
-"""python -m bench [all|hashing|memory|query|ingest|replay] [--quick] [--write]
+"""python -m bench [all|hashing|memory|query|ingest|replay|refcounts|l3] [--quick] [--write]
 
 Runs the benchmarks and prints one Markdown report; --write also stores it in bench/RESULTS.md.
 """
@@ -17,6 +17,7 @@ SECTIONS = {
     "query": ("Hit-rate query latency over HTTP (1M-entry index) and throughput under load", "bench.query"),
     "ingest": ("End-to-end ingest: ZMQ -> bridge -> JetStream -> indexer", "bench.ingest"),
     "replay": ("Rebuild from the stream: replay and snapshot + tail", "bench.replay"),
+    "refcounts": ("L1 apply rate and memory with duplicate block copies counted", "bench.refcounts"),
     "l3": ("Mooncake poll time vs key count", "bench.l3_poll"),
 }
 
