@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from bridge.block_key_check import BlockKeyCheck
 from bridge.l1_publisher import L1Publisher, new_generation
@@ -83,6 +84,11 @@ class VllmSubscriber:
         self._malformed_log = _BurstLog()
         self._task: asyncio.Task | None = None
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._monitor_task: asyncio.Task | None = None
+        #: the SUB socket connected again (the engine's process may be another one): the next batch that
+        #: looks like a continuation is checked against the engine's replay buffer first
+        self._reconnected = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def resume_from_stream(self) -> None:
@@ -105,10 +111,30 @@ class VllmSubscriber:
         sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.cfg.backoffInitial * 1000)))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.cfg.backoffMax * 1000)))
         sock.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         sock.connect(self.ep.pub)
         self._sock = sock
         self._task = asyncio.create_task(self._run(), name=f"vllm-sub-{self.ep.pod}-{self.ep.rank}")
+        self._monitor_task = asyncio.create_task(self._watch_connects(), name=f"vllm-mon-{self.ep.pod}-{self.ep.rank}")
         self.metrics.subscriptions.inc()
+
+    async def _watch_connects(self) -> None:
+        connects = 0
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError:
+                return  # the subscription is closing
+            except Exception:
+                log.exception("%s rank %d: unreadable socket monitor event", self.ep.pod, self.ep.rank)
+                continue
+            if event["event"] == zmq.EVENT_CONNECTED:
+                connects += 1
+                if connects > 1:
+                    self._reconnected = True
+                    log.info("%s rank %d: reconnected to %s", self.ep.pod, self.ep.rank, self.ep.pub)
 
     async def stop(self) -> None:
         """Also when the caller is cancelled meanwhile (a bridge stopping while a pod is being removed):
@@ -117,11 +143,15 @@ class VllmSubscriber:
             if self._task:
                 task, self._task = self._task, None
                 self.metrics.subscriptions.dec()
-                await cancel_and_wait(task)
+                await cancel_and_wait(task, self._monitor_task)
         finally:
             if self._sock is not None:
+                self._sock.disable_monitor()
                 self._sock.close(0)
                 self._sock = None
+            if self._monitor is not None:
+                self._monitor.close(0)
+                self._monitor = None
 
     async def _run(self) -> None:
         sock = self._sock
@@ -193,9 +223,15 @@ class VllmSubscriber:
         if self.gen is None:
             await self._resync(seq, payload, want_from=0, new_gen=True, reason="subscribed")
         elif seq == self.last + 1:
+            if self._reconnected:  # a continuation, or a restarted engine that reached exactly this seq
+                self._reconnected = False
+                if (await self._same_incarnation())[0] is False:
+                    await self._new_incarnation(seq, payload)
+                    return
             await self._publish(seq, payload)
             self.last = self.last_live = seq
         elif seq <= self.last:
+            self._reconnected = False
             if self.last_live is None or seq <= self.last_live:
                 log.info("%s rank %d: seq went back %s -> %d: engine restarted", self.ep.pod, self.ep.rank,
                          self.last_live, seq)
@@ -204,6 +240,7 @@ class VllmSubscriber:
                 self.metrics.bridge_batches.labels("duplicate").inc()  # already published from a replay
                 self.last_live = seq
         else:
+            self._reconnected = False
             self.metrics.bridge_gaps.inc()
             log.info("%s rank %d: gap %d..%d", self.ep.pod, self.ep.rank, self.last + 1, seq - 1)
             same, replayed = await self._same_incarnation()

@@ -128,6 +128,32 @@ class VllmPublisher:
         self.seq = 0
         self.buffer.clear()
 
+    async def restart_process(self) -> None:
+        """A restarted engine process: new sockets bound to the same ports (subscribers reconnect)."""
+        self.restart_engine()
+        if self._replay_task:
+            self._replay_task.cancel()
+            await asyncio.gather(self._replay_task, return_exceptions=True)
+        self.pub.close(0)
+        self.pub = self._bind(zmq.XPUB, self.pub_port)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        if self.router is not None:
+            self.router.close(0)
+            self.router = self._bind(zmq.ROUTER, self.replay_port)
+            self._replay_task = asyncio.create_task(self._serve_replay())
+
+    def _bind(self, kind: int, port: int):
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        for _ in range(100):  # the old socket's port is released asynchronously by ZMQ's I/O thread
+            try:
+                sock.bind(f"tcp://{self.host}:{port}")
+                return sock
+            except zmq.ZMQError:
+                time.sleep(0.01)
+        sock.bind(f"tcp://{self.host}:{port}")
+        return sock
+
     async def close(self) -> None:
         if self._replay_task:
             self._replay_task.cancel()

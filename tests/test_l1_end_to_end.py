@@ -107,6 +107,24 @@ async def test_a_restarted_engine_that_overtook_the_old_seq_starts_a_new_generat
     assert stack.bridge_metrics.bridge_resets.labels("engine-restart")._value.get() == 1
 
 
+async def test_a_restarted_engine_process_that_reached_exactly_the_next_seq_is_told_apart(stack):
+    """The new process's seq lands exactly on the old one's next: no gap, no seq going back; the
+    reconnection itself makes the bridge check the batch it published last."""
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    for i in range(3):
+        await eng.publish([stored(CHAIN[i:i + 1], parent=CHAIN[i - 1] if i else None)])
+    await until_ratio(stack, POD, 3 / 8)
+    await eng.restart_process()
+    other = H.event_hashes(list(range(9000, 9000 + 8 * BS)), BS)
+    for i in range(3):  # seq 0..2, before the bridge's SUB is connected again
+        await eng.publish([stored(other[i:i + 1], parent=other[i - 1] if i else None)], send=False)
+    await eng.wait_subscribed(10)
+    await eng.publish([stored(other[3:4], parent=other[2])])  # seq 3: exactly the old engine's next
+    await until_ratio(stack, POD, 4 / 8, tokens=list(range(9000, 9000 + 8 * BS)), what="the new engine's blocks")
+    assert (await stack.ratios([POD], TOKENS, BS))[0] == 0.0, "the old engine's blocks are gone"
+
+
 async def test_an_idle_engine_is_caught_up_when_a_bridge_resumes_it(stack):
     """Batches published while no bridge listened are fetched at subscription, not at the next batch."""
     from bridge.service import Bridge
