@@ -26,6 +26,7 @@ from bridge.l1_publisher import L1Publisher, new_generation
 from bridge.vllm_events import MalformedPayload, decode_batch
 from cache_indexer.metrics import Metrics
 from cache_indexer.tasks import cancel_and_wait
+from cache_indexer.throttled_log import ThrottledWarning
 from schemas.config import L1IngestConfig
 
 log = logging.getLogger(__name__)
@@ -46,24 +47,6 @@ class Endpoint:
     epoch: str = ""
 
 
-class _BurstLog:
-    """Logs the first of a burst of similar problems, then a count at most every ``interval`` seconds."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self.interval = interval
-        self._last = 0.0
-        self._suppressed = 0
-
-    def warn(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last >= self.interval:
-            extra = f" ({self._suppressed} similar suppressed)" if self._suppressed else ""
-            log.warning(msg + extra, *args)
-            self._last, self._suppressed = now, 0
-        else:
-            self._suppressed += 1
-
-
 class VllmSubscriber:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: Endpoint, cfg: L1IngestConfig, sink: L1Publisher,
                  metrics: Metrics, replay_slots: asyncio.Semaphore, block_key_check: BlockKeyCheck | None = None) -> None:
@@ -81,7 +64,7 @@ class VllmSubscriber:
         self.last_ts: float | None = None
         self.last_live: int | None = None  # last seq received on the live socket
         self._last_failed_replay = float("-inf")
-        self._malformed_log = _BurstLog()
+        self._malformed_log = ThrottledWarning(log, every=10.0)
         self._task: asyncio.Task | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -177,7 +160,7 @@ class VllmSubscriber:
         if self.gen is None or self.last is None or not self.ep.replay:
             return
         try:
-            same, replayed = await self._same_incarnation()
+            same, replayed = await self._same_incarnation(empty_is_failure=False)
             if same is False:  # restarted while no bridge listened: start over from what it holds
                 latest = await self._replay(0, empty_is_failure=False)
                 if latest:
@@ -209,8 +192,8 @@ class VllmSubscriber:
         try:
             if len(frames) != 3 or len(frames[1]) != 8:
                 self.metrics.bridge_malformed.inc()
-                self._malformed_log.warn("%s rank %d: unexpected frame layout (%d frames)", self.ep.pod,
-                                         self.ep.rank, len(frames))
+                self._malformed_log("%s rank %d: unexpected frame layout (%d frames)", self.ep.pod,
+                                    self.ep.rank, len(frames))
                 return
             await self.on_live(int.from_bytes(frames[1], "big"), frames[2])
         except asyncio.CancelledError:
@@ -252,7 +235,7 @@ class VllmSubscriber:
                 await self._resync(seq, payload, want_from=self.last + 1, new_gen=False, reason="gap",
                                    replayed=replayed)
 
-    async def _same_incarnation(self) -> tuple[bool | None, list[tuple[int, bytes]] | None]:
+    async def _same_incarnation(self, empty_is_failure: bool = True) -> tuple[bool | None, list[tuple[int, bytes]] | None]:
         """Does the engine still hold the batch published last, with the same vLLM timestamp? Asks the
         replay socket from that seq and returns what it holds from there on too. False: a new engine
         incarnation (another batch at that seq); None: cannot tell (no replay socket or timestamp: nothing
@@ -260,7 +243,7 @@ class VllmSubscriber:
         filled, and the reset that follows drops the old blocks all the same)."""
         if self.last is None or self.last_ts is None or not self.ep.replay:
             return None, None
-        replayed = await self._replay(self.last)
+        replayed = await self._replay(self.last, empty_is_failure)
         if not replayed:
             return None, []
         first, payload = replayed[0]
@@ -272,7 +255,7 @@ class VllmSubscriber:
             return None, replayed
 
     async def _new_incarnation(self, seq: int, payload: bytes) -> None:
-        log.warning("%s rank %d: the engine no longer holds the batch published last (seq %d): a new engine "
+        log.warning("%s rank %d: the engine holds another batch at the seq published last (%d): a new engine "
                     "incarnation; starting a new generation from what its replay buffer holds", self.ep.pod,
                     self.ep.rank, self.last)
         await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
@@ -361,7 +344,7 @@ class VllmSubscriber:
                 check.offer(self.ep.pod, batch.probe)
         except MalformedPayload as exc:
             self.metrics.bridge_malformed.inc()
-            self._malformed_log.warn("%s rank %d seq %d: malformed payload: %s", self.ep.pod, self.ep.rank, seq, exc)
+            self._malformed_log("%s rank %d seq %d: malformed payload: %s", self.ep.pod, self.ep.rank, seq, exc)
             events, ts, outcome = [], None, "malformed"
         self.last_ts = ts
         await self.sink.batch(self.ep.pod, self.ep.rank, self.gen, seq, ts, events, self.ep.epoch)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 
 import nats
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 
+from cache_indexer.throttled_log import ThrottledWarning
 from schemas.config import NatsConfig, StreamConfig
 
 log = logging.getLogger(__name__)
@@ -114,29 +114,6 @@ def l3_subject(prefix: str, master: str) -> str:
 
 async def ensure_l3_stream(js, cfg: NatsConfig) -> api.StreamInfo:
     return await ensure_stream(js, cfg.l3Stream, [f"{cfg.l3Stream.subjectPrefix}.>"])
-
-
-class ThrottledWarning:
-    """Logs a warning at most once per ``every`` seconds and says how many it held back: a server that is
-    down makes nats-py report every reconnect attempt (two a second), which would drown the log."""
-
-    def __init__(self, logger: logging.Logger, every: float = 30.0, clock=time.monotonic) -> None:
-        self.logger = logger
-        self.every = every
-        self.clock = clock
-        self._last: float | None = None
-        self._held = 0
-
-    def __call__(self, msg: str, *args) -> None:
-        now = self.clock()
-        if self._last is not None and now - self._last < self.every:
-            self._held += 1
-            self.logger.debug(msg, *args)
-            return
-        if self._held:
-            msg += f" ({self._held} more held back in the last {now - self._last:.0f}s)"
-        self.logger.warning(msg, *args)
-        self._last, self._held = now, 0
 
 
 async def connect(cfg: NatsConfig, name: str, **callbacks) -> nats.NATS:
