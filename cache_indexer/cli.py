@@ -176,9 +176,6 @@ async def run_local(cfg: Config) -> int:
                 server.close()  # a temporary store goes with the server
         runtime_file.remove_local()
 
-    async def _stop_server_step() -> None:
-        _stop_server()
-
     async def _announce() -> None:
         runtime_file.write_local({"nats_url": cfg.nats.url, "api_url": api_url, "config": cfg.model_dump(mode="json"),
                                   "targets": str(Path(cfg.discovery.static.file).resolve()),
@@ -188,10 +185,10 @@ async def run_local(cfg: Config) -> int:
 
     try:
         return await serve([_announce, bridge.start, replica.start],
-                           [replica.http.stop, bridge.stop, replica.indexer.stop, _stop_server_step],
+                           [replica.http.stop, bridge.stop, replica.indexer.stop],
                            cfg.http.shutdownTimeout, on_second_signal=_stop_server)
     finally:
-        _stop_server()
+        _stop_server()  # last, after the stop steps, and also when start-up or shutdown raised
 
 
 def _parser() -> argparse.ArgumentParser:
