@@ -23,7 +23,7 @@ class Tier(Protocol):
 
     def pod_workers(self, pod: str) -> dict[int, int]: ...
 
-    def knows(self, pod: str) -> bool: ...  # optional: events seen for a pod that holds nothing now
+    def knows(self, pod: str) -> bool: ...  # events were seen for the pod (it may hold nothing now)
 
 
 @dataclass(slots=True)
@@ -90,7 +90,6 @@ def score(hasher: BlockHasher, token_ids: Sequence[int], block_size: int, cache_
         for ti in range(len(tiers)):
             best = max((lengths[ti].get(wid, 0) for wid in workers[ti].values()), default=0)
             ratios.append(best / n_blocks if n_blocks else 0.0)
-        known = any(workers) or any(t is not None and getattr(t, "knows", None) is not None and t.knows(pod)
-                                    for t in tiers)
+        known = any(workers) or any(t is not None and t.knows(pod) for t in tiers)
         scores.append(PodScore(pod=pod, ratios=ratios, known=known))
     return ScoreResult(full_blocks=n_blocks, hashed_blocks=hashed, scores=scores)

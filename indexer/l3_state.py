@@ -24,6 +24,9 @@ class L3State:
     def pod_workers(self, pod: str) -> dict[int, int]:
         return self.workers.pod_workers(pod)
 
+    def knows(self, pod: str) -> bool:
+        return bool(self.pod_workers(pod))  # L3 has no per-pod history beyond what it holds
+
     def _master(self, name: str) -> int:
         return self._masters.setdefault(name, len(self._masters))
 
