@@ -7,9 +7,16 @@ timeout task and an inbox entry: 2.4x the cost (27k vs 66k messages/s, one core,
 
 Acks can be lost (across a nats-server restart they simply are), so every message carries a
 ``Nats-Msg-Id`` and stays in the window until its ack arrives; one that is not acked within
-``ack_timeout``, or is answered with an error, is re-sent with the same id, so the server's duplicate
-window turns a retry of a stored message into a no-op. ``publish`` waits while the window is full,
-which pushes back on the ZMQ readers instead of growing memory.
+``ack_timeout``, or is answered with a passing error (no stream yet, a server restarting), is re-sent
+with the same id, so the server's duplicate window turns a retry of a stored message into a no-op.
+``publish`` waits while the window is full, which pushes back on the ZMQ readers instead of growing
+memory.
+
+A message that can never be stored is not retried: one over the connection's ``max_payload``
+(headers included; the server would close the connection) is refused before it is sent, and one the
+stream rejects for good (a 4xx ack, e.g. over the stream's ``maxMsgSize``) is dropped. Both are logged
+at ERROR and counted in ``cache_indexer_bridge_publish_refused_total{reason}``, and free their place in
+the window. Callers split what may be large (bridge/l3_publisher.py); this is the last line.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from itertools import count
 from cache_indexer.metrics import Metrics
 from cache_indexer.streams import unsubscribe_quietly
 from cache_indexer.tasks import cancel_and_wait
+from cache_indexer.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,7 @@ class JetStreamPublisher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._watchdog: asyncio.Task | None = None
+        self._retry_warning = ThrottledWarning(log)
 
     async def start(self) -> None:
         if self._sub is None:
@@ -73,6 +82,11 @@ class JetStreamPublisher:
         msg_id = headers["Nats-Msg-Id"]
         if msg_id in self._pending:
             return  # already in flight: the same message twice is one message
+        size = message_size(data, headers)
+        if size > self._nc.max_payload:
+            self._refuse(msg_id, subject, "too_large", f"{size} bytes with headers, over the server's "
+                                                       f"max_payload of {self._nc.max_payload}")
+            return
         await self._window.acquire()
         rec = _Pending(subject, data, headers, 0.0)
         self._pending[msg_id] = rec
@@ -98,16 +112,27 @@ class JetStreamPublisher:
         rec = self._pending.get(msg_id) if msg_id is not None else None
         if rec is None or rec.token != token:
             return  # a late ack of an earlier send: the current one decides
-        error = _ack_error(msg)
+        error, permanent = _ack_error(msg)
+        if permanent:
+            self._refuse(msg_id, rec.subject, "rejected", error)
+            self._done(msg_id)
+            return
         if error:
-            log.debug("publish %s not stored: %s", msg_id, error)
+            self._retry_warning("publish %s not stored (%s); re-sending", msg_id, error)
             rec.token = ""  # the watchdog re-sends
             return
+        self._done(msg_id)
+
+    def _done(self, msg_id: str) -> None:
         del self._pending[msg_id]
         self._window.release()
         self._metrics.publish_inflight.set(len(self._pending))
         if not self._pending:
             self._idle.set()
+
+    def _refuse(self, msg_id: str, subject: str, reason: str, why: str) -> None:
+        self._metrics.publish_refused.labels(reason).inc()
+        log.error("publish %s to %s can never be stored (%s); dropped", msg_id, subject, why)
 
     async def _watch(self) -> None:
         interval = max(0.05, min(0.5, self._ack_timeout / 4))
@@ -129,17 +154,27 @@ class JetStreamPublisher:
             return False
 
 
-def _ack_error(msg) -> str:
-    """Why a reply is not a positive JetStream ack ("" when it is one)."""
+def message_size(data: bytes, headers: dict[str, str]) -> int:
+    """What the server counts against max_payload: the payload and the encoded header block."""
+    return len(data) + 12 + sum(len(k) + len(v) + 4 for k, v in headers.items())
+
+
+def _ack_error(msg) -> tuple[str, bool]:
+    """Why a reply is not a positive JetStream ack ("" when it is one), and whether the refusal is for
+    good (a 4xx: the stream will never take this message) rather than passing (503: no stream yet)."""
     status = (msg.headers or {}).get("Status") if msg.headers else None
     if status:  # e.g. 503 no responders: no stream (yet) for the subject
-        return f"status {status}"
+        return f"status {status}", False
     try:
         reply = json.loads(msg.data)
     except ValueError:
-        return "not JSON"
+        return "not JSON", False
     if not isinstance(reply, dict):
-        return "not an ack"
-    if "error" in reply:
-        return str(reply["error"])
-    return "" if "seq" in reply else "not an ack"
+        return "not an ack", False
+    error = reply.get("error")
+    if error is not None:
+        code = error.get("code") if isinstance(error, dict) else None
+        text = error.get("description", str(error)) if isinstance(error, dict) else str(error)
+        return f"{text} (code {code}, err_code {error.get('err_code') if isinstance(error, dict) else '-'})", \
+            isinstance(code, int) and 400 <= code < 500
+    return ("", False) if "seq" in reply else ("not an ack", False)

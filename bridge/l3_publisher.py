@@ -1,8 +1,17 @@
-"""L3 stream messages: per Mooncake master, diffs and periodic full states (with Nats-Rollup: sub)."""
+"""L3 stream messages: per Mooncake master, diffs and periodic full states (with Nats-Rollup: sub).
+
+A state of any size is published: a message over the limit (the server's ``max_payload``, the stream's
+``maxMsgSize``) is split into parts that each fit. A diff's parts are independent (the poller nets each
+pair to one transition, so their order does not matter). A full state's parts share a generation
+``gen`` and carry ``part``/``parts``; the first carries ``Nats-Rollup: sub``, which leaves just this
+full state (and what follows it) on the subject, and the indexer replaces the master's state only when
+the last part is in: readers never see half a state.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import msgpack
 
@@ -14,33 +23,82 @@ from schemas.events import CONTENT_TYPE_L3, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
+#: Upper bounds of msgpack's encoding: a uint64 takes at most 9 bytes; a pod key's string and list
+#: headers at most 10; the envelope (type, master, gen, part, parts) is counted with the master's name.
+_HASH_BYTES = 9
+_POD_BYTES = 10
+_ENVELOPE_BYTES = 160
+
+
+def split_pods(pods: dict[str, list[int]], budget: int) -> list[dict[str, list[int]]]:
+    """``pods`` cut into maps of at most ``budget`` encoded bytes each (at least one map, maybe empty)."""
+    parts: list[dict[str, list[int]]] = [{}]
+    room = budget
+    for pod, hashes in pods.items():
+        cost = _POD_BYTES + len(pod.encode())
+        if budget < cost + _HASH_BYTES:
+            raise ValueError(f"a message limit of {budget} bytes cannot hold one hash of pod {pod!r}")
+        i = 0
+        while True:
+            if room < cost + _HASH_BYTES:
+                parts.append({})
+                room = budget
+            take = hashes[i:i + (room - cost) // _HASH_BYTES]
+            parts[-1][pod] = take
+            room -= cost + _HASH_BYTES * len(take)
+            i += len(take)
+            if i >= len(hashes):
+                break
+    return parts
+
 
 class L3Publisher:
-    def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, max_payload: int, metrics: Metrics) -> None:
+    def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, max_payload: Callable[[], int],
+                 metrics: Metrics) -> None:
         self._pub = publisher
         self._prefix = subject_prefix
-        self._max = max_payload
+        self._max = max_payload  # the payload limit less what the headers take (the connected server's)
         self._metrics = metrics
+
+    def _budget(self, master: str) -> int:
+        return self._max() - _ENVELOPE_BYTES - len(master.encode())
 
     def _headers(self, master: str, kind: str, msg_id: str) -> dict[str, str]:
         return {"Nats-Msg-Id": msg_id, "Content-Type": CONTENT_TYPE_L3, "Kv-Schema": str(SCHEMA_VERSION),
                 "Kv-Type": kind, "Kv-Master": master}
 
     async def diff(self, master: str, added: dict[str, list[int]], removed: dict[str, list[int]]) -> None:
-        payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "l3_diff", "master": master, "added": added,
-                                 "removed": removed})
-        await self._pub.publish(l3_subject(self._prefix, master), payload,
-                                self._headers(master, "l3_diff", f"{master}:diff:{new_generation()}"))
+        gen = new_generation()
+        budget = self._budget(master)
+        parts = [("removed", p) for p in split_pods(removed, budget) if p] + \
+                [("added", p) for p in split_pods(added, budget) if p]
+        for i, (kind, pods) in enumerate(parts):
+            payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "l3_diff", "master": master,
+                                     "added": pods if kind == "added" else {},
+                                     "removed": pods if kind == "removed" else {}})
+            headers = self._headers(master, "l3_diff", f"{master}:diff:{gen}:{i}")
+            if len(parts) > 1:
+                headers["Kv-Part"] = f"{i + 1}/{len(parts)}"
+            await self._publish(master, payload, headers, "l3_diff")
 
     async def full(self, master: str, pods: dict[str, list[int]]) -> bool:
-        payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "l3_full", "master": master, "pods": pods})
-        if len(payload) > self._max:
-            # too large for one message: diffs alone stay correct, the subject just compacts less
-            self._metrics.l3_full_state_skipped.inc()
-            log.warning("mooncake master %s: full state of %d bytes exceeds the message limit; not rolled up",
-                        master, len(payload))
-            return False
-        headers = self._headers(master, "l3_full", f"{master}:full:{new_generation()}")
-        headers["Nats-Rollup"] = "sub"
-        await self._pub.publish(l3_subject(self._prefix, master), payload, headers)
+        gen = new_generation()
+        parts = split_pods(pods, self._budget(master))
+        for i, chunk in enumerate(parts):
+            payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "l3_full", "master": master, "pods": chunk,
+                                     "gen": gen, "part": i, "parts": len(parts)})
+            headers = self._headers(master, "l3_full", f"{master}:full:{gen}:{i}")
+            headers["Kv-Part"] = f"{i + 1}/{len(parts)}"
+            if i == 0:
+                headers["Nats-Rollup"] = "sub"
+            await self._publish(master, payload, headers, "l3_full")
+        if len(parts) > 1:
+            log.info("mooncake master %s: full state of %d pairs published in %d parts", master,
+                     sum(map(len, pods.values())), len(parts))
         return True
+
+    async def _publish(self, master: str, payload: bytes, headers: dict[str, str], kind: str) -> None:
+        if len(payload) > self._max():  # the estimate above is an upper bound: this is a bug, not input
+            raise RuntimeError(f"L3 message of {len(payload)} bytes over the limit of {self._max()}")
+        self._metrics.l3_message_parts.labels(kind).inc()
+        await self._pub.publish(l3_subject(self._prefix, master), payload, headers)

@@ -1,27 +1,32 @@
 """Polls one Mooncake Master and publishes what changed in L3 as (block hash, pod) pairs.
 
-Each poll lists the keys, asks where only the keys that are new since the last poll live (so the work
-grows with the change, apart from the key listing itself, which the API offers only whole). A replica
-counts while its segment is mounted: replicas on a segment the master stops listing are dropped, and
-come back, without asking the master again, when it lists the segment again. Pairs are reference-counted (several keys,
-e.g. the TP ranks of one block, map to the same pair), so only 0 <-> 1 transitions are published:
-``l3_diff`` messages, and every ``fullStateEvery`` polls an ``l3_full`` with ``Nats-Rollup: sub`` that
-compacts the master's subject to one message. A failed poll (timeout, HTTP error, malformed body) is
-counted and publishes nothing: the previous state stands until a poll succeeds.
+Each poll lists the keys and segments, then asks (read-only ``/batch_query_keys``) where these keys
+live: the keys new since the last poll; the known keys on a host whose segment appeared, vanished or
+re-registered (the master may have dropped their replicas, or a new client may have mounted with a dead
+one's IP); and a rolling slice of all known keys, so that each is asked about again within
+``relocateEvery`` (a key removed and put again on another pod between two polls is listed both times:
+only asking again finds it moved). A replica counts while its segment is mounted. Pairs are
+reference-counted (several keys, e.g. the TP ranks of one block, map to the same pair), so only
+0 <-> 1 transitions are published: ``l3_diff`` messages, and every ``fullStateEvery`` polls an
+``l3_full`` with ``Nats-Rollup: sub`` that compacts the master's subject. A failed poll (timeout, HTTP
+error, malformed body, anything) is counted and publishes nothing: the previous state stands until a
+poll succeeds. The work over keys runs in slices between yields to the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections import Counter
 from dataclasses import dataclass
+from itertools import islice
 
 import aiohttp
 
 from bridge.mooncake_keys import KeyParser
 from bridge.mooncake_master import MasterClient, MasterError, endpoint_host
+from cache_indexer.loop_share import Pauser
 from cache_indexer.metrics import Metrics
 from cache_indexer.tasks import cancel_and_wait
 from schemas.config import L3IngestConfig
@@ -46,6 +51,69 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+#: Keys handled between two looks at the clock: a 300k-key poll runs in pieces of a few milliseconds
+#: (cache_indexer/loop_share.py), between which the API answers.
+_SLICE = 256
+
+
+async def _select(items, wanted, pause: Pauser) -> list:
+    """The items ``wanted`` accepts, taken a slice at a time without copying ``items`` (which must not
+    change meanwhile)."""
+    out: list = []
+    it = iter(items)
+    while chunk := list(islice(it, _SLICE)):
+        out.extend(filter(wanted, chunk))
+        await pause()
+    return out
+
+
+def _hosts(joined: str) -> list[str]:
+    return joined.split(",") if joined else []
+
+
+class _Delta:
+    """Reference-counted (host, block) pairs: only 0 <-> 1 transitions are published, and a pair that
+    goes and comes back within one poll is no change at all."""
+
+    def __init__(self, pairs: dict[str, dict[int, int]]) -> None:
+        self.pairs = pairs
+        self._added: set[tuple[str, int]] = set()
+        self._removed: set[tuple[str, int]] = set()
+
+    def add(self, host: str, h: int) -> None:
+        held = self.pairs.setdefault(host, {})
+        n = held.get(h, 0) + 1
+        held[h] = n
+        if n == 1:
+            if (host, h) in self._removed:
+                self._removed.discard((host, h))
+            else:
+                self._added.add((host, h))
+
+    def drop(self, host: str, h: int) -> None:
+        held = self.pairs[host]
+        n = held[h] - 1
+        if n:
+            held[h] = n
+            return
+        del held[h]
+        if not held:
+            del self.pairs[host]
+        if (host, h) in self._added:
+            self._added.discard((host, h))
+        else:
+            self._removed.add((host, h))
+
+    def net(self) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        added: dict[str, list[int]] = {}
+        removed: dict[str, list[int]] = {}
+        for host, h in self._added:
+            added.setdefault(host, []).append(h)
+        for host, h in self._removed:
+            removed.setdefault(host, []).append(h)
+        return added, removed
+
+
 @dataclass(frozen=True, slots=True)
 class MasterTarget:
     name: str  # stable identity (pod name or configured name)
@@ -62,11 +130,19 @@ class MooncakePoller:
         self.client = MasterClient(target.url, session, cfg.httpTimeout, cfg.batchKeys, cfg.concurrency,
                                    segments_timeout=segments_timeout, max_bytes=cfg.maxResponseBytes)
         self.parser = KeyParser(cfg.keyFormats, cfg.extraKeyPatterns)
-        self.key_hosts: dict[str, set[str]] = {}  # key -> hosts of its replicas, live segments or not
-        self.live_hosts: set[str] = set()  # hosts with a mounted segment at the last poll
+        # What lives as long as the poller is kept in maps of strings and ints, which the garbage collector
+        # does not track, and a steady poll builds no container of every key (the listing is consumed as
+        # it streams in): 100k-entry sets and tuples made each collection take 20-130 ms of the loop.
+        self.key_hosts: dict[str, str] = {}  # key -> hosts of its replicas ("," joined), live or not
         self.key_hash: dict[str, int] = {}
-        self.pairs: Counter[tuple[str, int]] = Counter()
-        self.ignored: set[str] = set()  # keys without a usable block hash (counted once)
+        self._seen: dict[str, int] = {}  # key -> the last listing that showed it
+        self._listing = 0
+        self.live_hosts: set[str] = set()  # hosts with a mounted segment at the last poll
+        self.pairs: dict[str, dict[int, int]] = {}  # host -> {block hash: keys holding it there}
+        self.ignored: dict[str, int] = {}  # keys without a usable block hash (counted once) -> last listing
+        self.live_segments: set[str] = set()  # segment names at the last poll
+        self._recheck: tuple[str, ...] = ()  # the keys of this round of relocateEvery
+        self._recheck_at = 0
         self.polls = 0
         self.last_poll_seconds = 0.0
         self._task: asyncio.Task | None = None
@@ -105,68 +181,127 @@ class MooncakePoller:
             await asyncio.sleep(self.cfg.pollInterval)
 
     async def poll(self) -> None:
+        """List, locate, then update: nothing is changed before every answer of the master is in, so a
+        poll that fails leaves the previous state exactly as it was published."""
         t = time.perf_counter()
-        keys = await self.client.all_keys()
-        live_hosts = {endpoint_host(s) for s in await self.client.segments()}
-        listed = set(keys)
-        self.ignored &= listed
-        new = [k for k in keys if k not in self.key_hosts and k not in self.ignored and self._hash(k) is not None]
-        located = await self.client.locate(new)
-        added: dict[str, list[int]] = {}
-        removed: dict[str, list[int]] = {}
+        pause = Pauser()
+        self._listing += 1
+        mark = self._listing
+        known, seen, ignored = self.key_hosts, self._seen, self.ignored
+        new: list[str] = []
+        new_hash: dict[str, int] = {}
 
-        def add(host: str, h: int) -> None:
-            self.pairs[(host, h)] += 1
-            if self.pairs[(host, h)] == 1:
-                added.setdefault(host, []).append(h)
+        def consume(lines: list[str]) -> None:  # one chunk of the listing, as it arrives
+            for k in lines:
+                if k in known:
+                    seen[k] = mark
+                elif k in ignored:
+                    ignored[k] = mark
+                elif k not in new_hash:
+                    h = self._parse(k, mark)
+                    if h is not None:
+                        new_hash[k] = h
+                        new.append(k)
+        await self.client.all_keys(consume)
+        segments = await self.client.segments()
+        live_hosts = {endpoint_host(s) for s in segments}
+        # a segment that appeared, vanished or re-registered (same host, another name): the master may
+        # have dropped or kept the replicas on it, so the known keys on its host are asked about again
+        changed_hosts = {endpoint_host(s) for s in segments ^ self.live_segments} & live_hosts
 
-        def drop(host: str, h: int) -> None:
-            self.pairs[(host, h)] -= 1
-            if self.pairs[(host, h)] == 0:
-                del self.pairs[(host, h)]
-                removed.setdefault(host, []).append(h)
+        def listed(k: str) -> bool:
+            return seen.get(k) == mark
 
-        for key in [k for k in self.key_hosts if k not in listed]:
-            for host in self.key_hosts.pop(key) & self.live_hosts:
-                drop(host, self.key_hash[key])
-            del self.key_hash[key]
-        if live_hosts != self.live_hosts:  # segments unmounted or (re)mounted: known keys follow them
-            gone, back = self.live_hosts - live_hosts, live_hosts - self.live_hosts
-            for key, hosts in self.key_hosts.items():
-                for host in hosts & gone:
-                    drop(host, self.key_hash[key])
-                for host in hosts & back:
-                    add(host, self.key_hash[key])
-        self.live_hosts = live_hosts
-        for key, hosts in located.items():
-            if hosts is None or key not in self.key_hash:
-                continue  # vanished between listing and locating: the next poll sees it gone
-            h = self.key_hash[key]
-            self.key_hosts[key] = hosts
-            for host in hosts & live_hosts:
-                add(host, h)
-        for key in new:  # parsed but no longer there: forget the hash
-            if key not in self.key_hosts:
-                self.key_hash.pop(key, None)
+        relocate: list[str] = []
+        if changed_hosts:
+            relocate = await _select(known, lambda k: listed(k) and not changed_hosts.isdisjoint(_hosts(known[k])),
+                                     pause)
+        rolling = self._rolling(lambda k: listed(k) and changed_hosts.isdisjoint(_hosts(known[k])))
+        gone_keys = await _select(known, lambda k: not listed(k), pause)
+        asked = new + relocate + rolling
+        located = await self.client.locate(asked)
+        self.metrics.l3_batch_query.labels(self.target.name).set(0 if self.client.batch_supported is False else 1)
+        self.metrics.l3_relocated_keys.labels("segment").inc(len(relocate))
+        self.metrics.l3_relocated_keys.labels("rolling").inc(len(rolling))
+
+        delta = _Delta(self.pairs)
+        if len(ignored) > len(new_hash) and any(m != mark for m in ignored.values()):
+            self.ignored = {k: m for k, m in ignored.items() if m == mark}
+        for key in gone_keys:
+            h = self.key_hash.pop(key)
+            seen.pop(key, None)
+            for host in _hosts(known.pop(key)):
+                if host in self.live_hosts:
+                    delta.drop(host, h)
+        await pause()
+        gone, back = self.live_hosts - live_hosts, live_hosts - self.live_hosts
+        if gone or back:  # known replicas follow their segment out and back (and are asked about again)
+            for key in await _select(known, lambda k: not (gone | back).isdisjoint(_hosts(known[k])), pause):
+                for host in _hosts(known[key]):
+                    if host in gone:
+                        delta.drop(host, self.key_hash[key])
+                    elif host in back:
+                        delta.add(host, self.key_hash[key])
+        self.live_hosts, self.live_segments = live_hosts, segments
+        for i, key in enumerate(asked):
+            if i % _SLICE == 0:
+                await pause()
+            hosts = located.get(key, ...)
+            if hosts is ...:  # not answered (asked again next poll), or a "," key the read-only endpoint cannot take
+                if "," in key and key not in known:
+                    self.metrics.l3_unlocatable_keys.inc()
+                    self.ignored[key] = mark
+                continue
+            h = self.key_hash.pop(key, None)
+            h = new_hash[key] if h is None else h
+            for host in _hosts(known.pop(key, "")):
+                if host in live_hosts:
+                    delta.drop(host, h)
+            seen.pop(key, None)
+            if hosts is None:  # gone between listing and locating: the next poll sees it gone
+                continue
+            known[key] = ",".join(sorted(hosts))
+            self.key_hash[key] = h
+            seen[key] = mark
+            for host in hosts:
+                if host in live_hosts:
+                    delta.add(host, h)
         self.polls += 1
         if self.polls == 1 or self.polls % self.cfg.fullStateEvery == 0:
-            state: dict[str, list[int]] = {}
-            for host, h in self.pairs:
-                state.setdefault(host, []).append(h)
-            await self.sink.full(self.target.name, state)
-        elif added or removed:
-            await self.sink.diff(self.target.name, added, removed)
+            await self.sink.full(self.target.name, {host: list(held) for host, held in self.pairs.items() if held})
+        else:
+            added, removed = delta.net()
+            if added or removed:
+                await self.sink.diff(self.target.name, added, removed)
         self.last_poll_seconds = time.perf_counter() - t
-        self.metrics.l3_keys.labels(self.target.name).set(len(self.key_hosts))
+        self.metrics.l3_keys.labels(self.target.name).set(len(known))
         self.metrics.l3_poll_seconds.observe(self.last_poll_seconds)
 
-    def _hash(self, key: str) -> int | None:
-        h = self.key_hash.get(key)
-        if h is None:
-            h = self.parser.block_hash(key)
-            if h is None:
-                self.metrics.l3_unparsed_keys.inc()
-                self.ignored.add(key)
-                return None
-            self.key_hash[key] = h
+    def _rolling(self, wanted) -> list[str]:
+        """The next slice of the rolling re-check: every known key once per ``relocateEvery``, spread over
+        the polls of that period (the poll's own duration counts), at most ``relocateMaxKeys`` a poll."""
+        if not self.cfg.relocateEvery or not self.key_hosts or not self.cfg.relocateMaxKeys:
+            return []
+        period_polls = self.cfg.relocateEvery / (self.cfg.pollInterval + self.last_poll_seconds)
+        want = min(self.cfg.relocateMaxKeys, max(1, math.ceil(len(self.key_hosts) / max(period_polls, 1.0))))
+        out: list[str] = []
+        while len(out) < want:
+            if self._recheck_at >= len(self._recheck):
+                if self._recheck:  # a whole round done: the next one starts next poll
+                    self._recheck = ()
+                    break
+                self._recheck, self._recheck_at = tuple(self.key_hosts), 0  # a tuple: not tracked by the GC
+                if not self._recheck:
+                    break
+            key = self._recheck[self._recheck_at]
+            self._recheck_at += 1
+            if key in self.key_hosts and wanted(key):
+                out.append(key)
+        return out
+
+    def _parse(self, key: str, mark: int) -> int | None:
+        h = self.parser.block_hash(key)
+        if h is None:  # counted once: the key is ignored until it leaves the listing
+            self.metrics.l3_unparsed_keys.inc()
+            self.ignored[key] = mark
         return h

@@ -76,8 +76,9 @@ class Bridge:
                                             self.cfg.nats.publish.ackTimeout)
         await self.publisher.start()
         self.l1 = L1Publisher(self.publisher, self.cfg.nats.l1Stream.subjectPrefix, js, self.cfg.nats.l1Stream.name)
-        max_payload = min(self.nc.max_payload, self.cfg.nats.l3Stream.maxMsgSize) - 4096
-        self.l3 = L3Publisher(self.publisher, self.cfg.nats.l3Stream.subjectPrefix, max_payload, self.metrics)
+        nc, max_msg = self.nc, self.cfg.nats.l3Stream.maxMsgSize
+        self.l3 = L3Publisher(self.publisher, self.cfg.nats.l3Stream.subjectPrefix,
+                              lambda: min(nc.max_payload, max_msg) - 1024, self.metrics)
         self.targets_record = TargetsRecord(js, self.cfg.snapshot.metaBucket)
         if self.cfg.ingest.leaderElection:
             holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import gc
 import json
 import logging
 import os
@@ -86,6 +87,9 @@ async def serve(start: list[Step], stop: list[Step], shutdown_timeout: float,
         log.error("start-up failed: %s", starting.exception(), exc_info=starting.exception())
         code = 1
     elif starting.done():
+        # What start-up made (every imported module: ~90k objects) will live as long as the process:
+        # out of the collector's sight, a full collection costs a few ms instead of ~50 ms of the loop.
+        gc.freeze()
         await waiter
     else:
         await cancel_and_wait(starting)

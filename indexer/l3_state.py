@@ -3,11 +3,30 @@
 Same layout as L1 (hash -> bitmask of workers); a worker is (pod IP, master), so a pod's L3 ratio is
 the best over the masters that report it. ``l3_full`` replaces everything one master reported,
 ``l3_diff`` adds and removes pairs; the bridge already reference-counts keys, so presence is enough.
+
+Each worker's hashes are also kept as a set: a full state is applied as its difference to what the
+worker holds (set operations in C, then only the changes touch the index), so a periodic full state
+that changes nothing costs little, and dropping a worker never walks the whole index. A full state
+in several parts is collected and applied when its last part arrives; parts that arrive out of order
+or incomplete are dropped (counted) and the master's state stays as it was until the next full state.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
+
 from indexer.l1_index import BlockIndex, WorkerTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Parts:
+    gen: int
+    parts: int
+    next: int = 0
+    pods: dict[str, list[int]] = field(default_factory=dict)
 
 
 class L3State:
@@ -15,7 +34,12 @@ class L3State:
         self.workers = WorkerTable()
         self.index = BlockIndex()
         self._masters: dict[str, int] = {}
+        #: worker id -> its hashes, as dict keys (a dict of ints is not tracked by the garbage collector;
+        #: a set would be traversed, 100k entries a worker, by every full collection)
+        self._held: dict[int, dict[int, None]] = {}
+        self._assembling: dict[str, _Parts] = {}
         self.messages = 0
+        self.incomplete = 0  # full states dropped because a part was missing
 
     @property
     def blocks(self) -> dict[int, int]:
@@ -32,21 +56,82 @@ class L3State:
 
     def apply(self, msg: dict) -> None:
         kind = msg.get("type")
-        m = self._master(msg["master"])
+        master = msg["master"]
+        m = self._master(master)
         if kind == "l3_full":
-            for (pod, master), wid in list(self.workers.items()):
-                if master == m:
-                    self.index.clear(wid)
-                    self.workers.release(pod, master)
-            for pod, hashes in msg["pods"].items():
-                self.index.store(self.workers.intern(pod, m), hashes)
+            pods = self._collect(master, msg)
+            if pods is not None:
+                self._replace(m, pods)
         elif kind == "l3_diff":
             for pod, hashes in msg["removed"].items():
                 wid = self.workers.get(pod, m)
                 if wid is not None:
-                    self.index.remove(wid, hashes)
+                    held = self._held.get(wid, {})
+                    gone = [h for h in hashes if h in held]
+                    self.index.remove(wid, gone)
+                    for h in gone:
+                        del held[h]
+                    if not held:
+                        self._set(pod, m, wid, {})
             for pod, hashes in msg["added"].items():
-                self.index.store(self.workers.intern(pod, m), hashes)
+                wid = self.workers.intern(pod, m)
+                held = self._held.setdefault(wid, {})
+                came = [h for h in hashes if h not in held]
+                self.index.store(wid, came)
+                held.update(dict.fromkeys(came))
+                if not held:
+                    self._set(pod, m, wid, {})
         else:
             raise ValueError(f"unknown L3 message type {kind!r}")
         self.messages += 1
+
+    def _collect(self, master: str, msg: dict) -> dict[str, list[int]] | None:
+        """The whole full state once its last part is in; None while parts are missing."""
+        parts, part = int(msg.get("parts", 1)), int(msg.get("part", 0))
+        if parts == 1:
+            self._assembling.pop(master, None)
+            return msg["pods"]
+        pending = self._assembling.get(master)
+        if part == 0:
+            if pending is not None:
+                self._dropped(master, pending, "a new full state began")
+            pending = self._assembling[master] = _Parts(msg.get("gen"), parts)
+        elif pending is None or pending.gen != msg.get("gen") or pending.next != part or pending.parts != parts:
+            if pending is not None:
+                self._dropped(master, pending, f"part {part + 1}/{parts} of another sequence arrived")
+                del self._assembling[master]
+            return None
+        for pod, hashes in msg["pods"].items():
+            pending.pods.setdefault(pod, []).extend(hashes)
+        pending.next += 1
+        if pending.next < parts:
+            return None
+        del self._assembling[master]
+        return pending.pods
+
+    def _dropped(self, master: str, pending: _Parts, why: str) -> None:
+        self.incomplete += 1
+        log.warning("L3 full state of master %s dropped after %d of %d parts (%s); the previous state stands",
+                    master, pending.next, pending.parts, why)
+
+    def _replace(self, m: int, pods: dict[str, list[int]]) -> None:
+        for (pod, master), wid in list(self.workers.items()):
+            if master == m and pod not in pods:
+                self._set(pod, m, wid, {})
+        for pod, hashes in pods.items():
+            wid = self.workers.intern(pod, m)
+            self._set(pod, m, wid, dict.fromkeys(hashes))
+
+    def _set(self, pod: str, m: int, wid: int, new: dict[int, None]) -> None:
+        """Make worker ``wid`` hold exactly ``new``; a worker left with nothing is released."""
+        old = self._held.get(wid, {})
+        gone, came = old.keys() - new.keys(), new.keys() - old.keys()
+        if gone:
+            self.index.remove(wid, gone)
+        if came:
+            self.index.store(wid, came)
+        if new:
+            self._held[wid] = new
+        else:
+            self._held.pop(wid, None)
+            self.workers.release(pod, m)

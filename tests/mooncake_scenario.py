@@ -23,8 +23,11 @@ from indexer.block_hash import BlockHasher
 BS = 16
 TOKENS = list(range(3000, 3000 + 8 * BS))
 DIGESTS = BlockHasher("sha256_cbor", "0").block_hashes(TOKENS, BS)
-POD_A, POD_B = "127.0.0.2", "127.0.0.3"
+POD_A, POD_B, POD_C, POD_D = "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"
+TOKENS2 = list(range(9000, 9000 + 8 * BS))
+DIGESTS2 = BlockHasher("sha256_cbor", "0").block_hashes(TOKENS2, BS)
 HTTP_PORT = 9003
+RELOCATE_EVERY = 2.0
 
 
 def ascend_key(d: bytes, tp: int = 0) -> str:
@@ -67,9 +70,11 @@ class Client:
         assert rc == 0, f"setup {host}: {rc}"
         self.cfg = ReplicateConfig()
         self.cfg.preferred_segment = segment_of(host)
+        self.two = ReplicateConfig()
+        self.two.replica_num = 2
 
-    def put(self, key: str) -> None:
-        assert self.store.put(key, b"\0" * 64, self.cfg) == 0, key
+    def put(self, key: str, replicas: int = 1) -> None:
+        assert self.store.put(key, b"\0" * 64, self.cfg if replicas == 1 else self.two) == 0, key
 
     def remove(self, key: str) -> None:
         deadline = time.monotonic() + 10
@@ -78,15 +83,23 @@ class Client:
             time.sleep(0.1)
 
 
-async def ratio(session, pod: str) -> float:
-    body = {"server_ip": [pod], "body": {"token_ids": TOKENS, "block_size": BS}}
+def holders(key: str) -> set[str]:
+    from urllib.parse import quote
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{HTTP_PORT}/batch_query_keys?keys={quote(key, safe='')}", timeout=2) as r:
+        item = json.loads(r.read())["data"][key]
+    return {v["transport_endpoint_"].split(":")[0] for v in item.get("values") or []}
+
+
+async def ratio(session, pod: str, tokens: list[int] = TOKENS) -> float:
+    body = {"server_ip": [pod], "body": {"token_ids": tokens, "block_size": BS}}
     async with session.post("/kv-cache/hit-rate", data=json.dumps(body)) as r:
         return (await r.json())["server_score_list"][0]["l3_hit_ratio"]
 
 
-async def until(session, pod: str, expected: float, what: str) -> None:
-    deadline = time.monotonic() + 20
-    while (got := await ratio(session, pod)) != expected:
+async def until(session, pod: str, expected: float, what: str, tokens: list[int] = TOKENS, within: float = 20) -> None:
+    deadline = time.monotonic() + within
+    while (got := await ratio(session, pod, tokens)) != expected:
         assert time.monotonic() < deadline, f"{what}: l3 ratio of {pod} is {got}, expected {expected}"
         await asyncio.sleep(0.05)
     print(f"ok: {what}", flush=True)
@@ -99,7 +112,7 @@ async def main() -> None:
     (tmp / "targets.yaml").write_text(f"mooncakeMasters:\n  - host: 127.0.0.1\n    httpPort: {HTTP_PORT}\n    name: mc0\n")
     cfg = load_config(env={}, overrides=[
         f"nats.url={nats.url}", f"discovery.static.file={tmp / 'targets.yaml'}", "ingest.leaderElection=false",
-        "ingest.l3.pollInterval=0.2", "blockKey.pythonHashSeed=0", "http.host=127.0.0.1", "http.port=0"])
+        "ingest.l3.pollInterval=0.2", f"ingest.l3.relocateEvery={RELOCATE_EVERY}", "blockKey.pythonHashSeed=0", "http.host=127.0.0.1", "http.port=0"])
     bridge, replica = Bridge(cfg), Replica(cfg)
     await bridge.start()
     await replica.start()
@@ -122,6 +135,8 @@ async def main() -> None:
             await asyncio.to_thread(b.store.close)
             await until(s, POD_B, 0.0, "pod's client closed (segment unmapped) -> its entries drop")
             assert bridge.metrics.l3_unparsed_keys._value.get() == 1
+            await moved_key(s, bridge, a)
+            await dead_holders_ip(s)
             master.kill()
             master.wait(10)
             master = await asyncio.to_thread(start_master)
@@ -132,6 +147,53 @@ async def main() -> None:
         await bridge.stop()
         master.kill()
         nats.close()
+
+
+async def moved_key(s, bridge, a: Client) -> None:
+    """Issue 13 #1: block 0 removed from pod A and put again on pod C right after a poll: the key is
+    listed at both polls, so only locating it again (relocateEvery) moves it."""
+    c = await asyncio.to_thread(Client, POD_C)
+    poller = next(iter(bridge.pollers.values()))
+    polls = poller.polls
+    while poller.polls == polls:  # just after a poll: the move falls between two polls
+        await asyncio.sleep(0.005)
+    for tp in (0, 1):
+        await asyncio.to_thread(a.remove, ascend_key(DIGESTS[0], tp))
+        await asyncio.to_thread(c.put, ascend_key(DIGESTS[0], tp))
+    assert holders(ascend_key(DIGESTS[0])) == {POD_C}
+    bound = RELOCATE_EVERY + 2 * 0.2 + 1.0  # a round of the rolling re-check, a poll, the way to the index
+    await until(s, POD_C, 1 / 8, "a key removed and put again on another pod between two polls -> re-attributed",
+                within=bound)
+    await until(s, POD_A, 0.0, "... and no longer attributed to the old pod", within=bound)
+
+
+async def dead_holders_ip(s) -> None:
+    """Issue 13 #1: a 2-replica key whose holder died keeps its other replica; a new client that mounts
+    with the dead holder's IP must not be credited with it."""
+    d = await asyncio.to_thread(Client, POD_D)
+    k = vllm_key(DIGESTS2[0])
+    await asyncio.to_thread(d.put, k, 2)
+    first = holders(k)
+    assert POD_D in first and len(first) == 2, first
+    await until(s, POD_D, 1 / 8, "a 2-replica key held by pod D", TOKENS2)
+    await asyncio.to_thread(d.store.close)
+    await until(s, POD_D, 0.0, "pod D's client closed", TOKENS2)
+    left = holders(k) if k in await asyncio.to_thread(all_keys) else set()
+    print(f"after pod D closed, the key is held by {sorted(left) or 'nobody'}", flush=True)
+    d2 = await asyncio.to_thread(Client, POD_D)  # a new client with the dead holder's IP
+    for other in left:
+        await until(s, other, 1 / 8, "the surviving replica still counts", TOKENS2)
+    await until(s, POD_D, 0.0, "the new client on D's IP holds none of it", TOKENS2)
+    polls_seen = time.monotonic() + 1.0
+    while time.monotonic() < polls_seen:  # a few polls later it still holds none of it
+        assert await ratio(s, POD_D, TOKENS2) == 0.0, "the new client on D's IP was credited with the old replica"
+        await asyncio.sleep(0.05)
+    await asyncio.to_thread(d2.store.close)
+
+
+def all_keys() -> set[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{HTTP_PORT}/get_all_keys", timeout=2) as r:
+        return set(r.read().decode().split())
 
 
 if __name__ == "__main__":

@@ -48,3 +48,39 @@ async def test_a_refused_message_is_resent_until_a_stream_takes_it(nc, stream_pr
         assert (await js.stream_info(stream_prefix)).state.messages == 1
     finally:
         await pub.close()
+
+
+async def test_a_message_that_can_never_be_stored_is_refused_once_not_retried(stream_prefix, caplog):
+    """Issue 13 #3 / 16 #8: over the server's max_payload (read from the connection; the server would close
+    the connection) or over the stream's max_msg_size (a 400 ack), a message is an ERROR and a count,
+    frees its place in the window, and what follows is stored."""
+    from cache_indexer.nats_server import NatsServer
+
+    server = NatsServer(max_payload=64 << 10).start()
+    conn = await nats.connect(server.url)
+    try:
+        assert conn.max_payload == 64 << 10
+        js = conn.jetstream()
+        await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"], max_msg_size=8 << 10)
+        metrics = Metrics()
+        pub = JetStreamPublisher(conn, metrics, window=1, ack_timeout=0.3)
+        await pub.start()
+        try:
+            await pub.publish(f"{stream_prefix}.a", b"x" * (64 << 10), {"Nats-Msg-Id": "huge"})
+            await pub.publish(f"{stream_prefix}.a", b"x" * (16 << 10), {"Nats-Msg-Id": "over-stream-limit"})
+            await pub.publish(f"{stream_prefix}.a", b"small", {"Nats-Msg-Id": "small"})  # window of 1: not blocked
+            assert await pub.flush(5)
+            refused = {s.labels["reason"]: s.value for s in metrics.publish_refused.collect()[0].samples
+                       if s.name.endswith("_total")}
+            assert refused == {"too_large": 1, "rejected": 1}
+            assert metrics.publish_retries._value.get() == 0
+            assert (await js.stream_info(stream_prefix)).state.messages == 1
+            assert conn.is_connected
+            errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+            assert any("huge" in e and "max_payload" in e for e in errors), errors
+            assert any("over-stream-limit" in e for e in errors), errors
+        finally:
+            await pub.close()
+    finally:
+        await conn.close()
+        server.close()

@@ -114,12 +114,16 @@ class FakeMaster:
         self.segments_delay = 0.0
         self.batch_calls = 0
         self.batch_keys_asked = 0
+        self.asked: list[str] = []  # keys asked about through /batch_query_keys, in order
+        self.query_key_calls = 0
+        self.batch_faults: list[str] = []  # one-off faults of the next /batch_query_keys answers
 
     async def start(self):
         app = web.Application()
         app.router.add_get("/get_all_keys", self.all_keys)
         app.router.add_get("/get_all_segments", self.all_segments)
         app.router.add_get("/batch_query_keys", self.batch)
+        app.router.add_get("/query_key", self.query_key)
         app.router.add_get("/empty", self.empty)
         self.runner = web.AppRunner(app, max_line_size=4 << 20)  # the real master takes 500 kB query strings
         await self.runner.setup()
@@ -160,7 +164,22 @@ class FakeMaster:
         return await self._faulty() or web.Response(text="".join(s + "\n" for s in self.segments),
                                                     content_type="text/plain")
 
+    async def query_key(self, request):
+        self.query_key_calls += 1
+        k = request.query_string[len("key="):]
+        if k not in self.keys:
+            return web.json_response({"success": False, "error": "OBJECT_NOT_FOUND"}, status=404)
+        return web.json_response({"success": True, "data": [{"transport_endpoint_": ep} for ep in self.keys[k]]})
+
     async def batch(self, request):
+        fault = self.batch_faults.pop(0) if self.batch_faults else self.fault
+        if fault in ("404", "old"):  # an ingress hiccup once, or a master < 0.3.9 for good
+            return web.Response(status=404, text="404 Not Found")
+        if fault == "empty":  # an odd answer about none of the keys
+            return web.json_response({"success": True, "data": {}})
+        if fault == "no_decode":  # 0.3.9 - 0.3.11 echo the percent-encoded keys
+            raw = request.raw_path.split("?keys=", 1)[1].split(",")
+            return web.json_response({"success": True, "data": {k: {"ok": False, "error": "OBJECT_NOT_FOUND"} for k in raw}})
         if self.fault == "malformed":
             return web.Response(text="{garbage", content_type="application/json")
         if self.fault == "nested":  # valid JSON, 100,000 levels deep
@@ -168,6 +187,7 @@ class FakeMaster:
         self.batch_calls += 1
         asked = request.query["keys"].split(",")
         self.batch_keys_asked += len(asked)
+        self.asked.extend(asked)
         data = {k: ({"ok": True, "error": None, "values": [{"size_": 64, "transport_endpoint_": ep} for ep in self.keys[k]]}
                     if k in self.keys else {"ok": False, "error": "OBJECT_NOT_FOUND", "values": None}) for k in asked}
         if self.fault == "unasked":  # an answer about a key nobody asked for
@@ -209,8 +229,8 @@ async def poller():
     master = await FakeMaster().start()
     sink, metrics = Sink(), Metrics()
     async with aiohttp.ClientSession() as session:
-        p = MooncakePoller(MasterTarget("m0", master.url), L3IngestConfig(httpTimeout=1, batchKeys=2, fullStateEvery=1000, pollInterval=0.05),
-                           sink, metrics, session)
+        cfg = L3IngestConfig(httpTimeout=1, batchKeys=2, fullStateEvery=1000, pollInterval=0.05, relocateEvery=0)
+        p = MooncakePoller(MasterTarget("m0", master.url), cfg, sink, metrics, session)
         yield master, p, sink, metrics
     await master.runner.cleanup()
 
@@ -240,22 +260,80 @@ async def test_poller_diffs_refcounts_and_segments(poller):
     assert metrics.l3_unparsed_keys._value.get() == 1  # counted once, not per poll
 
 
-async def test_replicas_follow_their_segment_out_and_back_without_asking_again(poller):
+async def test_replicas_follow_their_segment_out_and_back_and_the_master_is_asked_again(poller):
     master, p, sink, _ = poller
     master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
     master.keys = {key(1): ["127.0.0.2:16001", "127.0.0.3:16002"], key(2): ["127.0.0.3:16002"]}
     await p.poll()
-    asked = master.batch_keys_asked
     master.segments = ["127.0.0.2:12001"]  # pod .3's client re-registers: its segment is briefly gone
     await p.poll()
     assert sink.held("127.0.0.2") == {1} and sink.held("127.0.0.3") == set()
+    master.asked.clear()
     master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
     await p.poll()
     assert sink.held("127.0.0.3") == {1, 2}, "the replicas count again once the segment is back"
-    assert master.batch_keys_asked == asked, "known keys were not located again"
+    assert sorted(master.asked) == sorted([key(1), key(2)]), "the keys on the returning host were asked about"
     del master.keys[key(1)]
     await p.poll()
     assert sink.held("127.0.0.2") == set() and sink.held("127.0.0.3") == {2}
+
+
+async def test_a_new_client_on_a_dead_holders_ip_is_not_given_its_old_replicas(poller):
+    """A 2-replica key whose holder .2 died keeps its replica on .3; a new client that mounts with .2's
+    IP holds none of it (issue 13 #1: it was re-attributed to .2 without asking)."""
+    master, p, sink, _ = poller
+    master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
+    master.keys = {key(1): ["127.0.0.2:16001", "127.0.0.3:16002"]}
+    await p.poll()
+    master.segments = ["127.0.0.3:12002"]
+    master.keys = {key(1): ["127.0.0.3:16002"]}  # the master dropped the dead holder's replica
+    await p.poll()
+    master.segments = ["127.0.0.2:12077", "127.0.0.3:12002"]  # a new client with the same IP
+    await p.poll()
+    assert sink.held("127.0.0.2") == set() and sink.held("127.0.0.3") == {1}
+
+
+async def test_a_segment_that_re_registers_between_two_polls_has_its_keys_asked_again(poller):
+    master, p, sink, _ = poller
+    master.segments = ["127.0.0.2:12001"]
+    master.keys = {key(1): ["127.0.0.2:16001"], key(2): ["127.0.0.2:16001"]}
+    await p.poll()
+    master.segments = ["127.0.0.2:12999"]  # unmounted and mounted again under a new name, keys gone
+    master.keys = {key(1): [], key(2): ["127.0.0.2:16999"]}
+    master.asked.clear()
+    await p.poll()
+    assert sorted(master.asked) == sorted([key(1), key(2)])
+    assert sink.held("127.0.0.2") == {2}
+
+
+@pytest.mark.parametrize("relocate_every", [0.5, 2.0])
+async def test_a_key_put_again_on_another_pod_moves_within_relocate_every(relocate_every):
+    """Listed at both polls, so only asking again finds it moved (issue 13 #1): every known key is asked
+    about within relocateEvery, a few per poll."""
+    master = await FakeMaster().start()
+    sink, metrics = Sink(), Metrics()
+    interval = 0.05
+    cfg = L3IngestConfig(httpTimeout=1, batchKeys=50, fullStateEvery=1000, pollInterval=interval,
+                         relocateEvery=relocate_every)
+    master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
+    master.keys = {key(i): ["127.0.0.2:16001"] for i in range(200)}
+    try:
+        async with aiohttp.ClientSession() as session:
+            p = MooncakePoller(MasterTarget("m0", master.url), cfg, sink, metrics, session)
+            await p.poll()
+            assert master.batch_keys_asked == 200
+            master.keys[key(7)] = ["127.0.0.3:16002"]  # removed from .2 and put again on .3
+            polls = 0
+            while sink.held("127.0.0.3") != {7}:
+                await p.poll()
+                polls += 1
+                assert polls <= relocate_every / interval + 1, f"still on the old pod after {polls} polls"
+            assert 7 not in sink.held("127.0.0.2")
+            per_poll = (master.batch_keys_asked - 200) / polls
+            assert per_poll < 100, "a slice per poll, not every key every poll"
+    finally:
+        await master.runner.cleanup()
+    assert metrics.l3_relocated_keys.labels("rolling")._value.get() >= 1
 
 
 async def test_a_slow_segment_list_fails_the_poll_at_segments_fetch_timeout():
@@ -299,6 +377,65 @@ async def test_a_master_that_left_while_no_bridge_ran_is_dropped_by_the_next_bri
         await bridge.stop()
         await indexer.stop()
         await master.runner.cleanup()
+
+
+async def test_states_over_the_message_limit_are_published_in_parts(nats_url, stream_prefix):
+    """Issue 13 #3: with the L3 stream's maxMsgSize at 16 KiB, full states and diffs of thousands of pairs
+    are split into parts that each fit; live and replaying indexers hold exactly the master's state."""
+    from bridge.service import Bridge
+    from indexer.service import Indexer
+
+    cfg = make_config(nats_url, stream_prefix, ingest={"l3": {"pollInterval": 0.05, "fullStateEvery": 1000}})
+    cfg.nats.l3Stream.maxMsgSize = 16 << 10
+    master = await FakeMaster().start()
+    master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
+    master.keys = {key(i): [f"127.0.0.{2 + i % 2}:16001"] for i in range(5000)}
+    want = lambda pod, n: {i for i in range(n) if i % 2 == int(pod[-1]) - 2}  # noqa: E731
+    indexer, bridge, late = Indexer(cfg), Bridge(cfg), None
+    await indexer.start()
+    await bridge.start()
+    try:
+        await wait_for(lambda: bridge.lease.is_leader, 10, "a leading bridge")
+        await bridge.set_masters([MasterTarget("m0", master.url)])
+        await wait_for(lambda: l3_held(indexer.l3, "127.0.0.2") == want("127.0.0.2", 5000), 20, "the first full state")
+        for i in range(5000, 9000):  # a diff of 4,000 pairs
+            master.keys[key(i)] = [f"127.0.0.{2 + i % 2}:16001"]
+        await wait_for(lambda: all(l3_held(indexer.l3, pod) == want(pod, 9000) for pod in ("127.0.0.2", "127.0.0.3")),
+                       20, "the split diff")
+        def parts():
+            return {s.labels["kind"]: s.value for s in bridge.metrics.l3_message_parts.collect()[0].samples
+                    if s.name.endswith("_total")}
+        assert parts()["l3_full"] == 3 and parts()["l3_diff"] == 3, parts()  # 45 kB and 36 kB in 16 KiB parts
+        cfg.ingest.l3.fullStateEvery = 1  # from now on every poll rolls the subject up
+        await wait_for(lambda: parts()["l3_full"] >= 3 + 2 * 6, 20, "full states of 9,000 pairs in parts")
+        assert not bridge.metrics.publish_refused.collect()[0].samples
+        assert bridge.metrics.publish_retries._value.get() == 0
+        late = Indexer(cfg)  # replays the subject: the last full state's parts, then what followed
+        await late.start()
+        await wait_for(lambda: all(l3_held(late.l3, pod) == want(pod, 9000) for pod in ("127.0.0.2", "127.0.0.3")),
+                       20, "a replaying indexer to rebuild the state from parts")
+        assert indexer.l3.incomplete == 0 and late.l3.incomplete == 0
+    finally:
+        await bridge.stop()
+        await indexer.stop()
+        if late:
+            await late.stop()
+        await master.runner.cleanup()
+
+
+def test_a_full_state_missing_a_part_is_dropped_and_the_previous_state_stands():
+    state = L3State()
+    state.apply({"type": "l3_full", "master": "m", "pods": {"p": [1, 2]}})
+    state.apply({"type": "l3_full", "master": "m", "pods": {"p": [3]}, "gen": 7, "part": 0, "parts": 3})
+    state.apply({"type": "l3_full", "master": "m", "pods": {"p": [4]}, "gen": 7, "part": 2, "parts": 3})
+    assert l3_held(state, "p") == {1, 2} and state.incomplete == 1
+    state.apply({"type": "l3_full", "master": "m", "pods": {"p": [5], "q": [6]}, "gen": 8, "part": 0, "parts": 2})
+    state.apply({"type": "l3_diff", "master": "m", "added": {"p": [9]}, "removed": {}})
+    assert l3_held(state, "p") == {1, 2, 9}, "nothing of a full state shows before its last part"
+    state.apply({"type": "l3_full", "master": "m", "pods": {"p": [7]}, "gen": 8, "part": 1, "parts": 2})
+    assert l3_held(state, "p") == {5, 7} and l3_held(state, "q") == {6}
+    state.apply({"type": "l3_full", "master": "m", "pods": {}})
+    assert not state.blocks and not state.pod_workers("p")
 
 
 def poll_errors(metrics: Metrics) -> dict[str, float]:
@@ -364,6 +501,67 @@ async def test_a_poller_that_ends_is_restarted_and_counted(poller, monkeypatch):
         await wait_for(lambda: sink.held("127.0.0.2") == {1, 2}, 10, "the restarted poller polls")
     finally:
         await p.stop()
+
+
+def batch_mode(metrics: Metrics) -> float:
+    return metrics.l3_batch_query.labels("m0")._value.get()
+
+
+@pytest.mark.parametrize("odd", ["empty", "404"])
+async def test_one_odd_batch_answer_does_not_switch_to_the_leasing_query_key(poller, odd, caplog):
+    """Issue 13 #4: a {"success":true,"data":{}} or a 404 after the endpoint had worked is one failed
+    poll, not a switch for good: a probe with a listed key shows that the endpoint works."""
+    master, p, sink, metrics = poller
+    master.segments = ["127.0.0.2:12001"]
+    master.keys = {key(1): ["127.0.0.2:16001"]}
+    await p.poll()
+    master.keys[key(2)] = ["127.0.0.2:16001"]
+    master.batch_faults = [odd]
+    with pytest.raises(MasterError, match="a probe shows the endpoint works"):
+        await p.poll()
+    assert p.client.batch_supported is True and batch_mode(metrics) == 1
+    await p.poll()
+    assert sink.held("127.0.0.2") == {1, 2} and master.query_key_calls == 0
+    assert not [r for r in caplog.records if "query_key" in r.getMessage() and r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("kind", ["old", "no_decode"])
+async def test_a_master_without_a_usable_batch_endpoint_falls_back_loudly_and_is_probed_again(
+        poller, kind, caplog, monkeypatch):
+    import bridge.mooncake_master as mm
+
+    master, p, sink, metrics = poller
+    master.segments = ["127.0.0.2:12001"]
+    master.keys = {key(1): ["127.0.0.2:16001"]}
+    master.fault = kind
+    await p.poll()
+    assert p.client.batch_supported is False and batch_mode(metrics) == 0
+    assert sink.held("127.0.0.2") == {1} and master.query_key_calls == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("cannot be used" in w and "/query_key" in w for w in warnings), warnings
+    monkeypatch.setattr(mm, "REPROBE_SECONDS", 0.0)
+    master.fault = None  # the master was upgraded
+    p.client._reprobe_at = 0.0
+    master.keys[key(2)] = ["127.0.0.2:16001"]
+    await p.poll()
+    assert p.client.batch_supported is True and batch_mode(metrics) == 1
+    assert sink.held("127.0.0.2") == {1, 2} and master.query_key_calls == 1
+    assert any("works again" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+async def test_keys_with_a_comma_are_skipped_and_counted_not_leased(poller):
+    """The master splits its decoded ``keys`` value on ",", so such keys cannot be asked read-only; asking
+    /query_key instead would lease them (issue 13 #4)."""
+    master, p, sink, metrics = poller
+    master.segments = ["127.0.0.2:12001"]
+    comma = key(5).replace("cache_role:kv", "cache_role:k,v")
+    master.keys = {key(1): ["127.0.0.2:16001"], comma: ["127.0.0.2:16001"]}
+    p.parser.block_hash = lambda k: int(k.rsplit("@", 1)[1], 16)  # the custom grammar that admits it
+    await p.poll()
+    await p.poll()
+    assert sink.held("127.0.0.2") == {1}
+    assert master.query_key_calls == 0 and comma not in master.asked
+    assert metrics.l3_unlocatable_keys._value.get() == 1, "counted once, not every poll"
 
 
 # -- a real master ---------------------------------------------------------------------------------
