@@ -12,9 +12,12 @@ import asyncio
 import json
 import logging
 import time
+import zlib
 from collections.abc import Callable, Sequence
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from api.hit_rate_request import RequestError, decode_hit_rate_request
 from api.ops import add_ops_routes
@@ -124,10 +127,12 @@ class HitRateApi:
             return _error(413, f"request body exceeds the limit of {limit} bytes")
         except asyncio.TimeoutError:
             return _error(408, f"request body not received within {self.http.readTimeout}s")
+        except (RequestPayloadError, HttpProcessingError, zlib.error) as exc:
+            return _error(400, f"request body could not be read: {exc}")  # e.g. invalid gzip
         if not body.strip():
             return _error(400, "empty request body")
         try:
-            req = decode_hit_rate_request(body)
+            req = decode_hit_rate_request(body, self.http.maxCandidates)
         except RequestError as exc:
             return _error(400, str(exc))
         try:

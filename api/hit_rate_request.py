@@ -57,7 +57,10 @@ def _tokens(raw: bytes) -> array:
         except ValueError as exc:
             raise RequestError(f"body.token_ids: {exc}") from None
         return out
-    values = json.loads(raw)
+    try:
+        values = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise RequestError(f"body.token_ids: not a flat array of integers ({type(exc).__name__})") from None
     if not isinstance(values, list):
         raise RequestError("body.token_ids: token_ids must be an array")
     for v in values:
@@ -67,12 +70,16 @@ def _tokens(raw: bytes) -> array:
     return out
 
 
-def decode_hit_rate_request(body: bytes) -> HitRateQuery:
+def decode_hit_rate_request(body: bytes, max_candidates: int | None = None) -> HitRateQuery:
     try:
         req = _decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise RequestError(str(exc).replace("`$.", "`").replace("`$`", "`request`")) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"invalid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError("invalid JSON: nested too deeply") from None
+    if max_candidates is not None and len(req.server_ip) > max_candidates:
+        raise RequestError(f"server_ip: {len(req.server_ip)} candidates exceed http.maxCandidates ({max_candidates})")
     return HitRateQuery(server_ip=req.server_ip, token_ids=_tokens(bytes(req.body.token_ids)),
                         block_size=req.body.block_size, cache_salt=req.body.cache_salt)

@@ -6,7 +6,7 @@ import logging
 
 from aiohttp import web
 
-from api.header_deadline import HeaderDeadline
+from api.header_guard import HeaderGuard
 from schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
@@ -15,11 +15,10 @@ log = logging.getLogger(__name__)
 class HttpServer:
     def __init__(self, app: web.Application, cfg: HttpConfig, metrics=None) -> None:
         self.cfg = cfg
-        self.deadline = None
-        if cfg.readHeaderTimeout:
-            on_timeout = metrics.http_header_timeouts.inc if metrics is not None else (lambda: None)
-            self.deadline = HeaderDeadline(cfg.readHeaderTimeout, on_timeout)
-            app.middlewares.insert(0, self.deadline.middleware)
+        on_timeout = metrics.http_header_timeouts.inc if metrics is not None else (lambda: None)
+        on_too_large = metrics.http_headers_too_large.inc if metrics is not None else (lambda: None)
+        self.guard = HeaderGuard(cfg.readHeaderTimeout, cfg.maxHeaderBytes, on_timeout, on_too_large)
+        app.middlewares.insert(0, self.guard.middleware)
         self.runner = web.AppRunner(
             app,
             shutdown_timeout=cfg.shutdownTimeout,
@@ -32,10 +31,7 @@ class HttpServer:
 
     async def start(self) -> None:
         await self.runner.setup()
-        if self.deadline is not None:
-            site = self.deadline.site(self.runner, self.cfg.host, self.cfg.port)
-        else:
-            site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port)
+        site = self.guard.site(self.runner, self.cfg.host, self.cfg.port)
         await site.start()
         self.port = site.port
         log.info("serving the API on http://%s:%d", self.cfg.host, self.port)

@@ -46,13 +46,21 @@ class L1Publisher:
     async def last_position(self, pod: str, rank: int) -> tuple[int, int, str, float | None] | None:
         """(gen, last published vLLM seq, epoch, vLLM's timestamp of that batch) of a (pod, rank) from the
         stream's last message on its subject, so a restarted bridge continues where the previous one
-        stopped (and can tell whether the engine still holds that batch); None when unknown."""
+        stopped (and can tell whether the engine still holds that batch); None when unknown, and when a
+        ``pod_removed`` came after it (a readiness flap: the indexers retired that generation, so the
+        pod that came back starts a new one rather than publish batches they drop as stale)."""
         if self._js is None:
             return None
         try:
             msg = await self._js.get_last_msg(self._stream, l1_subject(self._prefix, pod, rank))
         except Exception:  # no message on the subject (or the stream is unreachable): start fresh
             return None
+        try:
+            removed = await self._js.get_last_msg(self._stream, l1_lifecycle_subject(self._prefix, pod))
+        except Exception:  # never removed
+            removed = None
+        if removed is not None and removed.seq > msg.seq:
+            return None  # the pod left discovery after that batch: indexers retired its generation
         h = msg.headers or {}
         try:
             gen, seq = int(h["Kv-Gen"]), int(h["Kv-Seq"])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import msgpack
 
 from indexer.block_hash import normalize_event_hash
+from schemas.events import MAX_BLOCK_SIZE, MAX_GROUP_IDX
 
 # Positional field order of the array-like (<= 0.23) events, after the tag.
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
@@ -26,6 +27,11 @@ _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 class MalformedPayload(ValueError):
     """The payload is not a KVEventBatch this decoder understands."""
+
+
+#: Blocks larger than this are not probed: the check hashes the block once per divisor of its size, on
+#: the event loop (a 720,720-token block held it for 17 s).
+PROBE_MAX_TOKENS = 4096
 
 
 @dataclass(slots=True)
@@ -53,7 +59,7 @@ def _probe(event: object) -> HashProbe | None:
     _, f = _fields(event, _STORED_FIELDS)
     tokens, size, extra = f.get("token_ids"), f.get("block_size"), f.get("extra_keys")
     if (f.get("parent_block_hash") is not None or f.get("lora_name") is not None or not isinstance(size, int)
-            or size <= 0 or not isinstance(tokens, list) or len(tokens) < size
+            or not 0 < size <= PROBE_MAX_TOKENS or not isinstance(tokens, list) or len(tokens) < size
             or not isinstance(extra, list) or not extra or extra[0] is not None):
         return None  # absent extra_keys (before vLLM 0.20) may hide a salt: not a probe
     block_tokens = tokens[:size]
@@ -93,6 +99,14 @@ def _opt_int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _in_range(name: str, value: int | None, low: int, high: int) -> int | None:
+    """The normalised schema is the contract: a value outside it makes the batch malformed, here at the
+    edge, rather than a failure half-way through applying it in every indexer."""
+    if value is not None and not low <= value <= high:
+        raise MalformedPayload(f"{name} {value} outside {low}..{high}")
+    return value
+
+
 def normalize_event(event: object) -> dict | None:
     """One vLLM event -> normalized dict, or None for an event type this version does not know."""
     tag = event.get("type") if isinstance(event, dict) else (event[0] if isinstance(event, (list, tuple)) and event else None)
@@ -102,18 +116,19 @@ def normalize_event(event: object) -> dict | None:
         out = {"kind": "stored", "medium": _medium(f.get("medium")), "hashes": _hashes(f.get("block_hashes")),
                "parent": None if parent is None else _hashes([parent])[0]}
         block_size = _opt_int(f.get("block_size"))
-        if block_size is not None:
+        if block_size is not None and block_size > 0:  # CPU / STORAGE placeholders carry 0: not carried
+            _in_range("block_size", block_size, 1, MAX_BLOCK_SIZE)
             out["block_size"] = block_size
         if isinstance(f.get("lora_name"), str):
             out["lora_name"] = f["lora_name"]
-        group = _opt_int(f.get("group_idx"))
+        group = _in_range("group_idx", _opt_int(f.get("group_idx")), 0, MAX_GROUP_IDX)
         if group is not None:
             out["group_idx"] = group
         return out
     if tag == "BlockRemoved":
         _, f = _fields(event, _REMOVED_FIELDS)
         out = {"kind": "removed", "medium": _medium(f.get("medium")), "hashes": _hashes(f.get("block_hashes"))}
-        group = _opt_int(f.get("group_idx"))
+        group = _in_range("group_idx", _opt_int(f.get("group_idx")), 0, MAX_GROUP_IDX)
         if group is not None:
             out["group_idx"] = group
         return out

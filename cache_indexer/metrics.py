@@ -17,6 +17,9 @@ class Metrics:
         self.http_header_timeouts = Counter(p + "http_header_timeouts_total",
                                             "Connections closed: request headers not complete within "
                                             "http.readHeaderTimeout.", registry=r)
+        self.http_headers_too_large = Counter(p + "http_headers_too_large_total",
+                                              "Connections refused (431): a request's header block over "
+                                              "http.maxHeaderBytes.", registry=r)
         self.http_latency = Histogram(p + "http_request_duration_seconds", "HTTP request latency by path and status.",
                                       ["path", "status"], buckets=_LATENCY_BUCKETS, registry=r)
         self.hashed_blocks = Counter(p + "hit_rate_hashed_blocks_total", "Blocks hashed by hit-rate queries.", registry=r)
@@ -71,8 +74,23 @@ class Metrics:
                                           "Mooncake pollers that ended unexpectedly and were restarted.", registry=r)
         self.l3_unparsed_keys = Counter(p + "l3_unparsed_keys_total", "Mooncake keys without a usable block hash.",
                                         registry=r)
-        self.l3_full_state_skipped = Counter(p + "l3_full_state_skipped_total",
-                                             "L3 full states too large for one message (not rolled up).", registry=r)
+        self.l3_unlocatable_keys = Counter(p + "l3_unlocatable_keys_total",
+                                           "Mooncake keys containing ',' that /batch_query_keys cannot be asked "
+                                           "about (skipped rather than leased through /query_key).", registry=r)
+        self.l3_relocated_keys = Counter(p + "l3_relocated_keys_total",
+                                         "Known Mooncake keys located again, by why (segment, rolling).",
+                                         ["why"], registry=r)
+        self.l3_batch_query = Gauge(p + "l3_batch_query_keys", "1 while a Mooncake master is asked through the "
+                                    "read-only /batch_query_keys, 0 while it falls back to /query_key.",
+                                    ["master"], registry=r)
+        self.l3_message_parts = Counter(p + "l3_message_parts_total", "L3 messages published, by kind; a state "
+                                        "over the message limit is split into several.", ["kind"], registry=r)
+        self.publish_refused = Counter(p + "bridge_publish_refused_total", "JetStream publishes that can never be "
+                                       "stored (over the payload limit, refused by the stream): dropped, not "
+                                       "retried, by reason.", ["reason"], registry=r)
+        self.l3_incomplete_states = Counter(p + "l3_incomplete_full_states_total", "L3 full states whose parts did "
+                                            "not all arrive in order (dropped; the next full state repairs).",
+                                            registry=r)
         self.l3_keys = Gauge(p + "l3_keys", "Keys tracked per Mooncake master.", ["master"], registry=r)
         self.l3_poll_seconds = Histogram(p + "l3_poll_seconds", "Duration of one Mooncake master poll.",
                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)

@@ -48,7 +48,8 @@ def batch_payload(events: list[dict], dp_rank: int = 0, ts: float | None = None)
 
 class VllmPublisher:
     def __init__(self, ctx: zmq.asyncio.Context, host: str, pub_port: int, replay_port: int | None = None,
-                 topic: str = "", dp_rank: int = 0, buffer_steps: int = 10000, legacy_replay: bool = False) -> None:
+                 topic: str = "", dp_rank: int = 0, buffer_steps: int = 10000, legacy_replay: bool = False,
+                 replay_hwm: int = 1000) -> None:
         self.ctx = ctx
         self.host = host
         self.topic = topic.encode()
@@ -75,6 +76,8 @@ class VllmPublisher:
         if replay_port is not None:  # 0: a random port
             self.router = ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
+            # libzmq's default before vLLM 0.33 (2*(buffer_steps+1) since): past it a ROUTER drops silently
+            self.router.setsockopt(zmq.SNDHWM, replay_hwm)
             if replay_port > 0:
                 self.router.bind(f"tcp://{host}:{replay_port}")
             else:

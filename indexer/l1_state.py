@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from indexer.l1_index import BlockIndex, WorkerTable
+from schemas.events import MAX_GROUP_IDX
 
 _DEAD = (1 << 64) - 1  # next_seq of a removed pod: every batch of its generation is stale (a uint64,
 #                       so snapshots can encode it)
@@ -40,6 +41,7 @@ class ApplyStats:
     resets: int = 0
     block_events: int = 0
     ignored_medium: int = 0
+    malformed_events: int = 0  # outside the schema (the bridge validates; a forged message may not be)
 
 
 class L1State:
@@ -89,16 +91,19 @@ class L1State:
                 cur.next_seq = min(cur.held)
                 self._drain(key, cur)
             return
-        self._apply_events(key, msg["events"])
-        cur.next_seq = seq + 1
+        try:
+            self._apply_events(key, msg["events"])
+        finally:  # a batch that cannot be applied whole still moves the position: nothing after it sticks
+            cur.next_seq = seq + 1
         if cur.held:
             self._drain(key, cur)
 
     def _drain(self, key: tuple[str, int], cur: _Cursor) -> None:
         held = cur.held
         while cur.next_seq in held:
-            self._apply_events(key, held.pop(cur.next_seq)["events"])
-            cur.next_seq += 1
+            events = held.pop(cur.next_seq)["events"]
+            cur.next_seq += 1  # first: a batch that fails to apply must not hold up the rest
+            self._apply_events(key, events)
         for s in [s for s in held if s < cur.next_seq]:
             del held[s]
 
@@ -134,6 +139,10 @@ class L1State:
                 self.stats.ignored_medium += 1
                 continue
             kind = ev["kind"]
+            group = ev.get("group_idx")
+            if group is not None and not (type(group) is int and 0 <= group <= MAX_GROUP_IDX):
+                self.stats.malformed_events += 1
+                continue
             if kind == "stored":
                 if wid is None:
                     wid = self.workers.intern(*key)

@@ -126,8 +126,12 @@ class HttpConfig(_Section):
     readTimeout: Duration = 30.0
     writeTimeout: Duration = 30.0
     idleTimeout: Duration = 120.0
+    #: The whole header block of a request, request line included (Go's MaxHeaderBytes): 431 past it.
     maxHeaderBytes: Size = 1 << 20
     maxHitRateBodyBytes: Size = 4 << 20
+    #: Candidates (``server_ip`` entries) of one hit-rate request: 400 past it, so that one request's
+    #: work stays bounded (each candidate is a walk over the request's blocks).
+    maxCandidates: int = Field(1024, ge=1)
 
 
 class BlockKeyConfig(_Section):
@@ -272,6 +276,12 @@ class L3IngestConfig(_Section):
     concurrency: int = Field(4, ge=1)
     #: Every this many polls the full state is published with Nats-Rollup (compacts the subject).
     fullStateEvery: int = Field(30, ge=1)
+    #: Every known key is located again within this period (a few keys each poll), so a key removed and
+    #: put again elsewhere between two polls is re-attributed within it; 0: only keys whose segment
+    #: changed are located again.
+    relocateEvery: Duration = 60.0
+    #: At most this many known keys are located again per poll (the period stretches beyond it).
+    relocateMaxKeys: int = Field(20000, ge=0)
     #: Cap of one answer of a master (a key listing of ~300k keys of ~150 bytes is ~45 MB); over it the
     #: poll fails and the previous state stands.
     maxResponseBytes: Size = 64 << 20

@@ -17,6 +17,11 @@ CONTENT_TYPE_L1 = "application/vnd.cache-indexer.l1-event+msgpack"
 CONTENT_TYPE_L3 = "application/vnd.cache-indexer.l3-event+msgpack"
 
 U64 = Annotated[int, Field(ge=0, lt=1 << 64)]
+#: The index keeps the KV-cache groups a worker holds a block in as a 64-bit mask.
+MAX_GROUP_IDX = 63
+#: Tokens per block: vLLM's are 16-128 (hybrid models align theirs to a few thousand at most).
+MAX_BLOCK_SIZE = 1 << 16
+GroupIdx = Annotated[int, Field(ge=0, le=MAX_GROUP_IDX)]
 Medium = Literal["GPU", "CPU", "STORAGE"] | str | None
 
 
@@ -29,16 +34,16 @@ class BlocksStored(_Event):
     medium: Medium = Field(None, description="vLLM medium; absent (None) means GPU. Only GPU feeds L1.")
     hashes: list[U64]
     parent: U64 | None = None
-    block_size: int | None = None
+    block_size: Annotated[int, Field(ge=1, le=MAX_BLOCK_SIZE)] | None = None
     lora_name: str | None = None
-    group_idx: int | None = None
+    group_idx: GroupIdx | None = None
 
 
 class BlocksRemoved(_Event):
     kind: Literal["removed"]
     medium: Medium = None
     hashes: list[U64]
-    group_idx: int | None = None
+    group_idx: GroupIdx | None = None
 
 
 class AllBlocksCleared(_Event):
@@ -105,13 +110,17 @@ class L3Diff(BaseModel):
 
 
 class L3Full(BaseModel):
-    """The whole state of one master (published with Nats-Rollup: sub); replaces what came before."""
+    """The whole state of one master; replaces what came before. A state over the message limit comes in
+    ``parts`` messages of one ``gen`` (the first with Nats-Rollup: sub), applied once the last is in."""
 
     model_config = ConfigDict(extra="forbid")
     v: Literal[1] = SCHEMA_VERSION
     type: Literal["l3_full"]
     master: str
     pods: dict[str, list[U64]]
+    gen: U64 | None = Field(None, description="one full state's parts share it")
+    part: int = Field(0, ge=0, description="0-based index of this part")
+    parts: int = Field(1, ge=1, description="how many parts the full state has")
 
 
 L3Message = Annotated[Union[L3Diff, L3Full], Field(discriminator="type")]

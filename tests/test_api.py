@@ -56,7 +56,8 @@ async def api():
 
 async def post(session, payload, raw=None, **kw):
     data = raw if raw is not None else json.dumps(payload)
-    async with session.post("/kv-cache/hit-rate", data=data, headers={"Content-Type": "application/json"}, **kw) as r:
+    headers = kw.pop("headers", {"Content-Type": "application/json"})
+    async with session.post("/kv-cache/hit-rate", data=data, headers=headers, **kw) as r:
         return r.status, await r.json()
 
 
@@ -158,6 +159,31 @@ def test_fast_decoder_accepts_what_the_contract_accepts(accelerated, monkeypatch
         got = decode_hit_rate_request(raw)
         assert (got.server_ip, list(got.token_ids), got.block_size, got.cache_salt) == \
             (ref.server_ip, ref.body.token_ids, ref.body.block_size, ref.body.cache_salt)
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+async def test_hostile_bodies_get_400_not_500(api, accelerated, monkeypatch):
+    """Issue 16 #7: token_ids nested 100,000 deep and a body that is not the gzip it claims were 500s
+    (30,000 deep here: the fixture's body limit is 64 KiB)."""
+    from indexer import block_hash
+
+    if not accelerated:
+        monkeypatch.setattr(block_hash, "_blockhash", None)
+    session, _ = api
+    nested = b'{"server_ip": ["a"], "body": {"token_ids": ' + b"[" * 30_000 + b"]" * 30_000 + b', "block_size": 16}}'
+    status, body = await post(session, None, raw=nested)
+    assert status == 400, body
+    status, body = await post(session, None, raw=b"\x1f\x8b\x08\x00not gzip at all",
+                              headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert status == 400 and "could not be read" in body["message"], body
+
+
+async def test_more_candidates_than_max_candidates_get_400(api):
+    session, _ = api
+    status, body = await post(session, req([f"10.0.{i // 250}.{i % 250}" for i in range(1025)]))
+    assert status == 400 and "http.maxCandidates (1024)" in body["message"], body
+    status, body = await post(session, req([f"10.0.{i // 250}.{i % 250}" for i in range(1024)]))
+    assert status == 200 and len(body["server_score_list"]) == 1024
 
 
 @pytest.mark.parametrize("name", BAD_REQUESTS)

@@ -1,5 +1,6 @@
-"""The HTTP server's deadlines over raw sockets on 127.0.0.1: readHeaderTimeout (slowloris),
-readTimeout (a body that does not arrive), and that neither cuts a well-behaved client."""
+"""The HTTP server's deadlines and header bound over raw sockets on 127.0.0.1: readHeaderTimeout
+(slowloris), readTimeout (a body that does not arrive), maxHeaderBytes over the whole header block,
+and that none of them cuts a well-behaved client."""
 
 from __future__ import annotations
 
@@ -23,16 +24,24 @@ HEAD = (b"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: a
         b"Content-Length: %d\r\n\r\n" % len(BODY))
 
 
-@pytest.fixture
-async def server():
-    http = HttpConfig(host="127.0.0.1", port=0, readHeaderTimeout=HEADER_TIMEOUT, readTimeout=1.5, idleTimeout=30)
+@contextlib.asynccontextmanager
+async def serving(http: HttpConfig):
     metrics = Metrics()
     api = HitRateApi(http, BlockHasher("sha256_cbor", "0"), tiers=lambda: (L1State(), None), ready=lambda: True,
                      metrics=metrics)
     srv = HttpServer(api.make_app(), http, metrics)
     await srv.start()
-    yield srv, metrics
-    await srv.stop()
+    try:
+        yield srv, metrics
+    finally:
+        await srv.stop()
+
+
+@pytest.fixture
+async def server():
+    async with serving(HttpConfig(host="127.0.0.1", port=0, readHeaderTimeout=HEADER_TIMEOUT, readTimeout=1.5,
+                                  idleTimeout=30)) as served:
+        yield served
 
 
 @pytest.fixture
@@ -125,3 +134,36 @@ async def test_complete_headers_are_not_cut_when_the_event_loop_was_busy(conn):
     time.sleep(HEADER_TIMEOUT * 1.6)  # blocks the loop the server shares with this test: that is the subject
     status, _ = await response(reader)
     assert status == 200 and header_timeouts(metrics) == 0
+
+
+@pytest.fixture
+async def small_header_server():
+    async with serving(HttpConfig(host="127.0.0.1", port=0, maxHeaderBytes=64 << 10, readHeaderTimeout=0)) as served:
+        yield served
+
+
+async def test_a_header_block_over_max_header_bytes_gets_431_and_is_not_buffered(small_header_server):
+    """Issue 16 #7: the bound is on the whole header block (Go's MaxHeaderBytes), not per field: many
+    fields each under the limit are refused as soon as their sum passes it, with no header timer."""
+    srv, metrics = small_header_server
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    field = b"X-Filler-%d: " + b"a" * (8 << 10) + b"\r\n"
+    writer.write(b"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    sent = 0
+    with contextlib.suppress(ConnectionError):
+        for i in range(120):  # 120 fields of 8 KiB: 960 KiB, each field far below the 64 KiB bound
+            writer.write(field % i)
+            await writer.drain()
+            sent += len(field)
+            if reader.at_eof() or reader._buffer:  # noqa: SLF001 - the answer arrived: stop sending
+                break
+    status, body = await response(reader)
+    assert status == 431 and "maxHeaderBytes" in body["message"]
+    assert metrics.http_headers_too_large._value.get() == 1
+    await closed_by_server(reader, 5)
+    writer.close()
+    ok_reader, ok_writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    ok_writer.write(HEAD.replace(b"\r\n\r\n", b"\r\n" + b"X-Big: " + b"b" * (40 << 10) + b"\r\n\r\n") + BODY)
+    status, body = await response(ok_reader)
+    assert status == 200, body  # a large header block within the bound is served
+    ok_writer.close()

@@ -156,6 +156,31 @@ async def test_gap_is_filled_from_the_replay_socket(stack):
     assert stack.bridge_metrics.bridge_gaps._value.get() == 1
 
 
+async def test_a_gap_longer_than_the_engines_send_high_water_mark_is_filled_in_rounds(stack):
+    """Issue 16 #4: the replay ROUTER drops past its send high-water mark without a word; a 3,000-batch gap
+    became a "gap-beyond-replay" reset although the buffer held it all. Asked again from the last seq
+    received, round after round, the gap is filled and nothing is reset."""
+    import random
+
+    eng = stack.engine(POD, replay_hwm=100)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:1])])
+    await until_ratio(stack, POD, 1 / 8)
+    rng = random.Random(7)
+    gap = [[rng.getrandbits(63) for _ in range(100)] for _ in range(3000)]
+    for hashes in gap:
+        await eng.publish([stored(hashes)], send=False)  # lost live: only the replay buffer has them
+    await eng.publish([stored(CHAIN[1:2], parent=CHAIN[0])])
+    await wait_for(lambda: stack.bridge_metrics.bridge_replays.labels("ok")._value.get() >= 1, 30, "the replay")
+    await until_ratio(stack, POD, 2 / 8, what="the batch after the gap applied on top of the history")
+    state = stack.replica.indexer.l1
+    await wait_for(lambda: state.index.entries() == 3000 * 100 + 2, 30, "every batch of the gap in the index")
+    resets = {s.labels["reason"] for s in stack.bridge_metrics.bridge_resets.collect()[0].samples
+              if s.name.endswith("_total") and s.value}
+    assert resets == {"subscribed"}
+    assert stack.bridge_metrics.bridge_replays.labels("round")._value.get() >= 1, "the answer came in rounds"
+
+
 async def test_gap_beyond_the_replay_buffer_resets_the_worker(stack):
     eng = stack.engine(POD, buffer_steps=2)
     await stack.connect((eng, POD, 0))
@@ -266,6 +291,23 @@ async def test_malformed_payload_is_counted_and_the_subscription_survives(stack)
     assert stack.bridge_metrics.bridge_malformed._value.get() == 2
 
 
+async def test_an_impossible_seq_is_malformed_not_a_reset(stack):
+    """Issue 16 #10: a garbage seq (0xFF..FE, or far ahead) is dropped and counted; it used to start a
+    gap-replay-reset cycle that lost the pod's history."""
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:4])])
+    await until_ratio(stack, POD, 0.5)
+    for seq in ((1 << 64) - 2, eng.seq + (1 << 33)):
+        await eng.pub.send_multipart([eng.topic, seq.to_bytes(8, "big"), b"\x93\x00\x90\x00"])
+    await eng.publish([stored(CHAIN[4:6], parent=CHAIN[3])])
+    await until_ratio(stack, POD, 0.75, what="the next real batch applied on top of the history")
+    assert stack.bridge_metrics.bridge_malformed._value.get() == 2
+    resets = {s.labels["reason"] for s in stack.bridge_metrics.bridge_resets.collect()[0].samples
+              if s.name.endswith("_total") and s.value}
+    assert resets == {"subscribed"}, "no reset beyond the one that starts the subscription"
+
+
 async def two_pods_indexed(stack):
     """POD holding the whole chain, POD2 half of it, both applied."""
     a, b = stack.engine(POD), stack.engine(POD2)
@@ -282,6 +324,26 @@ async def test_pod_leaving_discovery_is_dropped_through_the_stream(stack):
     await stack.bridge.set_endpoints([b.endpoint(POD2, 0)])
     await until_ratio(stack, POD, 0.0)
     assert (await stack.ratios([POD2], TOKENS, BS)) == [0.5]
+
+
+@pytest.mark.parametrize("bridge_restart", [False, True])
+async def test_a_pod_back_after_a_readiness_flap_is_indexed_again(stack, bridge_restart):
+    """Issue 16 #2: the pod leaves discovery and comes back with the same engine; the indexers retired
+    its generation, so the bridge must start a new one rather than resume the retired one."""
+    from bridge.service import Bridge
+
+    a, b = await two_pods_indexed(stack)
+    await stack.bridge.set_endpoints([b.endpoint(POD2, 0)])
+    await until_ratio(stack, POD, 0.0, what="the pod that left dropped")
+    if bridge_restart:
+        await stack.bridge.stop()
+        stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
+        await stack.bridge.start()
+        await wait_for(lambda: stack.bridge.lease.is_leader, 10, "the new bridge to lead")
+    await stack.bridge.set_endpoints([a.endpoint(POD, 0), b.endpoint(POD2, 0)])  # back: same engine, seq going on
+    await a.wait_subscribed()
+    await a.publish([cleared(), stored(CHAIN[:6])])
+    await until_ratio(stack, POD, 0.75, what="the pod indexed again after the flap")
 
 
 async def test_pod_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(stack):

@@ -212,3 +212,16 @@ def test_a_hash_cached_twice_stays_until_both_copies_are_evicted_and_snapshots_k
     s.apply(batch(6, [stored(10)]))
     s.apply(batch(7, [{"kind": "cleared"}]))
     assert held(s) == set() and not s.index.copies
+
+
+def test_an_event_outside_the_schema_is_skipped_and_the_position_moves_on():
+    """Issue 16 #9: the indexer does not trust the stream blindly: a forged group_idx is counted and
+    skipped, and the batches after it still apply (the position used to stick half-way)."""
+    s = L1State()
+    s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0, "events": [
+        {"kind": "stored", "medium": "GPU", "hashes": [1], "group_idx": -1},
+        {"kind": "stored", "medium": "GPU", "hashes": [2], "group_idx": 64},
+        {"kind": "stored", "medium": "GPU", "hashes": [3]}]})
+    s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 1, "events": [
+        {"kind": "stored", "medium": "GPU", "hashes": [4]}]})
+    assert set(s.blocks) == {3, 4} and s.stats.malformed_events == 2

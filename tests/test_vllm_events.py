@@ -119,3 +119,30 @@ def test_unknown_fields_and_event_types_are_tolerated():
 def test_malformed_payloads_raise_a_clear_error(payload):
     with pytest.raises(MalformedPayload):
         decode_batch(payload)
+
+
+@pytest.mark.parametrize("field,value", [("group_idx", -1), ("group_idx", 64), ("group_idx", 1 << 24),
+                                         ("block_size", 720_720)])
+def test_values_outside_the_normalised_schema_make_the_batch_malformed(field, value):
+    """Issue 16 #9/#10: group_idx -1 stuck an indexer half-way through a batch, 64 broke every snapshot,
+    2^24 cost 2 MB an event; a 720,720-token block held the bridge's loop for 17 s."""
+    from cache_indexer.vllm_publisher import batch_payload, removed, stored
+
+    event = {**stored([1, 2], block_size=16), field: value}
+    with pytest.raises(MalformedPayload, match=field):
+        decode_batch(batch_payload([event]))
+    if field == "group_idx":
+        with pytest.raises(MalformedPayload, match=field):
+            decode_batch(batch_payload([{**removed([1]), field: value}]))
+    ok = decode_batch(batch_payload([stored([1, 2], block_size=16, group_idx=63)]))
+    assert ok.events[0]["group_idx"] == 63
+
+
+def test_a_large_block_is_not_probed_on_the_event_loop():
+    from bridge.vllm_events import PROBE_MAX_TOKENS
+    from cache_indexer.vllm_publisher import batch_payload, stored
+
+    big = stored([7], block_size=PROBE_MAX_TOKENS * 2)
+    assert decode_batch(batch_payload([big]), want_probe=True).probe is None
+    small = stored([7], block_size=16)
+    assert decode_batch(batch_payload([small]), want_probe=True).probe is not None
