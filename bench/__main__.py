@@ -18,7 +18,7 @@ SECTIONS = {
     "ingest": ("End-to-end ingest: ZMQ -> bridge -> JetStream -> indexer", "bench.ingest"),
     "replay": ("Rebuild from the stream: replay and snapshot + tail", "bench.replay"),
     "refcounts": ("L1 apply rate and memory with duplicate block copies counted", "bench.refcounts"),
-    "l3": ("Mooncake poll time vs key count", "bench.l3_poll"),
+    "l3": ("Mooncake polling in local mode: poll time, CPU per poll and API latency while polls run", "bench.l3_poll"),
 }
 
 

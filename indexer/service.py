@@ -62,9 +62,31 @@ class Indexer:
         self._last_snapshot_time = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self._stream = cfg.nats.l1Stream.name
+        self._disconnected_since: float | None = None
+
+    def is_ready(self) -> bool:
+        """Caught up with the streams at start-up, and connected to NATS (or not for long: a short
+        reconnection is no reason to drop out of the Service; an outage is, as answers go stale)."""
+        if not self.ready.is_set():
+            return False
+        if self._disconnected_since is None:
+            return True
+        return time.monotonic() - self._disconnected_since < self.cfg.nats.disconnectGrace
+
+    async def _on_disconnected(self) -> None:
+        if self._disconnected_since is None:
+            self._disconnected_since = time.monotonic()
+            self.metrics.nats_disconnects.inc()
+            log.warning("NATS connection lost; still ready for nats.disconnectGrace (%ss)", self.cfg.nats.disconnectGrace)
+
+    async def _on_reconnected(self) -> None:
+        if self._disconnected_since is not None:
+            log.warning("NATS connection back after %.1fs", time.monotonic() - self._disconnected_since)
+        self._disconnected_since = None
 
     async def start(self) -> None:
-        self.nc = await connect(self.cfg.nats, name="cache-indexer-indexer")
+        self.nc = await connect(self.cfg.nats, name="cache-indexer-indexer", disconnected_cb=self._on_disconnected,
+                                reconnected_cb=self._on_reconnected)
         self.js = self.nc.jetstream()
         await ensure_l1_stream(self.js, self.cfg.nats)
         snap = self.cfg.snapshot
@@ -238,6 +260,7 @@ class Indexer:
             await asyncio.sleep(2.0)
 
     def update_gauges(self) -> None:
+        self.metrics.ready.set(1 if self.is_ready() else 0)
         for tier, idx in (("l1", self.l1.index), ("l3", self.l3.index)):
             self.metrics.index_blocks.labels(tier).set(len(idx))
             self.metrics.index_entries.labels(tier).set(idx.entries())

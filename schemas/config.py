@@ -367,6 +367,9 @@ class NatsConfig(_Section):
     l3Stream: L3StreamConfig = L3StreamConfig()
     publish: PublishConfig = PublishConfig()
     connectTimeout: Duration = 5.0
+    #: How long an indexer replica stays ready (/readyz 200) while NATS is unreachable: its answers can
+    #: only grow stale, so past this the Service stops sending it traffic until it is connected again.
+    disconnectGrace: Duration = 10.0
     lease: LeaseConfig = LeaseConfig()
 
 

@@ -113,6 +113,31 @@ def test_default_install_is_valid_complete_and_restricted(chart):
 
 
 @needs_nats_chart
+def test_network_policies_and_no_api_token_where_none_is_needed(chart):
+    """Issue 16 #13: the API from the namespace (or apiFrom), NATS clients only from our pods, and the
+    indexer without a ServiceAccount token (only the bridge reads pods)."""
+    objs = render(chart, {"networkPolicy": {"apiFrom": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "router"}}}]}})
+    validate_all(objs)
+    pols = {o["metadata"]["name"]: o["spec"] for o in by_kind(objs, "NetworkPolicy")}
+    api = pols["cache-indexer-indexer"]
+    assert api["ingress"][0]["ports"] == [{"port": 28080, "protocol": "TCP"}]
+    assert api["ingress"][0]["from"][1]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "router"}
+    nats = pols["cache-indexer-nats"]
+    client = next(r for r in nats["ingress"] if r["ports"][0]["port"] == 4222)
+    assert client["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "cache-indexer",
+                                                                "app.kubernetes.io/instance": "cache-indexer"}}}]
+    nats_pods = by_kind(objs, "StatefulSet")[0]["spec"]["template"]["metadata"]["labels"]
+    assert all(nats_pods.get(k) == v for k, v in nats["podSelector"]["matchLabels"].items()), "selects the NATS pods"
+    for comp, spec in (("indexer", False), ("bridge", None)):
+        pod = by_kind(objs, "Deployment", f"cache-indexer-{comp}")[0]["spec"]["template"]
+        assert pod["spec"].get("automountServiceAccountToken") is spec
+        assert all(pod["metadata"]["labels"].get(k) == v
+                   for k, v in pols[f"cache-indexer-{comp}"]["podSelector"]["matchLabels"].items())
+    assert not by_kind(render(chart, {"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+@needs_nats_chart
 def test_config_map_is_the_documented_configuration(chart):
     from schemas.config import Config
 

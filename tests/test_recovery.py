@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -264,3 +265,37 @@ async def test_bridge_killed_mid_burst_resumes_from_the_stream(nats_url, stream_
         bridge.kill()
         bridge.wait(10)
         await stack.stop()
+
+
+async def test_readiness_follows_the_nats_connection_after_a_grace(restartable_nats, stream_prefix):
+    """Issue 16 #5: /readyz stayed 200 for the whole of a NATS outage (30 s observed), serving stale
+    answers. Now it is 503 once the connection has been gone for nats.disconnectGrace, and 200 again
+    when it is back; a short reconnection does not take the replica out of the Service."""
+    from cache_indexer.replica import Replica
+
+    cfg = make_config(restartable_nats.url, stream_prefix)
+    cfg.nats.disconnectGrace = 1.0
+    replica = Replica(cfg)
+    await replica.start()
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{replica.http.port}") as s:
+            async def ready_status() -> int:
+                async with s.get("/readyz") as r:
+                    return r.status
+            await wait_for(lambda: replica.indexer.ready.is_set(), 10, "caught up")
+            assert await ready_status() == 200
+            restartable_nats.stop()
+            await wait_for(lambda: replica.indexer._disconnected_since is not None, 10, "the disconnection seen")
+            lost = time.monotonic()
+            assert await ready_status() == 200, "within the grace"
+            await wait_for(lambda: _is(ready_status, 503), 10, "not ready once the grace is over")
+            assert time.monotonic() - lost >= 0.8
+            assert replica.metrics.nats_disconnects._value.get() == 1
+            restartable_nats.start()
+            await wait_for(lambda: _is(ready_status, 200), 20, "ready again once connected")
+    finally:
+        await replica.stop()
+
+
+async def _is(status_of, expected: int) -> bool:
+    return await status_of() == expected
