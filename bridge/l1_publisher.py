@@ -4,12 +4,16 @@ Payloads are msgpack maps of ``schemas.events``; headers make ``nats stream view
 decoder. ``Nats-Msg-Id`` is ``<pod>:<rank>:<gen>:<seq>``: the generation changes whenever the engine's
 sequence restarts (engine restart, unrecoverable gap, bridge restart), so a restarted engine's seq 0 is
 never mistaken for a duplicate, while the same batch published twice (a retry, a replay overlap) is.
+A batch over the message limit (150k hashes is 1.35 MB) goes out in parts of the same seq,
+``<pod>:<rank>:<gen>:<seq>:<part>``, each with ``part``/``parts``; indexers apply them in order and
+count the seq done after the last.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import msgpack
 
@@ -36,12 +40,51 @@ def _headers(pod: str, msg_id: str, kind: str, **extra: str) -> dict[str, str]:
     return h
 
 
+#: What a batch message holds besides its events (type, pod, rank, gen, seq, ts, part, parts), at most.
+_ENVELOPE_BYTES = 256
+#: msgpack's upper bound for one uint64 hash.
+_HASH_BYTES = 9
+
+
+def split_events(events: list[dict], budget: int) -> list[list[dict]]:
+    """``events`` cut into parts of at most ``budget`` encoded bytes, in order; an event too large for one
+    part is cut into events of the same kind over consecutive slices of its hashes (the parent stays with
+    the first slice): applied in order, the parts do what the whole batch does."""
+    pieces: list[tuple[dict, int]] = []
+    for ev in events:
+        size = len(msgpack.packb(ev))
+        hashes = ev.get("hashes") or []
+        if size <= budget or not hashes:
+            pieces.append((ev, size))
+            continue
+        fixed = size - len(hashes) * _HASH_BYTES  # a lower bound; the slices are sized from the upper one
+        per = max(1, (budget - max(fixed, 64)) // _HASH_BYTES)
+        for i in range(0, len(hashes), per):
+            piece = {**ev, "hashes": hashes[i:i + per]}
+            if i and "parent" in piece:
+                piece["parent"] = hashes[i - 1]
+            pieces.append((piece, len(msgpack.packb(piece))))
+    parts: list[list[dict]] = [[]]
+    room = budget
+    for ev, size in pieces:
+        if size > room and parts[-1]:
+            parts.append([])
+            room = budget
+        parts[-1].append(ev)
+        room -= size
+    return parts
+
+
 class L1Publisher:
-    def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, js=None, stream: str = "") -> None:
+    def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, js=None, stream: str = "",
+                 max_payload: Callable[[], int] | None = None) -> None:
         self._pub = publisher
         self._prefix = subject_prefix
         self._js = js
         self._stream = stream
+        #: the payload limit less what the headers take (the connected server's max_payload, the stream's
+        #: maxMsgSize); a batch over it is published in parts
+        self._max = max_payload or (lambda: 1 << 62)
 
     async def last_position(self, pod: str, rank: int) -> tuple[int, int, str, float | None] | None:
         """(gen, last published vLLM seq, epoch, vLLM's timestamp of that batch) of a (pod, rank) from the
@@ -78,13 +121,21 @@ class L1Publisher:
 
     async def batch(self, pod: str, rank: int, gen: int, seq: int, ts: float | None, events: list[dict],
                     epoch: str = "") -> None:
-        payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "batch", "pod": pod, "rank": rank, "gen": gen,
-                                 "seq": seq, "ts": ts, "events": events})
-        kinds = ",".join(sorted({e["kind"] for e in events}))
-        headers = _headers(pod, f"{pod}:{rank}:{gen}:{seq}", "batch", **{
-            "Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(seq), "Kv-Epoch": epoch or "-",
-            "Kv-Events": str(len(events)), "Kv-Kinds": kinds or "-"})
-        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers)
+        msg = {"v": SCHEMA_VERSION, "type": "batch", "pod": pod, "rank": rank, "gen": gen, "seq": seq, "ts": ts,
+               "events": events}
+        payload = msgpack.packb(msg)
+        limit = self._max()
+        parts = [events] if len(payload) <= limit else split_events(events, limit - _ENVELOPE_BYTES - len(pod))
+        for i, part in enumerate(parts):
+            if len(parts) > 1:
+                payload = msgpack.packb({**msg, "events": part, "part": i, "parts": len(parts)})
+            kinds = ",".join(sorted({e["kind"] for e in part}))
+            msg_id = f"{pod}:{rank}:{gen}:{seq}" + (f":{i}" if len(parts) > 1 else "")
+            extra = {"Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(seq), "Kv-Epoch": epoch or "-",
+                     "Kv-Events": str(len(part)), "Kv-Kinds": kinds or "-"}
+            if len(parts) > 1:
+                extra["Kv-Part"] = f"{i + 1}/{len(parts)}"
+            await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, _headers(pod, msg_id, "batch", **extra))
 
     async def reset(self, pod: str, rank: int, gen: int, next_seq: int, reason: str, epoch: str = "") -> None:
         payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "reset", "pod": pod, "rank": rank, "gen": gen,

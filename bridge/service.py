@@ -38,6 +38,9 @@ from schemas.config import Config
 
 log = logging.getLogger(__name__)
 
+#: Bytes of a message's limit kept for its headers (ours take about 300).
+_HEADER_ROOM = 1024
+
 
 class Bridge:
     def __init__(self, cfg: Config, metrics: Metrics | None = None, kube_client=None) -> None:
@@ -75,10 +78,11 @@ class Bridge:
         self.publisher = JetStreamPublisher(self.nc, self.metrics, self.cfg.nats.publish.window,
                                             self.cfg.nats.publish.ackTimeout)
         await self.publisher.start()
-        self.l1 = L1Publisher(self.publisher, self.cfg.nats.l1Stream.subjectPrefix, js, self.cfg.nats.l1Stream.name)
-        nc, max_msg = self.nc, self.cfg.nats.l3Stream.maxMsgSize
-        self.l3 = L3Publisher(self.publisher, self.cfg.nats.l3Stream.subjectPrefix,
-                              lambda: min(nc.max_payload, max_msg) - 1024, self.metrics)
+        nc, nats = self.nc, self.cfg.nats
+        self.l1 = L1Publisher(self.publisher, nats.l1Stream.subjectPrefix, js, nats.l1Stream.name,
+                              lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM)
+        self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
+                              lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics)
         self.targets_record = TargetsRecord(js, self.cfg.snapshot.metaBucket)
         if self.cfg.ingest.leaderElection:
             holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

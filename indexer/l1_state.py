@@ -28,7 +28,16 @@ class _Cursor:
     gen: int
     next_seq: int
     reset_seen: bool = False
-    held: dict[int, dict] = field(default_factory=dict)
+    #: early arrivals by (seq, part): a batch over the message limit comes in parts of one seq
+    held: dict[tuple[int, int], dict] = field(default_factory=dict)
+    next_part: int = 0
+
+    def advance(self, msg: dict) -> None:
+        part = msg.get("part", 0)
+        if part + 1 < msg.get("parts", 1):
+            self.next_part = part + 1
+        else:
+            self.next_seq, self.next_part = msg["seq"] + 1, 0
 
 
 @dataclass(slots=True)
@@ -66,46 +75,45 @@ class L1State:
 
     def _on_batch(self, msg: dict) -> None:
         key = (msg["pod"], msg["rank"])
-        gen, seq = msg["gen"], msg["seq"]
+        gen, seq, part = msg["gen"], msg["seq"], msg.get("part", 0)
         cur = self.cursors.get(key)
         if cur is None or gen > cur.gen:
             # First sight of this worker, or a newer generation whose reset has not arrived (yet).
             if cur is not None:
                 self._clear(key)
-            cur = self.cursors[key] = _Cursor(gen=gen, next_seq=seq)
+            cur = self.cursors[key] = _Cursor(gen=gen, next_seq=seq, next_part=part)
         elif gen < cur.gen:
             self.stats.stale += 1
             return
-        if seq < cur.next_seq:
+        pos, want = (seq, part), (cur.next_seq, cur.next_part)
+        if pos < want:
             self.stats.duplicates += 1
             return
-        if seq > cur.next_seq:
+        if pos > want:
             if cur.next_seq == _DEAD:
                 self.stats.stale += 1
                 return
-            cur.held[seq] = msg
+            cur.held[pos] = msg
             self.stats.held += 1
             if len(cur.held) > self.max_held:
                 self.stats.lost_gaps += 1
                 self._clear(key)
-                cur.next_seq = min(cur.held)
+                cur.next_seq, cur.next_part = min(cur.held)
                 self._drain(key, cur)
             return
-        try:
-            self._apply_events(key, msg["events"])
-        finally:  # a batch that cannot be applied whole still moves the position: nothing after it sticks
-            cur.next_seq = seq + 1
+        cur.advance(msg)  # first: a batch that cannot be applied whole must not hold up the ones after it
+        self._apply_events(key, msg["events"])
         if cur.held:
             self._drain(key, cur)
 
     def _drain(self, key: tuple[str, int], cur: _Cursor) -> None:
         held = cur.held
-        while cur.next_seq in held:
-            events = held.pop(cur.next_seq)["events"]
-            cur.next_seq += 1  # first: a batch that fails to apply must not hold up the rest
-            self._apply_events(key, events)
-        for s in [s for s in held if s < cur.next_seq]:
-            del held[s]
+        while (cur.next_seq, cur.next_part) in held:
+            msg = held.pop((cur.next_seq, cur.next_part))
+            cur.advance(msg)
+            self._apply_events(key, msg["events"])
+        for pos in [pos for pos in held if pos < (cur.next_seq, cur.next_part)]:
+            del held[pos]
 
     def _on_reset(self, msg: dict) -> None:
         key = (msg["pod"], msg["rank"])
@@ -126,7 +134,7 @@ class L1State:
             self._clear((pod, rank))
         for key, cur in self.cursors.items():
             if key[0] == pod:
-                cur.next_seq = _DEAD
+                cur.next_seq, cur.next_part = _DEAD, 0
                 cur.held.clear()
 
     # -- block events ------------------------------------------------------------------------------

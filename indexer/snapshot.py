@@ -59,7 +59,7 @@ def encode_l1(state: L1State, stream_seq: int) -> bytes:
         "format": FORMAT, "stream_seq": stream_seq, "count": len(keys),
         "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
         "worker_blocks": list(state.index.worker_blocks.items()),
-        "cursors": [[pod, rank, c.gen, c.next_seq, c.reset_seen, list(c.held.values())]
+        "cursors": [[pod, rank, c.gen, c.next_seq, c.reset_seen, list(c.held.values()), c.next_part]
                     for (pod, rank), c in state.cursors.items()],
         "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in wide.items()},
         "groups": [[wid, list(held_by.items())] for wid, held_by in state.index.groups.items()],
@@ -102,9 +102,10 @@ def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     copies = {wid: {tuple(k) if isinstance(k, list) else k: n for k, n in pairs}  # absent before copies
               for wid, pairs in header.get("copies", ())}
     state.index.restore(keys.tolist(), mask_list, dict(header["worker_blocks"]), groups, copies)
-    for pod, rank, gen, next_seq, reset_seen, held in header["cursors"]:
+    for pod, rank, gen, next_seq, reset_seen, held, *next_part in header["cursors"]:  # next_part: parts
         state.cursors[(pod, rank)] = _Cursor(gen=gen, next_seq=next_seq, reset_seen=reset_seen,
-                                             held={m["seq"]: m for m in held})
+                                             held={(m["seq"], m.get("part", 0)): m for m in held},
+                                             next_part=next_part[0] if next_part else 0)
     return state, header["stream_seq"]
 
 

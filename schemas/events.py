@@ -70,6 +70,8 @@ class L1Batch(_Message):
     seq: U64 = Field(description="vLLM's batch sequence number within the generation.")
     ts: float | None = None
     events: list[BlockEvent]
+    part: int = Field(0, ge=0, description="0-based part of a batch published in several (over the message limit)")
+    parts: int = Field(1, ge=1, description="how many parts the batch has; the seq is done after the last")
 
 
 class L1Reset(_Message):

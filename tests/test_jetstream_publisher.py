@@ -84,3 +84,26 @@ async def test_a_message_that_can_never_be_stored_is_refused_once_not_retried(st
     finally:
         await conn.close()
         server.close()
+
+
+def test_split_events_cut_a_batch_into_parts_that_fit_and_mean_the_same():
+    import random
+
+    import msgpack
+
+    from bridge.l1_publisher import split_events
+    from indexer.l1_state import L1State
+
+    rng = random.Random(5)
+    events = [{"kind": "stored", "medium": "GPU", "hashes": [rng.getrandbits(64) for _ in range(n)], "parent": None,
+               "block_size": 16} for n in (3, 40_000, 10)] + \
+             [{"kind": "removed", "medium": "GPU", "hashes": [rng.getrandbits(64) for _ in range(20_000)]},
+              {"kind": "cleared", "medium": None}, {"kind": "stored", "medium": "GPU", "hashes": [7, 8], "parent": 1}]
+    whole, split = L1State(), L1State()
+    whole.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0, "events": events})
+    parts = split_events(events, 64 << 10)
+    assert len(parts) > 5 and all(len(msgpack.packb(p)) <= 64 << 10 for p in parts)
+    for i, p in enumerate(parts):
+        split.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0, "part": i, "parts": len(parts),
+                     "events": p})
+    assert split.blocks == whole.blocks and split.cursors[("p", 0)].next_seq == 1

@@ -308,6 +308,32 @@ async def test_an_impossible_seq_is_malformed_not_a_reset(stack):
     assert resets == {"subscribed"}, "no reset beyond the one that starts the subscription"
 
 
+async def test_a_batch_over_the_servers_max_payload_is_published_in_parts(stream_prefix):
+    """Issue 16 #8: one 150,000-hash batch (1.35 MB normalised) was re-sent for ever and, four of them,
+    stopped ingestion for every pod. Against a server whose max_payload is 64 KiB (read from the
+    connection), a 20,000-hash batch goes out in parts and everything after it still flows."""
+    import random
+
+    from cache_indexer.nats_server import NatsServer
+
+    server = NatsServer(max_payload=64 << 10).start()
+    stack = await L1Stack(make_config(server.url, stream_prefix, blockKey={"pythonHashSeed": "0"})).start()
+    try:
+        eng = stack.engine(POD)
+        await stack.connect((eng, POD, 0))
+        rng = random.Random(3)
+        big = [rng.getrandbits(63) for _ in range(20_000)]
+        await eng.publish([stored(big, block_size=16)])
+        await eng.publish([stored(CHAIN[:4])])
+        await until_ratio(stack, POD, 0.5, what="the batch after the big one")
+        assert stack.replica.indexer.l1.index.entries() == 20_000 + 4
+        refused = [s for s in stack.bridge_metrics.publish_refused.collect()[0].samples if s.name.endswith("_total")]
+        assert not refused and stack.bridge_metrics.publish_retries._value.get() == 0
+    finally:
+        await stack.stop()
+        server.close()
+
+
 async def two_pods_indexed(stack):
     """POD holding the whole chain, POD2 half of it, both applied."""
     a, b = stack.engine(POD), stack.engine(POD2)

@@ -225,3 +225,22 @@ def test_an_event_outside_the_schema_is_skipped_and_the_position_moves_on():
     s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 1, "events": [
         {"kind": "stored", "medium": "GPU", "hashes": [4]}]})
     assert set(s.blocks) == {3, 4} and s.stats.malformed_events == 2
+
+
+def test_a_batch_in_parts_applies_in_order_and_completes_its_seq():
+    """Issue 16 #8: a batch over the message limit arrives in parts of one seq; early parts wait,
+    repeated parts are duplicates, and the next seq applies only after the last part."""
+    def part(seq, i, n, hashes):
+        return {"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": seq, "part": i, "parts": n,
+                "events": [{"kind": "stored", "medium": "GPU", "hashes": hashes}]}
+    s = L1State()
+    s.apply(part(0, 0, 1, [1]))
+    s.apply(part(1, 0, 3, [2]))
+    s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 2, "events": [
+        {"kind": "removed", "medium": "GPU", "hashes": [3]}]})  # before seq 1 is whole: held
+    s.apply(part(1, 2, 3, [4]))  # early: held
+    assert set(s.blocks) == {1, 2}
+    s.apply(part(1, 0, 3, [2]))  # again: a duplicate
+    s.apply(part(1, 1, 3, [3]))
+    assert set(s.blocks) == {1, 2, 4}, "part 1, then the held part 2, then seq 2 (which removes 3)"
+    assert s.stats.duplicates == 1 and s.cursors[("p", 0)].next_seq == 3
