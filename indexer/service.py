@@ -74,6 +74,8 @@ class Indexer:
         return time.monotonic() - self._disconnected_since < self.cfg.nats.disconnectGrace
 
     async def _on_disconnected(self) -> None:
+        if self._stopping:
+            return  # our own close
         if self._disconnected_since is None:
             self._disconnected_since = time.monotonic()
             self.metrics.nats_disconnects.inc()
