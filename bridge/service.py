@@ -32,7 +32,7 @@ from bridge.targets_record import TargetsRecord
 from bridge.vllm_subscriber import Endpoint, VllmSubscriber
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
-from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream
+from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream, patiently
 from cache_indexer.tasks import cancel_and_wait
 from schemas.config import Config
 
@@ -73,8 +73,8 @@ class Bridge:
     async def start(self) -> None:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge")
         js = self.nc.jetstream()
-        await ensure_l1_stream(js, self.cfg.nats)
-        await ensure_l3_stream(js, self.cfg.nats)
+        await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
+        await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
         self.publisher = JetStreamPublisher(self.nc, self.metrics, self.cfg.nats.publish.window,
                                             self.cfg.nats.publish.ackTimeout)
         await self.publisher.start()
@@ -83,10 +83,11 @@ class Bridge:
                               lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM)
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
                               lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics)
-        self.targets_record = TargetsRecord(js, self.cfg.snapshot.metaBucket)
+        self.targets_record = TargetsRecord(js, self.cfg.snapshot.metaBucket, self.cfg.nats.replicas)
         if self.cfg.ingest.leaderElection:
             holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-            self.lease = Lease(js, self.cfg.nats.lease.bucket, "bridge-l1-leader", holder, self.cfg.nats.lease.ttl)
+            self.lease = Lease(js, self.cfg.nats.lease.bucket, "bridge-l1-leader", holder, self.cfg.nats.lease.ttl,
+                               self.cfg.nats.replicas)
             self.lease.start()
             self._lease_task = asyncio.create_task(self._follow_lease(), name="bridge-lease")
         else:

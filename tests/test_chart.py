@@ -138,6 +138,22 @@ def test_network_policies_and_no_api_token_where_none_is_needed(chart):
 
 
 @needs_nats_chart
+def test_a_nats_cluster_gets_every_server_in_the_url_and_replicas_on_every_asset(chart):
+    """Issue 16 #3: jetstream.replicas reaches the streams, the KV buckets and the snapshot store, and
+    nats.url lists every server of the StatefulSet (the bundled chart does not advertise them)."""
+    from schemas.config import Config
+
+    objs = render(chart, {"jetstream": {"replicas": 3}, "nats": {"config": {"cluster": {"enabled": True, "replicas": 3}}}})
+    validate_all(objs)
+    cfg = Config.model_validate(config_of(objs))
+    assert cfg.nats.url.split(",") == ["nats://cache-indexer-nats.infer.svc:4222"] + [
+        f"nats://cache-indexer-nats-{i}.cache-indexer-nats-headless.infer.svc:4222" for i in range(3)]
+    assert cfg.nats.replicas == cfg.nats.l1Stream.replicas == cfg.nats.l3Stream.replicas == 3
+    assert by_kind(objs, "StatefulSet")[0]["spec"]["replicas"] == 3
+    assert by_kind(objs, "Service", "cache-indexer-nats-headless")
+
+
+@needs_nats_chart
 def test_config_map_is_the_documented_configuration(chart):
     from schemas.config import Config
 

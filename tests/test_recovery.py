@@ -299,3 +299,54 @@ async def test_readiness_follows_the_nats_connection_after_a_grace(restartable_n
 
 async def _is(status_of, expected: int) -> bool:
     return await status_of() == expected
+
+
+async def test_a_three_node_cluster_keeps_ingesting_and_restarting_when_a_node_dies(stream_prefix):
+    """Issue 16 #3: with jetstream.replicas 3 the streams were R3 but the lease bucket, the meta bucket and
+    the snapshot store R1: losing the lease's node stopped all ingestion, losing the store's node made a
+    restarting indexer exit 1, and one nats.url could not reach a cluster whose first server was down.
+    Every asset now has the configured replicas, and nats.url lists every server."""
+    from cache_indexer.replica import Replica
+    from cache_indexer.vllm_publisher import stored
+    from tests.nats_cluster import NatsCluster
+    from tests.test_l1_end_to_end import BS, CHAIN, POD, TOKENS
+
+    cluster = NatsCluster(3).start()
+    cfg = make_config(cluster.url, stream_prefix, blockKey={"pythonHashSeed": "0"})
+    cfg.nats.replicas = cfg.nats.l1Stream.replicas = cfg.nats.l3Stream.replicas = 3
+    stack, fresh = None, None
+    try:
+        stack = await L1Stack(cfg).start()
+        eng = stack.engine(POD)
+        await stack.connect((eng, POD, 0))
+        await eng.publish([stored(CHAIN[:4])])
+
+        async def ratio(replica) -> float:
+            async with aiohttp.ClientSession() as s:
+                body = {"server_ip": [POD], "body": {"token_ids": TOKENS, "block_size": BS}}
+                async with s.post(f"http://127.0.0.1:{replica.http.port}/kv-cache/hit-rate", json=body) as r:
+                    return (await r.json())["server_score_list"][0]["l1_hit_ratio"]
+        await wait_for(lambda: _equals(ratio(stack.replica), 0.5), 20, "indexed through the cluster")
+        assert await stack.replica.indexer.snapshot_now()
+        js = stack.replica.indexer.js
+        for asset in (f"KV_{cfg.nats.lease.bucket}", f"KV_{cfg.snapshot.metaBucket}", f"OBJ_{cfg.snapshot.bucket}"):
+            assert (await js.stream_info(asset)).config.num_replicas == 3, asset
+        lease_leader = (await js.stream_info(f"KV_{cfg.nats.lease.bucket}")).cluster.leader
+        cluster.kill(cluster.index_of(lease_leader))  # the node that led the lease bucket
+        await eng.publish([stored(CHAIN[4:6], parent=CHAIN[3])])
+        await wait_for(lambda: _equals(ratio(stack.replica), 0.75), 60, "ingestion going on without that node")
+        assert stack.bridge.lease.is_leader
+        fresh = Replica(cfg)  # a replica starting now: snapshot store and streams on the two nodes left
+        await fresh.start()
+        await wait_for(lambda: fresh.indexer.ready.is_set(), 60, "a new replica ready")
+        assert await ratio(fresh) == 0.75
+    finally:
+        if fresh:
+            await fresh.stop()
+        if stack:
+            await stack.stop()
+        cluster.close()
+
+
+async def _equals(value, expected) -> bool:
+    return await value == expected

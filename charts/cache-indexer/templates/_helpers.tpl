@@ -118,7 +118,16 @@ app.kubernetes.io/instance: {{ .Release.Name | trunc 63 | trimSuffix "-" }}
 {{/* The NATS URL: the bundled sub-chart's client Service, or externalNats.url. */}}
 {{- define "cache-indexer.natsUrl" -}}
 {{- if .Values.nats.enabled -}}
-{{- printf "nats://%s.%s.svc:4222" (include "cache-indexer.natsFullname" .) .Release.Namespace -}}
+{{- $name := include "cache-indexer.natsFullname" . -}}
+{{- $urls := list (printf "nats://%s.%s.svc:4222" $name .Release.Namespace) -}}
+{{- $cluster := ((.Values.nats.config | default dict).cluster | default dict) -}}
+{{- if $cluster.enabled -}}
+{{- /* every server of the StatefulSet too: the bundled chart does not advertise them to clients */ -}}
+{{- range $i, $_ := until (int ($cluster.replicas | default 3)) -}}
+{{- $urls = append $urls (printf "nats://%s-%d.%s-headless.%s.svc:4222" $name $i $name $.Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+{{- join "," $urls -}}
 {{- else if .Values.externalNats.url -}}
 {{- .Values.externalNats.url -}}
 {{- else -}}
