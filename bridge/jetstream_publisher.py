@@ -27,6 +27,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from collections.abc import Callable
 from itertools import count
 
 from cache_indexer.metrics import Metrics
@@ -47,8 +48,11 @@ class _Pending:
 
 
 class JetStreamPublisher:
-    def __init__(self, nc, metrics: Metrics, window: int = 2048, ack_timeout: float = 5.0) -> None:
+    def __init__(self, nc, metrics: Metrics, window: int = 2048, ack_timeout: float = 5.0,
+                 on_no_stream: Callable[[], None] | None = None) -> None:
         self._nc = nc
+        #: called when the server says no stream takes the subject (503): the stream may have been lost
+        self._on_no_stream = on_no_stream or (lambda: None)
         self._metrics = metrics
         self._window = asyncio.Semaphore(window)
         self._ack_timeout = ack_timeout
@@ -118,6 +122,8 @@ class JetStreamPublisher:
             self._done(msg_id)
             return
         if error:
+            if error == "status 503":
+                self._on_no_stream()
             self._retry_warning("publish %s not stored (%s); re-sending", msg_id, error)
             rec.token = ""  # the watchdog re-sends
             return

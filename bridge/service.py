@@ -16,10 +16,12 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 
 import aiohttp
 import zmq.asyncio
+from nats.js.errors import NotFoundError
 
 from bridge.block_key_check import BlockKeyCheck
 from bridge.jetstream_publisher import JetStreamPublisher
@@ -38,6 +40,8 @@ from schemas.config import Config
 
 log = logging.getLogger(__name__)
 
+#: A lost stream is looked for at most this often (a publish to it fails once per message).
+_RESTORE_EVERY = 2.0
 #: Bytes of a message's limit kept for its headers (ours take about 300).
 _HEADER_ROOM = 1024
 
@@ -60,6 +64,8 @@ class Bridge:
         self.discovery: KubernetesDiscovery | None = None
         self.master_discovery: KubernetesDiscovery | None = None
         self.pollers: dict[MasterTarget, MooncakePoller] = {}
+        self._restoring: asyncio.Task | None = None
+        self._last_restore = float("-inf")
         self.l3: L3Publisher | None = None
         self._http = None
         self.lease: Lease | None = None
@@ -76,7 +82,7 @@ class Bridge:
         await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
         await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
         self.publisher = JetStreamPublisher(self.nc, self.metrics, self.cfg.nats.publish.window,
-                                            self.cfg.nats.publish.ackTimeout)
+                                            self.cfg.nats.publish.ackTimeout, on_no_stream=self._stream_missing)
         await self.publisher.start()
         nc, nats = self.nc, self.cfg.nats
         self.l1 = L1Publisher(self.publisher, nats.l1Stream.subjectPrefix, js, nats.l1Stream.name,
@@ -184,6 +190,36 @@ class Bridge:
                 log.info("subscribed %s rank %d at %s (replay %s)", ep.pod, ep.rank, ep.pub, ep.replay or "off")
         self._known = wanted
         await self.targets_record.save(pods=live_pods)
+
+    def _stream_missing(self) -> None:
+        """A publish found no stream: look (at most every few seconds) and recreate what was lost."""
+        if self._restoring is None or self._restoring.done():
+            if time.monotonic() - self._last_restore >= _RESTORE_EVERY:
+                self._last_restore = time.monotonic()
+                self._restoring = asyncio.create_task(self._restore_streams(), name="bridge-restore-streams")
+
+    async def _restore_streams(self) -> None:
+        js = self.nc.jetstream()
+        for stream, ensure in ((self.cfg.nats.l1Stream.name, ensure_l1_stream), (self.cfg.nats.l3Stream.name, ensure_l3_stream)):
+            try:
+                try:
+                    await js.stream_info(stream)
+                    continue
+                except NotFoundError:
+                    pass
+                await ensure(js, self.cfg.nats)
+                self.metrics.streams_recreated.labels(stream).inc()
+                log.error("stream %s was gone (deleted, or its storage lost): recreated; what it held is lost, so "
+                          "every engine starts a new generation from its replay buffer and every master "
+                          "publishes its full state", stream)
+                if stream == self.cfg.nats.l1Stream.name:
+                    for sub in self.subscribers.values():
+                        sub.start_over()
+                else:
+                    for poller in self.pollers.values():
+                        poller.polls = 0  # the next poll publishes the full state
+            except Exception:
+                log.exception("stream %s: cannot check or recreate it", stream)
 
     async def set_masters(self, masters: list[MasterTarget]) -> None:
         """Reconcile Mooncake pollers; a master that is gone gets an empty full state (its L3 entries drop)."""

@@ -105,6 +105,11 @@ class VllmSubscriber:
         self.gen, self.last, self.last_live, self.last_ts = gen, last, None, ts
         log.info("%s rank %d: resuming generation %d after seq %d", self.ep.pod, self.ep.rank, gen, last)
 
+    def start_over(self) -> None:
+        """The stream lost what was published: the next batch starts a new generation (a reset, then
+        what the engine's replay buffer holds from seq 0)."""
+        self.gen = self.last = self.last_live = self.last_ts = None
+
     def start(self) -> None:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)

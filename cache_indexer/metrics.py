@@ -17,6 +17,8 @@ class Metrics:
         self.http_header_timeouts = Counter(p + "http_header_timeouts_total",
                                             "Connections closed: request headers not complete within "
                                             "http.readHeaderTimeout.", registry=r)
+        self.streams_recreated = Counter(p + "streams_recreated_total", "Streams found gone (deleted, storage lost) "
+                                         "and created again; what they held is lost.", ["stream"], registry=r)
         self.nats_disconnects = Counter(p + "nats_disconnects_total", "Times the NATS connection was lost.",
                                         registry=r)
         self.http_headers_too_large = Counter(p + "http_headers_too_large_total",

@@ -111,6 +111,11 @@ async def ensure_l1_stream(js, cfg: NatsConfig) -> api.StreamInfo:
     return await ensure_stream(js, cfg.l1Stream, [f"{cfg.l1Stream.subjectPrefix}.>"])
 
 
+def stream_id(info: api.StreamInfo) -> str:
+    """What tells one incarnation of a stream from another of the same name: its creation time."""
+    return info.created.isoformat() if info.created else ""
+
+
 def l3_subject(prefix: str, master: str) -> str:
     return f"{prefix}.{subject_token(master)}"
 

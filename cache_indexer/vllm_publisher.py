@@ -49,7 +49,7 @@ def batch_payload(events: list[dict], dp_rank: int = 0, ts: float | None = None)
 class VllmPublisher:
     def __init__(self, ctx: zmq.asyncio.Context, host: str, pub_port: int, replay_port: int | None = None,
                  topic: str = "", dp_rank: int = 0, buffer_steps: int = 10000, legacy_replay: bool = False,
-                 replay_hwm: int = 1000) -> None:
+                 replay_hwm: int = 1000, replay_sndbuf: int = 0) -> None:
         self.ctx = ctx
         self.host = host
         self.topic = topic.encode()
@@ -78,6 +78,8 @@ class VllmPublisher:
             self.router.setsockopt(zmq.LINGER, 0)
             # libzmq's default before vLLM 0.33 (2*(buffer_steps+1) since): past it a ROUTER drops silently
             self.router.setsockopt(zmq.SNDHWM, replay_hwm)
+            if replay_sndbuf:  # the kernel's send buffer (0: the OS default)
+                self.router.setsockopt(zmq.SNDBUF, replay_sndbuf)
             if replay_port > 0:
                 self.router.bind(f"tcp://{host}:{replay_port}")
             else:

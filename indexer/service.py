@@ -22,10 +22,18 @@ import uuid
 
 import msgpack
 from nats.js import api
+from nats.js.errors import NotFoundError
 
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
-from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream, patiently, unsubscribe_quietly
+from cache_indexer.streams import (
+    connect,
+    ensure_l1_stream,
+    ensure_l3_stream,
+    patiently,
+    stream_id,
+    unsubscribe_quietly,
+)
 from cache_indexer.tasks import cancel_and_wait
 from indexer.l1_state import L1State
 from indexer.l3_state import L3State
@@ -63,6 +71,7 @@ class Indexer:
         self._tasks: list[asyncio.Task] = []
         self._stream = cfg.nats.l1Stream.name
         self._disconnected_since: float | None = None
+        self._l1_stream_id = self._l3_stream_id = ""
 
     def is_ready(self) -> bool:
         """Caught up with the streams at start-up, and connected to NATS (or not for long: a short
@@ -110,10 +119,11 @@ class Indexer:
         """(Re)build from the snapshot if it is ahead of us, then follow the stream from there."""
         await unsubscribe_quietly(self._sub)
         self._sub = None
+        self._l1_stream_id = stream_id(await self.js.stream_info(self._stream))
         if self.snapshots is not None:
             t = time.perf_counter()
             failed = self.snapshots.failed_loads
-            loaded = await self.snapshots.load()
+            loaded = await self.snapshots.load(self._l1_stream_id)
             self.metrics.snapshot_load_failures.inc(self.snapshots.failed_loads - failed)
             if loaded is not None and loaded[1] >= self.applied_seq:
                 self.l1, self.applied_seq = loaded
@@ -145,6 +155,7 @@ class Indexer:
         await unsubscribe_quietly(self._l3_sub)
         self._l3_sub = None
         info = await ensure_l3_stream(self.js, self.cfg.nats)
+        self._l3_stream_id = stream_id(info)
         self.l3_target_seq = info.state.last_seq if info.state.messages else 0
         self._l3_sub = await self.js.subscribe(
             f"{self.cfg.nats.l3Stream.subjectPrefix}.>", stream=self.cfg.nats.l3Stream.name, ordered_consumer=True,
@@ -219,7 +230,7 @@ class Indexer:
         seq = self.applied_seq
         t = time.perf_counter()
         blob = encode_l1(self.l1, seq)  # synchronous: the state cannot change while it is encoded
-        saved = await self.snapshots.save(blob, seq)
+        saved = await self.snapshots.save(blob, seq, self._l1_stream_id)
         self._last_snapshot_seq, self._last_snapshot_time = seq, time.monotonic()
         if not saved:
             return False
@@ -256,14 +267,38 @@ class Indexer:
     async def _track_lag(self) -> None:
         while True:
             try:
-                info = await self.js.stream_info(self._stream)
-                self.metrics.ingest_lag.labels(self._stream).set(max(0, info.state.last_seq - self.applied_seq))
+                info = await self._stream_as_followed(self._stream, ensure_l1_stream, self._l1_stream_id)
+                if info is None:
+                    self.l1, self.applied_seq, self._last_snapshot_seq = L1State(), 0, 0
+                    self._reloading = True  # from the recreated stream's start, not from an old snapshot
+                    self._tasks.append(asyncio.create_task(self._reload(), name="indexer-reload"))
+                else:
+                    self.metrics.ingest_lag.labels(self._stream).set(max(0, info.state.last_seq - self.applied_seq))
+                l3 = self.cfg.nats.l3Stream.name
+                if await self._stream_as_followed(l3, ensure_l3_stream, self._l3_stream_id) is None:
+                    self.l3, self.l3_applied_seq = L3State(), 0
+                    await self._follow_l3()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.debug("stream info: %s", exc)
             self.update_gauges()
             await asyncio.sleep(2.0)
+
+    async def _stream_as_followed(self, name: str, ensure, followed_id: str):
+        """The stream's info, or None when it is not the stream this replica follows any more: deleted
+        (it is created again here) or recreated meanwhile. What it held is lost: the replica rebuilds
+        from the new stream (not ready meanwhile), and the bridge starts every engine and master over."""
+        try:
+            info = await self.js.stream_info(name)
+        except NotFoundError:
+            info = await ensure(self.js, self.cfg.nats)
+            log.error("stream %s was gone (deleted, or its storage lost): created again", name)
+        if stream_id(info) == followed_id:
+            return info
+        self.metrics.streams_recreated.labels(name).inc()
+        log.error("stream %s is not the one this replica followed (recreated): rebuilding from it", name)
+        return None
 
     def update_gauges(self) -> None:
         self.metrics.ready.set(1 if self.is_ready() else 0)

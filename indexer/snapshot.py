@@ -22,6 +22,7 @@ import gc
 import hashlib
 import logging
 import sys
+import zlib
 from array import array
 from dataclasses import dataclass
 
@@ -115,6 +116,7 @@ class SnapshotRef:
     name: str
     stream_seq: int
     revision: int
+    stream_id: str = ""  # the stream's creation time: a snapshot of a stream since recreated is not ours
 
 
 class SnapshotUnreadable(Exception):
@@ -150,9 +152,9 @@ class SnapshotStore:
         if not entry.value:
             return None
         p = msgpack.unpackb(entry.value)
-        return SnapshotRef(p["name"], p["stream_seq"], entry.revision)
+        return SnapshotRef(p["name"], p["stream_seq"], entry.revision, p.get("stream_id", ""))
 
-    async def load(self) -> tuple[L1State, int] | None:
+    async def load(self, stream_id: str = "") -> tuple[L1State, int] | None:
         """The newest snapshot, or None when there is none or none could be read.
 
         None after failures makes the replica rebuild from the stream alone, which reports history lost
@@ -166,6 +168,9 @@ class SnapshotStore:
                 log.warning("snapshot pointer (attempt %d of %d): no answer; asking again", attempt, self.load_attempts)
                 continue
             if ref is None:
+                return None
+            if stream_id and ref.stream_id and ref.stream_id != stream_id:
+                log.warning("snapshot %s is of the stream as it was before it was recreated: not loaded", ref.name)
                 return None
             try:
                 return decode_l1(await self.read(ref.name))
@@ -207,17 +212,17 @@ class SnapshotStore:
             raise SnapshotUnreadable("digest mismatch")
         return b"".join(parts)
 
-    async def save(self, blob: bytes, stream_seq: int) -> bool:
-        """Upload, then move the pointer by CAS; False when a newer snapshot already exists."""
+    async def save(self, blob: bytes, stream_seq: int, stream_id: str = "") -> bool:
+        """Upload, then move the pointer by CAS; False when a newer snapshot of the same stream exists."""
         obs, kv = await self._stores()
         current = await self.pointer()
-        if current is not None and current.stream_seq >= stream_seq:
+        if current is not None and current.stream_seq >= stream_seq and current.stream_id == stream_id:
             return False
-        name = f"l1-{stream_seq:012d}"
+        name = f"l1-{stream_seq:012d}" + (f"-{zlib.crc32(stream_id.encode()):08x}" if stream_id else "")
         meta = api.ObjectMeta(name=name, headers={"Stream-Seq": str(stream_seq), "Format": FORMAT},
                               options=api.ObjectMetaOptions(max_chunk_size=CHUNK_SIZE))
         await obs.put(name, blob, meta=meta)
-        value = msgpack.packb({"name": name, "stream_seq": stream_seq})
+        value = msgpack.packb({"name": name, "stream_seq": stream_seq, "stream_id": stream_id})
         try:
             if current is None:
                 await kv.create(POINTER_KEY, value)

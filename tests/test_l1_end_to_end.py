@@ -162,7 +162,7 @@ async def test_a_gap_longer_than_the_engines_send_high_water_mark_is_filled_in_r
     received, round after round, the gap is filled and nothing is reset."""
     import random
 
-    eng = stack.engine(POD, replay_hwm=100)
+    eng = stack.engine(POD, replay_hwm=100, replay_sndbuf=8192)  # a small kernel buffer: the pipe fills
     await stack.connect((eng, POD, 0))
     await eng.publish([stored(CHAIN[:1])])
     await until_ratio(stack, POD, 1 / 8)
@@ -332,6 +332,27 @@ async def test_a_batch_over_the_servers_max_payload_is_published_in_parts(stream
     finally:
         await stack.stop()
         server.close()
+
+
+async def test_a_deleted_stream_is_recreated_and_rebuilt_from_the_engines(stack):
+    """Issue 16 #5: a stream deleted or lost was never recreated, the bridge retried for ever and the
+    replicas stayed ready with stale answers. The bridge recreates it (ERROR, counted) and starts every
+    engine over from its replay buffer; the replica sees a stream that is not the one it followed and
+    rebuilds from the new one."""
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:4])])
+    await until_ratio(stack, POD, 0.5)
+    name = stack.cfg.nats.l1Stream.name
+    await stack.replica.indexer.js.delete_stream(name)
+    await eng.publish([stored(CHAIN[4:6], parent=CHAIN[3])])  # finds no stream
+    await wait_for(lambda: stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1, 20,
+                   "the bridge to recreate the stream")
+    await eng.publish([stored(CHAIN[6:8], parent=CHAIN[5])])  # starts over: reset, the replay buffer from 0
+    await wait_for(lambda: stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1, 20,
+                   "the replica to notice")
+    await wait_for(lambda: stack.replica.indexer.is_ready(), 20, "the replica rebuilt")
+    await until_ratio(stack, POD, 1.0, what="everything the engine holds, from the new stream")
 
 
 async def two_pods_indexed(stack):
