@@ -42,8 +42,8 @@ def _headers(pod: str, msg_id: str, kind: str, **extra: str) -> dict[str, str]:
 
 #: What a batch message holds besides its events (type, pod, rank, gen, seq, ts, part, parts), at most.
 _ENVELOPE_BYTES = 256
-#: msgpack's upper bound for one uint64 hash.
-_HASH_BYTES = 9
+#: msgpack's upper bound for one uint64 hash (bridge/l3_publisher.py sizes its parts with it too).
+HASH_BYTES = 9
 
 
 def split_events(events: list[dict], budget: int) -> list[list[dict]]:
@@ -57,8 +57,8 @@ def split_events(events: list[dict], budget: int) -> list[list[dict]]:
         if size <= budget or not hashes:
             pieces.append((ev, size))
             continue
-        fixed = size - len(hashes) * _HASH_BYTES  # a lower bound; the slices are sized from the upper one
-        per = max(1, (budget - max(fixed, 64)) // _HASH_BYTES)
+        fixed = size - len(hashes) * HASH_BYTES  # a lower bound; the slices are sized from the upper one
+        per = max(1, (budget - max(fixed, 64)) // HASH_BYTES)
         for i in range(0, len(hashes), per):
             piece = {**ev, "hashes": hashes[i:i + per]}
             if i and "parent" in piece:

@@ -16,16 +16,15 @@ from collections.abc import Callable
 import msgpack
 
 from bridge.jetstream_publisher import JetStreamPublisher
-from bridge.l1_publisher import new_generation
+from bridge.l1_publisher import HASH_BYTES, new_generation
 from cache_indexer.metrics import Metrics
 from cache_indexer.streams import l3_subject
 from schemas.events import CONTENT_TYPE_L3, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
-#: Upper bounds of msgpack's encoding: a uint64 takes at most 9 bytes; a pod key's string and list
-#: headers at most 10; the envelope (type, master, gen, part, parts) is counted with the master's name.
-_HASH_BYTES = 9
+#: Upper bounds of msgpack's encoding: a pod key's string and list headers take at most 10 bytes; the
+#: envelope (type, master, gen, part, parts) is counted with the master's name.
 _POD_BYTES = 10
 _ENVELOPE_BYTES = 160
 
@@ -36,16 +35,16 @@ def split_pods(pods: dict[str, list[int]], budget: int) -> list[dict[str, list[i
     room = budget
     for pod, hashes in pods.items():
         cost = _POD_BYTES + len(pod.encode())
-        if budget < cost + _HASH_BYTES:
+        if budget < cost + HASH_BYTES:
             raise ValueError(f"a message limit of {budget} bytes cannot hold one hash of pod {pod!r}")
         i = 0
         while True:
-            if room < cost + _HASH_BYTES:
+            if room < cost + HASH_BYTES:
                 parts.append({})
                 room = budget
-            take = hashes[i:i + (room - cost) // _HASH_BYTES]
+            take = hashes[i:i + (room - cost) // HASH_BYTES]
             parts[-1][pod] = take
-            room -= cost + _HASH_BYTES * len(take)
+            room -= cost + HASH_BYTES * len(take)
             i += len(take)
             if i >= len(hashes):
                 break

@@ -160,6 +160,10 @@ class MooncakePoller:
         log.error("mooncake master %s: the poller ended (%r); restarting it", self.target.name, task.exception())
         self.start()
 
+    def start_over(self) -> None:
+        """The stream lost what was published: the next poll publishes the full state."""
+        self.polls = 0
+
     async def stop(self, reset: bool = False) -> None:
         self._stopping = True
         if self._task:
@@ -225,7 +229,7 @@ class MooncakePoller:
         self.metrics.l3_relocated_keys.labels("rolling").inc(len(rolling))
 
         delta = _Delta(self.pairs)
-        if len(ignored) > len(new_hash) and any(m != mark for m in ignored.values()):
+        if any(m != mark for m in ignored.values()):  # keys no longer listed are forgotten
             self.ignored = {k: m for k, m in ignored.items() if m == mark}
         for key in gone_keys:
             h = self.key_hash.pop(key)
@@ -235,8 +239,9 @@ class MooncakePoller:
                     delta.drop(host, h)
         await pause()
         gone, back = self.live_hosts - live_hosts, live_hosts - self.live_hosts
-        if gone or back:  # known replicas follow their segment out and back (and are asked about again)
-            for key in await _select(known, lambda k: not (gone | back).isdisjoint(_hosts(known[k])), pause):
+        moved = gone | back
+        if moved:  # known replicas follow their segment out and back (and are asked about again)
+            for key in await _select(known, lambda k: not moved.isdisjoint(_hosts(known[k])), pause):
                 for host in _hosts(known[key]):
                     if host in gone:
                         delta.drop(host, self.key_hash[key])

@@ -21,7 +21,6 @@ import uuid
 
 import aiohttp
 import zmq.asyncio
-from nats.js.errors import NotFoundError
 
 from bridge.block_key_check import BlockKeyCheck
 from bridge.jetstream_publisher import JetStreamPublisher
@@ -34,7 +33,7 @@ from bridge.targets_record import TargetsRecord
 from bridge.vllm_subscriber import Endpoint, VllmSubscriber
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
-from cache_indexer.streams import connect, ensure_l1_stream, ensure_l3_stream, patiently
+from cache_indexer.streams import connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently
 from cache_indexer.tasks import cancel_and_wait
 from schemas.config import Config
 
@@ -199,27 +198,18 @@ class Bridge:
                 self._restoring = asyncio.create_task(self._restore_streams(), name="bridge-restore-streams")
 
     async def _restore_streams(self) -> None:
+        """What the lost stream held is lost: every engine starts a new generation from its replay
+        buffer, every master publishes its full state."""
         js = self.nc.jetstream()
-        for stream, ensure in ((self.cfg.nats.l1Stream.name, ensure_l1_stream), (self.cfg.nats.l3Stream.name, ensure_l3_stream)):
+        for tier, name in (("l1", self.cfg.nats.l1Stream.name), ("l3", self.cfg.nats.l3Stream.name)):
             try:
-                try:
-                    await js.stream_info(stream)
+                if not (await ensure_again(js, self.cfg.nats, tier))[1]:
                     continue
-                except NotFoundError:
-                    pass
-                await ensure(js, self.cfg.nats)
-                self.metrics.streams_recreated.labels(stream).inc()
-                log.error("stream %s was gone (deleted, or its storage lost): recreated; what it held is lost, so "
-                          "every engine starts a new generation from its replay buffer and every master "
-                          "publishes its full state", stream)
-                if stream == self.cfg.nats.l1Stream.name:
-                    for sub in self.subscribers.values():
-                        sub.start_over()
-                else:
-                    for poller in self.pollers.values():
-                        poller.polls = 0  # the next poll publishes the full state
+                self.metrics.streams_recreated.labels(name).inc()
+                for source in (self.subscribers if tier == "l1" else self.pollers).values():
+                    source.start_over()
             except Exception:
-                log.exception("stream %s: cannot check or recreate it", stream)
+                log.exception("stream %s: cannot check or recreate it", name)
 
     async def set_masters(self, masters: list[MasterTarget]) -> None:
         """Reconcile Mooncake pollers; a master that is gone gets an empty full state (its L3 entries drop)."""
@@ -246,6 +236,8 @@ class Bridge:
     async def stop(self) -> None:
         if self._lease_task:
             await cancel_and_wait(self._lease_task)
+        if self._restoring:
+            await cancel_and_wait(self._restoring)
         await self._stop_sources()
         if self.lease:
             await self.lease.stop()

@@ -111,6 +111,19 @@ async def ensure_l1_stream(js, cfg: NatsConfig) -> api.StreamInfo:
     return await ensure_stream(js, cfg.l1Stream, [f"{cfg.l1Stream.subjectPrefix}.>"])
 
 
+async def ensure_again(js, cfg: NatsConfig, tier: str) -> tuple[api.StreamInfo, bool]:
+    """A stream as it is now, created again when it is gone (deleted, its storage lost), logged at
+    ERROR: (info, whether it was created again). ``tier`` is "l1" or "l3"."""
+    name = (cfg.l1Stream if tier == "l1" else cfg.l3Stream).name
+    try:
+        return await js.stream_info(name), False
+    except NotFoundError:
+        pass
+    info = await (ensure_l1_stream if tier == "l1" else ensure_l3_stream)(js, cfg)
+    log.error("stream %s was gone (deleted, or its storage lost): created again; what it held is lost", name)
+    return info, True
+
+
 def stream_id(info: api.StreamInfo) -> str:
     """What tells one incarnation of a stream from another of the same name: its creation time."""
     return info.created.isoformat() if info.created else ""

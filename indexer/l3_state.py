@@ -4,8 +4,9 @@ Same layout as L1 (hash -> bitmask of workers); a worker is (pod IP, master), so
 the best over the masters that report it. ``l3_full`` replaces everything one master reported,
 ``l3_diff`` adds and removes pairs; the bridge already reference-counts keys, so presence is enough.
 
-Each worker's hashes are also kept as a set: a full state is applied as its difference to what the
-worker holds (set operations in C, then only the changes touch the index), so a periodic full state
+Each worker's hashes are also kept (as the keys of a dict, which the garbage collector does not track):
+a full state is applied as its difference to what the worker holds (key-set operations in C, then
+only the changes touch the index), so a periodic full state
 that changes nothing costs little, and dropping a worker never walks the whole index. A full state
 in several parts is collected and applied when its last part arrives; parts that arrive out of order
 or incomplete are dropped (counted) and the master's state stays as it was until the next full state.
@@ -71,16 +72,14 @@ class L3State:
                     self.index.remove(wid, gone)
                     for h in gone:
                         del held[h]
-                    if not held:
-                        self._set(pod, m, wid, {})
+                    self._release_if_empty(pod, m, wid)
             for pod, hashes in msg["added"].items():
                 wid = self.workers.intern(pod, m)
                 held = self._held.setdefault(wid, {})
                 came = [h for h in hashes if h not in held]
                 self.index.store(wid, came)
                 held.update(dict.fromkeys(came))
-                if not held:
-                    self._set(pod, m, wid, {})
+                self._release_if_empty(pod, m, wid)
         else:
             raise ValueError(f"unknown L3 message type {kind!r}")
         self.messages += 1
@@ -130,8 +129,10 @@ class L3State:
             self.index.remove(wid, gone)
         if came:
             self.index.store(wid, came)
-        if new:
-            self._held[wid] = new
-        else:
+        self._held[wid] = new
+        self._release_if_empty(pod, m, wid)
+
+    def _release_if_empty(self, pod: str, m: int, wid: int) -> None:
+        if not self._held.get(wid):
             self._held.pop(wid, None)
             self.workers.release(pod, m)

@@ -22,18 +22,11 @@ import uuid
 
 import msgpack
 from nats.js import api
-from nats.js.errors import NotFoundError
 
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
-from cache_indexer.streams import (
-    connect,
-    ensure_l1_stream,
-    ensure_l3_stream,
-    patiently,
-    stream_id,
-    unsubscribe_quietly,
-)
+from cache_indexer.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, stream_id,
+                                   unsubscribe_quietly)
 from cache_indexer.tasks import cancel_and_wait
 from indexer.l1_state import L1State
 from indexer.l3_state import L3State
@@ -267,15 +260,14 @@ class Indexer:
     async def _track_lag(self) -> None:
         while True:
             try:
-                info = await self._stream_as_followed(self._stream, ensure_l1_stream, self._l1_stream_id)
+                info = await self._stream_as_followed("l1", self._l1_stream_id)
                 if info is None:
                     self.l1, self.applied_seq, self._last_snapshot_seq = L1State(), 0, 0
                     self._reloading = True  # from the recreated stream's start, not from an old snapshot
                     self._tasks.append(asyncio.create_task(self._reload(), name="indexer-reload"))
                 else:
                     self.metrics.ingest_lag.labels(self._stream).set(max(0, info.state.last_seq - self.applied_seq))
-                l3 = self.cfg.nats.l3Stream.name
-                if await self._stream_as_followed(l3, ensure_l3_stream, self._l3_stream_id) is None:
+                if await self._stream_as_followed("l3", self._l3_stream_id) is None:
                     self.l3, self.l3_applied_seq = L3State(), 0
                     await self._follow_l3()
             except asyncio.CancelledError:
@@ -285,19 +277,15 @@ class Indexer:
             self.update_gauges()
             await asyncio.sleep(2.0)
 
-    async def _stream_as_followed(self, name: str, ensure, followed_id: str):
+    async def _stream_as_followed(self, tier: str, followed_id: str):
         """The stream's info, or None when it is not the stream this replica follows any more: deleted
         (it is created again here) or recreated meanwhile. What it held is lost: the replica rebuilds
         from the new stream (not ready meanwhile), and the bridge starts every engine and master over."""
-        try:
-            info = await self.js.stream_info(name)
-        except NotFoundError:
-            info = await ensure(self.js, self.cfg.nats)
-            log.error("stream %s was gone (deleted, or its storage lost): created again", name)
+        info, _ = await ensure_again(self.js, self.cfg.nats, tier)
         if stream_id(info) == followed_id:
             return info
-        self.metrics.streams_recreated.labels(name).inc()
-        log.error("stream %s is not the one this replica followed (recreated): rebuilding from it", name)
+        self.metrics.streams_recreated.labels(info.config.name).inc()
+        log.error("stream %s is not the one this replica followed (recreated): rebuilding from it", info.config.name)
         return None
 
     def update_gauges(self) -> None:
