@@ -353,7 +353,6 @@ class VllmSubscriber:
                     break
                 want = run[-1][0] + 1  # dropped from there on (or in the middle): ask again
                 self.metrics.bridge_replays.labels("round").inc()
-        out.sort(key=lambda x: x[0])
         self.metrics.bridge_replays.labels("ok" if out else "empty").inc()
         if not out and empty_is_failure:
             self._last_failed_replay = time.monotonic()

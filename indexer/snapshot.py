@@ -119,6 +119,12 @@ class SnapshotRef:
     stream_id: str = ""  # the stream's creation time: a snapshot of a stream since recreated is not ours
 
 
+def _stream_tag(name: str) -> str:
+    """The stream tag of a snapshot's name, ``l1-<seq>[-<tag>]`` ("" before tags)."""
+    parts = name.split("-", 2)
+    return parts[2] if len(parts) > 2 else ""
+
+
 class SnapshotUnreadable(Exception):
     """The object a pointer named vanished or is damaged."""
 
@@ -237,7 +243,10 @@ class SnapshotStore:
     async def _prune(self, newest: str) -> None:
         obs, _ = await self._stores()
         try:
-            names = sorted(o.name for o in await obs.list() if not o.deleted and o.name.startswith("l1-"))
+            # snapshots of a stream since recreated (another tag after the seq) go first, then by seq
+            tag = _stream_tag(newest)
+            names = sorted((o.name for o in await obs.list() if not o.deleted and o.name.startswith("l1-")),
+                           key=lambda n: (_stream_tag(n) == tag, n))
         except Exception:
             return
         for name in names[:-self.keep] if self.keep > 0 else []:

@@ -102,3 +102,21 @@ async def test_loads_racing_a_writer_that_prunes_everything_but_the_newest(js, b
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+async def test_snapshots_of_a_recreated_stream_are_pruned_first(nats_url, stream_prefix):
+    """After the stream was recreated its seqs start again: pruning by name alone would keep the old
+    stream's snapshots (higher seqs) and delete the new ones."""
+    nc = await nats.connect(nats_url)
+    try:
+        store = SnapshotStore(nc.jetstream(), f"{stream_prefix}-snap", f"{stream_prefix}-meta", keep=2)
+        for seq in (900, 1000):
+            assert await store.save(encode_l1(L1State(), seq), seq, "old-stream")
+        for seq in (10, 20, 30):
+            assert await store.save(encode_l1(L1State(), seq), seq, "new-stream")
+        obs, _ = await store._stores()
+        names = sorted(o.name for o in await obs.list() if not o.deleted)
+        assert len(names) == 2 and all(n.startswith(("l1-000000000020-", "l1-000000000030-")) for n in names), names
+        assert (await store.load("new-stream"))[1] == 30
+    finally:
+        await nc.close()
