@@ -39,6 +39,9 @@ MAX_SEQ = (1 << 63) - 1
 MAX_SEQ_JUMP = 1 << 32
 #: Silence after the last replayed batch that ends a round cut short by the engine's high-water mark.
 REPLAY_ROUND_IDLE = 0.1
+#: Rounds of one replay at most (each within replayTimeout, each bringing something new): vLLM's buffer
+#: of 10,000 batches through a high-water mark of 1,000 takes about ten; the bound keeps a replay finite.
+REPLAY_MAX_ROUNDS = 64
 
 
 def _contiguous(batches: list[tuple[int, bytes]], first: int) -> list[tuple[int, bytes]]:
@@ -325,7 +328,7 @@ class VllmSubscriber:
         vLLM 0.33) without a word, so a long answer arrives with holes (measured: 2,451 of 3,000, end
         marker included) or cut short. The unbroken run from the seq asked for is kept, and the engine is
         asked again from the first seq missing, until a round is whole up to its end marker, the buffer no
-        longer reaches back that far, or a round brings nothing new."""
+        longer reaches back that far, a round brings nothing new, or REPLAY_MAX_ROUNDS rounds were asked."""
         if not self.ep.replay:
             return []
         if time.monotonic() - self._last_failed_replay < self.cfg.replayCooldown:
@@ -350,6 +353,10 @@ class VllmSubscriber:
                 run = _contiguous(got, got[0][0] if got and not out else want)
                 out.extend(run)
                 if (complete and len(run) == len(got)) or not run:
+                    break
+                if rounds >= REPLAY_MAX_ROUNDS:  # an engine that never finishes: what is missing resets
+                    log.warning("%s rank %d: replay from %d still incomplete after %d rounds (%d batches)",
+                                self.ep.pod, self.ep.rank, start, rounds, len(out))
                     break
                 want = run[-1][0] + 1  # dropped from there on (or in the middle): ask again
                 self.metrics.bridge_replays.labels("round").inc()

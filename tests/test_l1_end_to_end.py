@@ -506,3 +506,43 @@ def test_the_index_equals_a_model_engines_cached_blocks_at_every_quiet_point(nat
             await stack.stop()
 
     asyncio.run(run())
+
+
+async def test_an_engine_whose_replay_never_ends_is_asked_a_bounded_number_of_rounds(monkeypatch):
+    """Every round of a replay must bring something new, and there are at most REPLAY_MAX_ROUNDS of them:
+    a replay socket that answers each request with one more batch and never an end marker cannot hold
+    the subscription (and its memory) for ever."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    import bridge.vllm_subscriber as vs
+    from bridge.vllm_subscriber import Endpoint, VllmSubscriber
+    from cache_indexer.metrics import Metrics
+    from cache_indexer.vllm_publisher import batch_payload
+    from schemas.config import L1IngestConfig
+
+    monkeypatch.setattr(vs, "REPLAY_MAX_ROUNDS", 5)
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    asked: list[int] = []
+
+    async def endless() -> None:
+        while True:
+            client, _, start = await router.recv_multipart()
+            seq = int.from_bytes(start, "big")
+            asked.append(seq)
+            await router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), batch_payload([])])
+    server = asyncio.create_task(endless())
+    sub = VllmSubscriber(ctx, Endpoint("127.0.0.1", 0, "tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}"),
+                         L1IngestConfig(replayTimeout=2.0), sink=None, metrics=Metrics(),
+                         replay_slots=asyncio.Semaphore(1))
+    try:
+        got = await asyncio.wait_for(sub._replay(0), 10)
+        assert [s for s, _ in got] == [0, 1, 2, 3, 4] and asked == [0, 1, 2, 3, 4]
+    finally:
+        server.cancel()
+        router.close(0)
+        ctx.term()
