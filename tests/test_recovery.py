@@ -13,6 +13,8 @@ from pathlib import Path
 
 import aiohttp
 import msgpack
+import nats
+import nats.js.errors
 import pytest
 import yaml
 
@@ -327,7 +329,12 @@ async def test_a_three_node_cluster_keeps_ingesting_and_restarting_when_a_node_d
                 async with s.post(f"http://127.0.0.1:{replica.http.port}/kv-cache/hit-rate", json=body) as r:
                     return (await r.json())["server_score_list"][0]["l1_hit_ratio"]
         await wait_for(lambda: _equals(ratio(stack.replica), 0.5), 20, "indexed through the cluster")
-        assert await stack.replica.indexer.snapshot_now()
+        async def snapshot_written() -> bool:  # the indexer's own loop retries too: a bucket just created
+            try:                                # in a new cluster may have no route to its leader yet
+                return await stack.replica.indexer.snapshot_now()
+            except nats.js.errors.NoStreamResponseError:
+                return False
+        await wait_for(snapshot_written, 30, "a snapshot in the R3 object store")
         js = stack.replica.indexer.js
         for asset in (f"KV_{cfg.nats.lease.bucket}", f"KV_{cfg.snapshot.metaBucket}", f"OBJ_{cfg.snapshot.bucket}"):
             assert (await js.stream_info(asset)).config.num_replicas == 3, asset
