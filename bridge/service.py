@@ -28,6 +28,7 @@ from bridge.k8s_discovery import KubernetesDiscovery, master_targets
 from bridge.l1_publisher import L1Publisher
 from bridge.l3_publisher import L3Publisher
 from bridge.mooncake_poller import MasterTarget, MooncakePoller
+from bridge.receive_budget import ReceiveBudget
 from bridge.static_targets import StaticTargets
 from bridge.targets_record import TargetsRecord
 from bridge.vllm_subscriber import Endpoint, VllmSubscriber
@@ -55,6 +56,8 @@ class Bridge:
         self.publisher: JetStreamPublisher | None = None
         self.l1: L1Publisher | None = None
         self._replay_slots = asyncio.Semaphore(cfg.ingest.l1.maxConcurrentReplays)
+        self.receive_budget = ReceiveBudget(cfg.ingest.l1.maxBufferedBytes)
+        self.metrics.bridge_buffered_bytes.set_function(lambda: self.receive_budget.held)
         interval = cfg.ingest.l1.blockKeyCheckInterval
         self.block_key_check = BlockKeyCheck(cfg.blockKey, self.metrics, interval) if interval else None
         self._watch_task: asyncio.Task | None = None
@@ -182,7 +185,7 @@ class Bridge:
         for ep in endpoints:
             if ep not in self.subscribers:
                 sub = VllmSubscriber(self.ctx, ep, self.cfg.ingest.l1, self.l1, self.metrics, self._replay_slots,
-                                     self.block_key_check)
+                                     self.block_key_check, self.receive_budget)
                 await sub.resume_from_stream()
                 sub.start()
                 self.subscribers[ep] = sub

@@ -6,7 +6,9 @@ engine process. Per (pod, rank) this subscriber:
   asks the replay socket for everything from seq 0, publishes a reset, then the replayed batches;
 - on a gap asks the replay socket (a DEALER; ROUTER replies with or without the topic frame, ended by
   seq -1) for the missing range; what the buffer no longer holds becomes a reset;
-- publishes one message per seq, an empty one for a malformed payload, so the stream stays contiguous.
+- publishes one message per seq, an empty one for a malformed payload, so the stream stays contiguous;
+- reads its socket ahead into a queue bounded in bytes (bridge/receive_budget.py): a batch that does
+  not fit is dropped and replayed once the queue has drained, and replays too come in chunks that fit.
 libzmq reconnects by itself with exponential backoff (``backoffInitial`` .. ``backoffMax``).
 """
 
@@ -15,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -23,6 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from bridge.block_key_check import BlockKeyCheck
 from bridge.l1_publisher import L1Publisher, new_generation
+from bridge.receive_budget import ReceiveBudget
 from bridge.vllm_events import MalformedPayload, decode_batch
 from cache_indexer.metrics import Metrics
 from cache_indexer.tasks import cancel_and_wait
@@ -32,7 +36,13 @@ from schemas.config import L1IngestConfig
 log = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8
-RECV_BURST = 256  # messages taken without yielding to the event loop
+PUBLISH_BURST = 256  # queued batches published without yielding to the event loop
+#: Messages read from libzmq without yielding: reading ahead must outpace publishing, or the backlog
+#: waits in the engine's send queue (vLLM's PUB holds up to 100,000 messages in the engine's memory).
+READ_BURST = 4096
+READ_WAIT_MAX = 1.0
+#: Budget bytes a batch costs beyond its frames (the tuple, the bytes objects' headers).
+BATCH_OVERHEAD = 64
 #: vLLM numbers batches with an int64 counter from 0, one a batch: a seq past 2^63, or more than 2^32
 #: ahead of the last one (years of batches), is garbage, not a gap to replay or a reason to reset.
 MAX_SEQ = (1 << 63) - 1
@@ -56,6 +66,23 @@ def _contiguous(batches: list[tuple[int, bytes]], first: int) -> list[tuple[int,
     return out
 
 
+@dataclass(slots=True)
+class Replayed:
+    """What one replay brought: contiguous batches, the budget bytes they hold until ``release``, and
+    whether the replay stopped for want of room (the engine may hold more after the last)."""
+    budget: ReceiveBudget
+    batches: list[tuple[int, bytes]] = field(default_factory=list)
+    held: int = 0
+    cut: bool = False
+
+    def release(self) -> None:
+        self.budget.give(self.held)
+        self.held = 0
+
+    def after(self, seq: int) -> list[tuple[int, bytes]]:
+        return [b for b in self.batches if b[0] > seq]
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     pod: str  # pod IP: the key the API is asked by
@@ -70,7 +97,8 @@ class Endpoint:
 
 class VllmSubscriber:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: Endpoint, cfg: L1IngestConfig, sink: L1Publisher,
-                 metrics: Metrics, replay_slots: asyncio.Semaphore, block_key_check: BlockKeyCheck | None = None) -> None:
+                 metrics: Metrics, replay_slots: asyncio.Semaphore, block_key_check: BlockKeyCheck | None = None,
+                 budget: ReceiveBudget | None = None) -> None:
         self.ctx = ctx
         self.ep = endpoint
         self.cfg = cfg
@@ -78,6 +106,14 @@ class VllmSubscriber:
         self.metrics = metrics
         self.replay_slots = replay_slots
         self.block_key_check = block_key_check
+        self.budget = budget or ReceiveBudget(cfg.maxBufferedBytes)
+        #: batches read ahead of publishing, with their budget bytes
+        self._queue: deque[tuple[list[bytes], int]] = deque()
+        self._queued = asyncio.Event()
+        #: the highest seq dropped for want of room and not yet replayed
+        self._dropped_upto: int | None = None
+        self._overflow_log = ThrottledWarning(log, every=10.0)
+        self._reader: asyncio.Task | None = None
         self.gen: int | None = None
         self.last: int | None = None  # last seq published
         #: vLLM's timestamp of the batch published last: what tells this engine incarnation's batch at that
@@ -117,6 +153,7 @@ class VllmSubscriber:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.cfg.rcvHwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.maxBatchBytes)  # libzmq disconnects a peer that sends more
         sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.cfg.backoffInitial * 1000)))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.cfg.backoffMax * 1000)))
         sock.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
@@ -124,6 +161,7 @@ class VllmSubscriber:
         sock.connect(self.ep.pub)
         self._sock = sock
         self._task = asyncio.create_task(self._run(), name=f"vllm-sub-{self.ep.pod}-{self.ep.rank}")
+        self._reader = asyncio.create_task(self._read(), name=f"vllm-read-{self.ep.pod}-{self.ep.rank}")
         self._monitor_task = asyncio.create_task(self._watch_connects(), name=f"vllm-mon-{self.ep.pod}-{self.ep.rank}")
         self.metrics.subscriptions.inc()
 
@@ -152,8 +190,10 @@ class VllmSubscriber:
             if self._task:
                 task, self._task = self._task, None
                 self.metrics.subscriptions.dec()
-                await cancel_and_wait(task, self._monitor_task)
+                await cancel_and_wait(task, self._reader, self._monitor_task)
         finally:
+            while self._queue:
+                self.budget.give(self._queue.popleft()[1])
             if self._sock is not None:
                 self._sock.disable_monitor()
                 self._sock.close(0)
@@ -162,57 +202,153 @@ class VllmSubscriber:
                 self._monitor.close(0)
                 self._monitor = None
 
-    async def _run(self) -> None:
+    async def _read(self) -> None:
+        """Take what arrives into the queue while there is room in the budget, else drop it (counted)
+        and remember to replay it.
+
+        Plain non-blocking receives on a (non-asyncio) shadow of the socket, woken by libzmq's own FD:
+        an awaited receive of zmq.asyncio costs a future and poller bookkeeping per message, and mixing
+        both lost wake-ups once the socket's queue had been full (rcvHwm; measured 40k instead of 129k
+        block events/s). The FD is edge-triggered: it signals a change, so after reading, ZMQ_EVENTS
+        says whether more is there; the wait is only entered when it says no."""
         sock = self._sock
         assert sock is not None
-        # What is already queued is taken with plain non-blocking receives on a shadow of the same
-        # socket: each awaited receive of zmq.asyncio costs a future and poller bookkeeping, which was
-        # the bridge's largest cost per batch under load. A burst is bounded so others get the loop.
         queued = zmq.Socket.shadow(sock.underlying)
+        loop = asyncio.get_running_loop()
+        signalled = asyncio.Event()
+        fd = queued.get(zmq.FD)
+        loop.add_reader(fd, signalled.set)
+        try:
+            while True:
+                try:
+                    signalled.clear()
+                    for _ in range(READ_BURST):
+                        try:
+                            frames = queued.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._take(frames)
+                    if self._queue:
+                        self._queued.set()
+                    if queued.get(zmq.EVENTS) & zmq.POLLIN:
+                        await asyncio.sleep(0)  # more is there: let the others run first
+                        continue
+                except asyncio.CancelledError:
+                    raise
+                except zmq.ZMQError:
+                    if queued.closed or sock.closed:
+                        return
+                    log.exception("%s rank %d: receive failed", self.ep.pod, self.ep.rank)
+                except Exception:
+                    log.exception("%s rank %d: receive failed", self.ep.pod, self.ep.rank)
+                try:  # bounded: a missed signal costs at most this much delay
+                    await asyncio.wait_for(signalled.wait(), READ_WAIT_MAX)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            loop.remove_reader(fd)
+
+    def _take(self, frames: list[bytes]) -> None:
+        size = BATCH_OVERHEAD
+        for f in frames:
+            size += len(f)
+        if self.budget.take_live(size):
+            self._queue.append((frames, size))
+            return
+        self.metrics.bridge_batches.labels("overflow").inc()
+        if len(frames) == 3 and len(frames[1]) == 8:
+            seq = int.from_bytes(frames[1], "big")
+            if seq <= MAX_SEQ and (self._dropped_upto is None or seq > self._dropped_upto):
+                self._dropped_upto = seq
+        self._overflow_log("%s rank %d: receive budget full (%d of ingest.l1.maxBufferedBytes=%d bytes held); "
+                           "batches dropped, to be replayed", self.ep.pod, self.ep.rank, self.budget.held,
+                           self.budget.limit)
+
+    async def _run(self) -> None:
         await self._catch_up()
         while True:
-            await self._on_frames(await sock.recv_multipart())
-            for _ in range(RECV_BURST):
-                try:
-                    frames = queued.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
+            if not self._queue:
+                if self._dropped_upto is not None:  # the tail of a burst was dropped: replay it now
+                    upto, self._dropped_upto = self._dropped_upto, None
+                    if self.gen is not None and self.last is not None and upto > self.last:
+                        await self._guarded(self._drain_buffer(self.last + 1, None))
+                    continue
+                self._queued.clear()
+                await self._queued.wait()
+                continue
+            for _ in range(PUBLISH_BURST):
+                if not self._queue:
                     break
-                await self._on_frames(frames)
+                frames, size = self._queue.popleft()
+                try:
+                    await self._on_frames(frames)
+                finally:
+                    self.budget.give(size)
+            await asyncio.sleep(0)
+
+    async def _guarded(self, work) -> None:
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s rank %d: replaying from the engine's buffer failed", self.ep.pod, self.ep.rank)
 
     async def _catch_up(self) -> None:
         """A resumed subscription asks the replay socket at once for what the engine published while no
         bridge listened: an engine that has gone quiet would otherwise stay behind until its next batch.
-        Live batches queue on the socket meanwhile; those already replayed are dropped as duplicates."""
+        Live batches queue meanwhile; those already replayed are dropped as duplicates."""
         if self.gen is None or self.last is None or not self.ep.replay:
             return
+        before = self.last
         try:
             same, replayed = await self._same_incarnation(empty_is_failure=False)
             if same is False:  # restarted while no bridge listened: start over from what it holds
-                latest = await self._replay(0, empty_is_failure=False)
-                if latest:
-                    await self._new_incarnation(*latest[-1])
+                replayed.release()
+                await self._restart_from_buffer()
                 return
-            if replayed is None:  # no timestamp to check against: ask for what follows
-                replayed = await self._replay(self.last + 1, empty_is_failure=False)
+            await self._drain_buffer(self.last + 1, replayed)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("%s rank %d: catching up from the replay socket failed", self.ep.pod, self.ep.rank)
             return
-        caught, before = 0, self.last
-        for s, p in replayed:
-            if s <= self.last:
-                continue
-            if s != self.last + 1:
-                break  # the buffer no longer holds the next one: the first live batch resolves the gap
-            await self._publish(s, p)
-            self.last = s
-            caught += 1
-        if caught:
+        if self.last != before:
             # live batches queued meanwhile up to the new last are the same ones again, not a restart
             self.last_live = before
             log.info("%s rank %d: caught up %d batches published while no bridge listened", self.ep.pod,
-                     self.ep.rank, caught)
+                     self.ep.rank, self.last - before)
+
+    async def _restart_from_buffer(self) -> None:
+        """A new generation from what the engine's buffer holds (no live batch to start from)."""
+        first = await self._replay(0, empty_is_failure=False)
+        if not first.batches:
+            first.release()
+            return
+        self._log_new_incarnation()
+        start = first.batches[0][0]
+        await self._reset(start, "engine-restart")
+        self.last = start - 1
+        await self._drain_buffer(start, first)
+
+    async def _drain_buffer(self, want: int, replayed: Replayed | None) -> None:
+        """Publish what the engine's buffer holds from ``want`` on, chunk by chunk within the budget,
+        up to its first hole (a live batch after it resolves that gap)."""
+        while True:
+            if replayed is None:
+                replayed = await self._replay(want, empty_is_failure=False)
+            try:
+                run = replayed.after(want - 1)
+                if not run or run[0][0] != want:
+                    return
+                await self._publish_run(run)
+                want = self.last + 1
+                if not replayed.cut:
+                    return
+                self.metrics.bridge_replays.labels("chunk").inc()
+            finally:
+                replayed.release()
+            replayed = None
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         try:
@@ -240,7 +376,10 @@ class VllmSubscriber:
         elif seq == self.last + 1:
             if self._reconnected:  # a continuation, or a restarted engine that reached exactly this seq
                 self._reconnected = False
-                if (await self._same_incarnation())[0] is False:
+                same, replayed = await self._same_incarnation()
+                if replayed is not None:
+                    replayed.release()
+                if same is False:
                     await self._new_incarnation(seq, payload)
                     return
             await self._publish(seq, payload)
@@ -260,118 +399,152 @@ class VllmSubscriber:
             log.info("%s rank %d: gap %d..%d", self.ep.pod, self.ep.rank, self.last + 1, seq - 1)
             same, replayed = await self._same_incarnation()
             if same is False:
+                replayed.release()
                 await self._new_incarnation(seq, payload)
             else:
-                if replayed is not None:  # already asked: what follows the last published batch
-                    replayed = [r for r in replayed if r[0] > self.last]
                 await self._resync(seq, payload, want_from=self.last + 1, new_gen=False, reason="gap",
                                    replayed=replayed)
 
-    async def _same_incarnation(self, empty_is_failure: bool = True) -> tuple[bool | None, list[tuple[int, bytes]] | None]:
+    async def _same_incarnation(self, empty_is_failure: bool = True) -> tuple[bool | None, Replayed | None]:
         """Does the engine still hold the batch published last, with the same vLLM timestamp? Asks the
-        replay socket from that seq and returns what it holds from there on too. False: a new engine
-        incarnation (another batch at that seq); None: cannot tell (no replay socket or timestamp: nothing
-        asked, None; no answer: []; the buffer no longer reaches back to it: the gap then cannot be
-        filled, and the reset that follows drops the old blocks all the same)."""
+        replay socket from that seq and returns what it holds from there on too (to be released).
+        False: a new engine incarnation (another batch at that seq); None: cannot tell (no replay socket
+        or timestamp: nothing asked, None; no answer, or the buffer no longer reaches back to it: the gap
+        then cannot be filled, and the reset that follows drops the old blocks all the same)."""
         if self.last is None or self.last_ts is None or not self.ep.replay:
             return None, None
         replayed = await self._replay(self.last, empty_is_failure)
-        if not replayed:
-            return None, []
-        first, payload = replayed[0]
-        if first != self.last:
+        if not replayed.batches or replayed.batches[0][0] != self.last:
             return None, replayed
         try:
-            return decode_batch(payload).ts == self.last_ts, replayed
+            return decode_batch(replayed.batches[0][1]).ts == self.last_ts, replayed
         except MalformedPayload:
             return None, replayed
 
     async def _new_incarnation(self, seq: int, payload: bytes) -> None:
+        self._log_new_incarnation()
+        await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
+
+    def _log_new_incarnation(self) -> None:
         log.warning("%s rank %d: the engine holds another batch at the seq published last (%d): a new engine "
                     "incarnation; starting a new generation from what its replay buffer holds", self.ep.pod,
                     self.ep.rank, self.last)
-        await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
 
     async def _resync(self, live_seq: int, live_payload: bytes, want_from: int, new_gen: bool, reason: str,
-                      replayed: list[tuple[int, bytes]] | None = None) -> None:
-        run: list[tuple[int, bytes]] = []
-        if want_from < live_seq:
+                      replayed: Replayed | None = None) -> None:
+        """Publish the batches from ``want_from`` up to the live one from the engine's buffer (chunk by
+        chunk within the budget), then the live one. A new generation (reset) first when ``new_gen``, or
+        where the buffer no longer holds the next seq wanted (``gap-beyond-replay``)."""
+        want = want_from
+        while want < live_seq:
             if replayed is None:
-                replayed = await self._replay(want_from)
-            # keep the contiguous run that ends right before the live message
-            for s, p in replayed:
-                if s >= live_seq:
-                    break
-                if run and s != run[-1][0] + 1:
-                    run = []
-                run.append((s, p))
-            if run and run[-1][0] != live_seq - 1:
-                run = []
-        covered = want_from == live_seq or (bool(run) and run[0][0] == want_from)
-        if new_gen or not covered:
-            if not new_gen:
-                reason = "gap-beyond-replay"
-            self.gen = new_generation()
-            start = run[0][0] if run else live_seq
-            await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason, self.ep.epoch)
-            self.metrics.bridge_resets.labels(reason).inc()
-        for s, p in run:
-            await self._publish(s, p)
+                replayed = await self._replay(want)
+            try:
+                run = [b for b in replayed.batches if want <= b[0] < live_seq]
+                cut = replayed.cut and (not run or run[-1][0] < live_seq - 1)
+                if not run or (not cut and run[-1][0] != live_seq - 1):
+                    break  # the buffer does not hold the run up to the live batch: reset at the live one
+                if new_gen or run[0][0] != want:
+                    await self._reset(run[0][0], reason if new_gen else "gap-beyond-replay")
+                    new_gen = False
+                await self._publish_run(run)
+                want = self.last + 1
+                if cut:
+                    self.metrics.bridge_replays.labels("chunk").inc()
+            finally:
+                replayed.release()
+            replayed = None
+        if replayed is not None:
+            replayed.release()
+        if want != live_seq or new_gen:
+            await self._reset(live_seq, reason if new_gen else "gap-beyond-replay")
         await self._publish(live_seq, live_payload)
         self.last = self.last_live = live_seq
 
-    async def _replay(self, start: int, empty_is_failure: bool = True) -> list[tuple[int, bytes]]:
-        """Everything vLLM's replay buffer holds from ``start`` on; empty when unavailable. An empty
-        answer starts the cooldown, except for a catch-up, where nothing new is the usual answer.
+    async def _publish_run(self, run: list[tuple[int, bytes]]) -> None:
+        """Replayed batches in order, yielding now and then so live batches keep being read meanwhile."""
+        for i, (seq, payload) in enumerate(run, 1):
+            await self._publish(seq, payload)
+            self.last = seq
+            if i % PUBLISH_BURST == 0:
+                await asyncio.sleep(0)
+
+    async def _reset(self, start: int, reason: str) -> None:
+        self.gen = new_generation()
+        await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason, self.ep.epoch)
+        self.metrics.bridge_resets.labels(reason).inc()
+
+    async def _replay(self, start: int, empty_is_failure: bool = True) -> Replayed:
+        """What vLLM's replay buffer holds from ``start`` on, as far as the budget has room (to be
+        released); empty when unavailable. An empty answer starts the cooldown, except for a catch-up,
+        where nothing new is the usual answer.
 
         In rounds: the engine's ROUTER drops what exceeds its send high-water mark (1,000 messages before
         vLLM 0.33) without a word, so a long answer arrives with holes (measured: 2,451 of 3,000, end
         marker included) or cut short. The unbroken run from the seq asked for is kept, and the engine is
         asked again from the first seq missing, until a round is whole up to its end marker, the buffer no
-        longer reaches back that far, a round brings nothing new, or REPLAY_MAX_ROUNDS rounds were asked."""
+        longer reaches back that far, a round brings nothing new, the budget is full (``cut``: the caller
+        asks again after publishing), or REPLAY_MAX_ROUNDS rounds were asked."""
+        out = Replayed(self.budget)
         if not self.ep.replay:
-            return []
+            return out
         if time.monotonic() - self._last_failed_replay < self.cfg.replayCooldown:
             self.metrics.bridge_replays.labels("cooldown").inc()
-            return []
-        out: list[tuple[int, bytes]] = []
+            return out
+        try:
+            await self._replay_rounds(start, out)
+        except BaseException:
+            out.release()
+            raise
+        self.metrics.bridge_replays.labels("ok" if out.batches else "empty").inc()
+        if not out.batches and empty_is_failure:
+            self._last_failed_replay = time.monotonic()
+        return out
+
+    async def _replay_rounds(self, start: int, out: Replayed) -> None:
         rounds = 0
         async with self.replay_slots:
             want = start
             while True:
-                got, complete = await self._replay_round(want)
+                got, complete, held, cut = await self._replay_round(want, first=not out.batches)
                 rounds += 1
                 if got is None:  # nothing at all within replayTimeout
                     self.metrics.bridge_replays.labels("timeout").inc()
                     log.warning("%s rank %d: replay from %d timed out after %d batches (%d rounds)", self.ep.pod,
-                                self.ep.rank, start, len(out), rounds)
+                                self.ep.rank, start, len(out.batches), rounds)
                     self._last_failed_replay = time.monotonic()
                     break
                 got.sort(key=lambda x: x[0])
-                if out and got and got[0][0] > want:
-                    break  # the buffer moved on meanwhile: what is missing is gone
-                run = _contiguous(got, got[0][0] if got and not out else want)
-                out.extend(run)
-                if (complete and len(run) == len(got)) or not run:
+                run = [] if out.batches and got and got[0][0] > want else \
+                    _contiguous(got, got[0][0] if got and not out.batches else want)
+                kept = sum(len(p) + BATCH_OVERHEAD for _, p in run)
+                self.budget.give(held - kept)
+                out.batches.extend(run)
+                out.held += kept
+                if cut:  # no room for more: the caller asks again once it has published these
+                    out.cut = bool(out.batches)
                     break
+                if (complete and len(run) == len(got)) or not run:
+                    break  # whole, or nothing new (the buffer moved on meanwhile: what is missing is gone)
                 if rounds >= REPLAY_MAX_ROUNDS:  # an engine that never finishes: what is missing resets
                     log.warning("%s rank %d: replay from %d still incomplete after %d rounds (%d batches)",
-                                self.ep.pod, self.ep.rank, start, rounds, len(out))
+                                self.ep.pod, self.ep.rank, start, rounds, len(out.batches))
                     break
                 want = run[-1][0] + 1  # dropped from there on (or in the middle): ask again
                 self.metrics.bridge_replays.labels("round").inc()
-        self.metrics.bridge_replays.labels("ok" if out else "empty").inc()
-        if not out and empty_is_failure:
-            self._last_failed_replay = time.monotonic()
-        return out
 
-    async def _replay_round(self, start: int) -> tuple[list[tuple[int, bytes]] | None, bool]:
-        """One request: (batches received, whether the end marker came). None: no answer within
-        replayTimeout. A round also ends once no message came for REPLAY_ROUND_IDLE after the last."""
+    async def _replay_round(self, start: int, first: bool) -> tuple[list[tuple[int, bytes]] | None, bool, int, bool]:
+        """One request: (batches received, whether the end marker came, budget bytes they hold, whether
+        the budget had no room for more). None: no answer within replayTimeout. A round also ends once
+        no message came for REPLAY_ROUND_IDLE after the last."""
         out: list[tuple[int, bytes]] = []
+        held = 0
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)  # drops, if any, are the engine's: ours would be silent too
+        # bounded: past it libzmq stops reading the connection and the engine's ROUTER drops past its own
+        # high-water mark, which the rounds repair; unbounded, libzmq took the whole answer into memory
+        sock.setsockopt(zmq.RCVHWM, max(1, self.cfg.rcvHwm))
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.maxBatchBytes)
         try:
             sock.connect(self.ep.replay)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
@@ -381,7 +554,7 @@ class VllmSubscriber:
                 if out:
                     wait = min(wait, REPLAY_ROUND_IDLE)
                 if wait <= 0 or not await sock.poll(wait * 1000):
-                    return (out if out else None), False
+                    return (out if out else None), False, held, False
                 frames = await sock.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
@@ -393,9 +566,17 @@ class VllmSubscriber:
                     self.metrics.bridge_malformed.inc()
                     continue
                 if seq_b == END_SEQ:
-                    return out, True
+                    return out, True, held, False
                 if len(seq_b) == 8:
+                    size = len(payload) + BATCH_OVERHEAD
+                    if not self.budget.take_replay(size, first and not out):
+                        self.metrics.bridge_replays.labels("budget").inc()
+                        return out, False, held, True
+                    held += size
                     out.append((int.from_bytes(seq_b, "big"), payload))
+        except BaseException:
+            self.budget.give(held)
+            raise
         finally:
             sock.close(0)
 

@@ -54,7 +54,8 @@ class Metrics:
         self.history_lost = Counter(p + "stream_history_lost_total",
                                     "Times the stream's retained messages did not reach back to the index.", registry=r)
         # bridge
-        self.bridge_batches = Counter(p + "bridge_batches_total", "vLLM batches seen by the bridge, by outcome.",
+        self.bridge_batches = Counter(p + "bridge_batches_total", "vLLM batches seen by the bridge, by outcome "
+                                      "(overflow: dropped for want of room, replayed later).",
                                       ["outcome"], registry=r)
         self.bridge_block_events = Counter(p + "bridge_block_events_total", "Block events published.", registry=r)
         self.block_key_checks = Counter(p + "block_key_checks_total",
@@ -71,6 +72,8 @@ class Metrics:
         self.publish_retries = Counter(p + "bridge_publish_retries_total", "JetStream publishes re-sent.", registry=r)
         self.publish_inflight = Gauge(p + "bridge_publish_inflight", "Unacknowledged JetStream publishes.", registry=r)
         self.subscriptions = Gauge(p + "bridge_subscriptions", "Active vLLM ZMQ subscriptions.", registry=r)
+        self.bridge_buffered_bytes = Gauge(p + "bridge_buffered_bytes", "Bytes of vLLM batches received and not "
+                                           "yet published (bounded by ingest.l1.maxBufferedBytes).", registry=r)
         self.l3_poll_errors = Counter(p + "l3_poll_errors_total",
                                       "Mooncake master polls that failed, by reason (timeout, connection, "
                                       "malformed, internal).", ["reason"], registry=r)

@@ -49,12 +49,15 @@ def batch_payload(events: list[dict], dp_rank: int = 0, ts: float | None = None)
 class VllmPublisher:
     def __init__(self, ctx: zmq.asyncio.Context, host: str, pub_port: int, replay_port: int | None = None,
                  topic: str = "", dp_rank: int = 0, buffer_steps: int = 10000, legacy_replay: bool = False,
-                 replay_hwm: int = 1000, replay_sndbuf: int = 0) -> None:
+                 replay_hwm: int = 1000, replay_sndbuf: int = 0, replay_cut: int | None = None) -> None:
         self.ctx = ctx
         self.host = host
         self.topic = topic.encode()
         self.dp_rank = dp_rank
         self.legacy_replay = legacy_replay
+        #: answer at most this many batches per replay request, without the end marker, as a ROUTER past
+        #: its send high-water mark does (deterministically, where the socket's drops depend on timing)
+        self.replay_cut = replay_cut
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         self.pub = ctx.socket(zmq.XPUB)
@@ -103,10 +106,16 @@ class VllmPublisher:
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
             self.replay_requests.append(start)
+            sent = 0
             for seq, payload in list(self.buffer):
                 if seq >= start:
+                    if sent == self.replay_cut:
+                        break
                     body = [seq.to_bytes(8, "big"), payload] if self.legacy_replay else [self.topic, seq.to_bytes(8, "big"), payload]
                     await self.router.send_multipart([client, b"", *body])
+                    sent += 1
+            if sent == self.replay_cut:
+                continue
             end = [END_SEQ, b""] if self.legacy_replay else [b"", END_SEQ, b""]
             await self.router.send_multipart([client, b"", *end])
 

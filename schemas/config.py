@@ -260,10 +260,26 @@ class L1IngestConfig(_Section):
     replayCooldown: Duration = 30.0
     replayTimeout: Duration = 5.0
     maxConcurrentReplays: int = Field(8, ge=1)
-    #: Receive high-water mark of each SUB socket.
-    rcvHwm: int = Field(100000, ge=0)
+    #: Receive high-water mark of each SUB and replay socket: libzmq's own queue, in messages; it holds
+    #: only what arrives between two reads (the reader's queue is bounded in bytes), and past it libzmq
+    #: stops reading the connection (nothing is lost).
+    rcvHwm: int = Field(1000, ge=0)
+    #: Bytes of vLLM batches held received but not yet published, all engines together (live queues use
+    #: up to half, replays the rest); past it live batches are dropped and replayed from the engine's
+    #: buffer. The chart derives it from the bridge's memory limit (a quarter) when not set.
+    maxBufferedBytes: Size = 256 << 20
+    #: Largest vLLM message accepted (libzmq disconnects an engine that sends more; the batch is lost).
+    maxBatchBytes: Size = 16 << 20
     #: How often per pod an engine's block hash is recomputed to check blockKey (0: never).
     blockKeyCheckInterval: Duration = 30.0
+
+    @model_validator(mode="after")
+    def _batch_fits_budget(self) -> "L1IngestConfig":
+        if self.maxBatchBytes * 2 > self.maxBufferedBytes:
+            raise ValueError(f"ingest.l1.maxBatchBytes ({self.maxBatchBytes}) must be at most half of "
+                             f"ingest.l1.maxBufferedBytes ({self.maxBufferedBytes}): a live batch must fit the live "
+                             "half of the receive budget")
+        return self
 
 
 class L3IngestConfig(_Section):

@@ -166,6 +166,20 @@ def test_config_map_is_the_documented_configuration(chart):
     assert cfg.nats.l1Stream.maxBytes == 4 << 30 and cfg.nats.l3Stream.maxBytes == 1 << 30
 
 
+@needs_nats_chart
+def test_the_bridges_receive_budget_follows_its_memory_limit(chart):
+    """Issue 16 #11: the bytes the bridge may hold received follow the pod's memory limit."""
+    from schemas.config import Config
+
+    def budget(values):
+        return Config.model_validate(config_of(render(chart, values))).ingest.l1.maxBufferedBytes
+
+    assert budget({}) == (2 << 30) // 4  # the shared resources block: 2Gi
+    assert budget({"bridge": {"resources": {"limits": {"memory": "1Gi"}}}}) == 256 << 20
+    assert budget({"resources": {"limits": {"memory": None}}}) == 256 << 20  # no limit: the default
+    assert budget({"ingest": {"l1": {"maxBufferedBytes": "100MiB"}}}) == 100 << 20
+
+
 # -- the documented product's values.yaml, verbatim ------------------------------------------------
 @needs_nats_chart
 def test_the_documented_values_file_renders_with_its_meaning(chart):

@@ -81,6 +81,18 @@ app.kubernetes.io/instance: {{ .Release.Name | trunc 63 | trimSuffix "-" }}
 {{- mul (atoi $num) (get $mult $unit) -}}
 {{- end -}}
 
+{{/* ingest.l1.maxBufferedBytes when not set: a quarter of the bridge container's memory limit (the
+     rest is the process, libzmq's queues and the NATS client), 256MiB without a limit. */}}
+{{- define "cache-indexer.bridgeBufferBytes" -}}
+{{- $res := include "cache-indexer.resources" (merge (dict "component" "bridge") .) | fromYaml -}}
+{{- $limit := (($res | default dict).limits | default dict).memory -}}
+{{- if $limit -}}
+{{- div (include "cache-indexer.bytes" $limit | atoi) 4 -}}
+{{- else -}}
+{{- 268435456 -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The bundled NATS: present, and its JetStream store large enough for the streams' reservations. */}}
 {{- define "cache-indexer.checkNats" -}}
 {{- if .Values.nats.enabled -}}

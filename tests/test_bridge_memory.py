@@ -1,0 +1,87 @@
+"""Issue 16 #11: the bridge's memory is bounded in bytes, not in messages.
+
+12 KB batches arriving faster than the bridge publishes them used to pile up in libzmq's queue (bounded
+at 100,000 messages): the bridge went from 95 MB to 1.34 GB. A real bridge process, a fake engine on a
+real ZMQ socket and a real nats-server: the bridge's resident memory must stay within its byte budget
+plus a margin during a burst several times that size, and what it dropped for want of room must come
+back from the engine's replay buffer (the index ends up equal to what the engine published, with no
+reset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+
+import aiohttp
+import zmq.asyncio
+
+from cache_indexer.replica import Replica
+from cache_indexer.vllm_publisher import VllmPublisher, batch_payload, stored
+from tests.conftest import free_port, make_config, wait_for
+from tests.test_recovery import spawn, write_config
+
+BURST = 16000
+#: tokens per block of the burst's events: a batch of one block is then about 12 KB, as in the issue
+TOKENS = 4000
+MiB = 1 << 20
+
+
+def _status(pid: int, field: str) -> int:
+    """Bytes of a /proc/<pid>/status field (VmRSS, VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+
+
+async def _metric(session: aiohttp.ClientSession, port: int, name: str) -> float:
+    async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+        text = await r.text()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+async def test_a_burst_larger_than_the_budget_stays_within_it_and_drops_are_replayed(nats_url, stream_prefix, tmp_path):
+    ctx = zmq.asyncio.Context()
+    eng = VllmPublisher(ctx, "127.0.0.1", 0, 0, buffer_steps=BURST + 10)
+    targets = tmp_path / "targets.yaml"
+    targets.write_text(f"vllm:\n  - ip: 127.0.0.1\n    zmqPort: {eng.pub_port}\n    replayPort: {eng.replay_port}\n")
+    cfg = make_config(nats_url, stream_prefix, ingest={"l1": {
+        "replayCooldown": 0, "replayTimeout": "5s", "maxBufferedBytes": "32MiB", "maxBatchBytes": "1MiB",
+        "blockKeyCheckInterval": 0}}, nats={"publish": {"ackTimeout": "5s"}})
+    ops = free_port()
+    path = write_config(cfg, tmp_path / "bridge.yaml", **{"discovery.static.file": str(targets), "http.port": ops})
+    bridge = spawn("bridge", "--config", str(path))
+    replica = Replica(cfg)
+    await replica.start()
+    try:
+        await eng.wait_subscribed(60)
+        l1 = replica.indexer.l1
+        await eng.publish([stored([1], block_size=4)])
+        await wait_for(lambda: l1.index.entries() == 1, 30, "the first batch indexed")
+        burst = [batch_payload([stored([1000 + i], block_size=TOKENS)]) for i in range(BURST)]
+        before = _status(bridge.pid, "VmRSS")
+        for payload in burst:  # as fast as the socket takes them
+            await eng.publish_payload(payload)
+        await wait_for(lambda: l1.index.entries() == BURST + 1, 180, "every batch of the burst indexed")
+        peak = _status(bridge.pid, "VmHWM") - before
+        async with aiohttp.ClientSession() as s:
+            dropped = await _metric(s, ops, 'cache_indexer_bridge_batches_total{outcome="overflow"}')
+            resets = await _metric(s, ops, "cache_indexer_bridge_resets_total")
+            held = await _metric(s, ops, "cache_indexer_bridge_buffered_bytes")
+        after = _status(bridge.pid, "VmRSS") - before
+        print(f"burst {BURST * 12 / 1000:.0f} MB: peak +{peak / MiB:.0f} MiB, after +{after / MiB:.0f} MiB, "
+              f"{dropped:.0f} dropped and replayed")
+        assert dropped > 0, "the burst exceeded the budget: some batches were dropped, then replayed"
+        assert resets == 1, "only the first subscription's reset: every dropped batch came back by replay"
+        assert held == 0
+        # the budget (32 MiB, live queues half of it) plus libzmq's queue (rcvHwm messages) and the
+        # replays' chunks; the old bridge held the whole burst (about 190 MB) in libzmq
+        assert peak < 100 * MiB, f"peak resident memory grew by {peak / MiB:.0f} MiB"
+        # freed memory goes back to the system once drained (the old bridge kept all of it)
+        assert after < 80 * MiB, f"resident memory after the burst is {after / MiB:.0f} MiB above the start"
+    finally:
+        bridge.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(bridge.wait, 20)
+        await replica.stop()
+        await eng.close()
+        ctx.term()
