@@ -32,6 +32,7 @@ from cache_indexer.metrics import Metrics
 from cache_indexer.tasks import cancel_and_wait
 from cache_indexer.throttled_log import ThrottledWarning
 from schemas.config import L1IngestConfig
+from schemas.events import MAX_SEQ
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,8 @@ READ_BURST = 4096
 READ_WAIT_MAX = 1.0
 #: Budget bytes a batch costs beyond its frames (the tuple, the bytes objects' headers).
 BATCH_OVERHEAD = 64
-#: vLLM numbers batches with an int64 counter from 0, one a batch: a seq past 2^63, or more than 2^32
+#: vLLM numbers batches with an int64 counter from 0, one a batch: a seq past MAX_SEQ, or more than 2^32
 #: ahead of the last one (years of batches), is garbage, not a gap to replay or a reason to reset.
-MAX_SEQ = (1 << 63) - 1
 MAX_SEQ_JUMP = 1 << 32
 #: Silence after the last replayed batch that ends a round cut short by the engine's high-water mark.
 REPLAY_ROUND_IDLE = 0.1

@@ -281,6 +281,14 @@ def _main(argv: list[str] | None) -> int:
     except ConfigError as exc:
         print(f"cache-indexer: {exc}", file=sys.stderr)
         return 2
+    if args.cmd != "config":
+        from cache_indexer.nats_auth import NatsAuthError, connect_options
+
+        try:  # the credentials and TLS files are read now: one clear line rather than endless reconnects
+            connect_options(cfg.nats)
+        except NatsAuthError as exc:
+            print(f"cache-indexer: {exc}", file=sys.stderr)
+            return 2
     setup_logging(cfg)
     if args.cmd == "config":
         import yaml

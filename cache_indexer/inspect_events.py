@@ -18,6 +18,8 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from cache_indexer import runtime_file
+from cache_indexer.nats_auth import connect_options
+from cache_indexer.streams import servers
 from schemas.config import Config, NatsConfig
 
 
@@ -40,8 +42,8 @@ async def connect_once(cfg: NatsConfig, name: str) -> nats.NATS:
         pass
 
     return await asyncio.wait_for(
-        nats.connect(cfg.url, name=name, connect_timeout=cfg.connectTimeout, allow_reconnect=False,
-                     max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=_quiet),
+        nats.connect(servers(cfg.url), name=name, connect_timeout=cfg.connectTimeout, allow_reconnect=False,
+                     max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=_quiet, **connect_options(cfg)),
         cfg.connectTimeout + 1)
 
 

@@ -55,8 +55,12 @@ class NatsServer:
     """Starts nats-server on 127.0.0.1 with JetStream and a file store; restartable on the same port."""
 
     def __init__(self, store_dir: str | None = None, port: int = -1, binary: str | None = None,
-                 max_file_store: int = 64 << 30, max_payload: int | None = None) -> None:
+                 max_file_store: int = 64 << 30, max_payload: int | None = None, extra_config: str = "",
+                 env: dict[str, str] | None = None) -> None:
         self.max_file_store = max_file_store
+        #: more server configuration (authorization, tls, ...), and the environment its $VARIABLES read
+        self.extra_config = extra_config
+        self.env = env
         self.max_payload = max_payload
         self.binary = binary or find_binary()
         if not self.binary:
@@ -79,10 +83,11 @@ class NatsServer:
         conf = Path(ports_dir) / "nats.conf"
         conf.write_text(f'jetstream {{ store_dir: "{self.store_dir}", max_file_store: {self.max_file_store}, '
                         f'max_memory_store: {256 << 20} }}\n'
-                        + (f"max_payload: {self.max_payload}\n" if self.max_payload else ""))
+                        + (f"max_payload: {self.max_payload}\n" if self.max_payload else "") + self.extra_config)
         cmd = [self.binary, "-c", str(conf), "-a", "127.0.0.1", "-p", str(self.port),
                "-m", str(self.monitor_port), "--ports_file_dir", ports_dir]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **self.env} if self.env else None,
                                      preexec_fn=_detach_and_die_with(
                                          os.getpid(), threading.current_thread() is threading.main_thread()))
         deadline = time.monotonic() + timeout

@@ -16,6 +16,7 @@ import nats
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError, ServiceUnavailableError
 
+from cache_indexer.nats_auth import connect_options
 from cache_indexer.throttled_log import ThrottledWarning
 from schemas.config import NatsConfig, StreamConfig
 
@@ -169,7 +170,7 @@ async def connect(cfg: NatsConfig, name: str, **callbacks) -> nats.NATS:
     async def _error_cb(exc: Exception) -> None:
         warn("nats: %s", exc or type(exc).__name__)
 
-    opts = {"error_cb": _error_cb, **callbacks}
+    opts = {"error_cb": _error_cb, **connect_options(cfg), **callbacks}
     return await nats.connect(
         servers(cfg.url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         connect_timeout=cfg.connectTimeout, **opts,

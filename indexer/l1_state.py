@@ -8,7 +8,10 @@ so replicas agree. The rules make the index robust to what a retrying publisher 
   first held seq;
 - a ``reset`` (or a batch of a newer generation) clears the worker and starts the new generation;
   anything of an older generation is stale and dropped;
-- ``pod_removed`` clears every rank of the pod; later batches of the same generations are dropped.
+- ``pod_removed`` clears every rank of the pod; later batches of the same generations are dropped;
+- a generation far ahead of the time the stream stored the message, or a seq no vLLM can reach, is
+  refused (ImplausibleMessage): the stream is not trusted blindly, one forged message must not blind
+  a pod for ever. The stored time, not the local clock, decides, so every replica decides alike.
 Only GPU events (medium GPU or absent) change L1; other media stay in the stream for other tiers.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from indexer.l1_index import BlockIndex, WorkerTable
-from schemas.events import MAX_GROUP_IDX
+from schemas.events import GEN_MAX_AHEAD_NS, MAX_GROUP_IDX, MAX_SEQ
 
 _DEAD = (1 << 64) - 1  # next_seq of a removed pod: every batch of its generation is stale (a uint64,
 #                       so snapshots can encode it)
@@ -53,6 +56,10 @@ class ApplyStats:
     malformed_events: int = 0  # outside the schema (the bridge validates; a forged message may not be)
 
 
+class ImplausibleMessage(ValueError):
+    pass
+
+
 class L1State:
     def __init__(self, max_held: int = 1024) -> None:
         self.workers = WorkerTable()
@@ -62,8 +69,11 @@ class L1State:
         self.stats = ApplyStats()
 
     # -- stream messages ---------------------------------------------------------------------------
-    def apply(self, msg: dict) -> None:
+    def apply(self, msg: dict, stored_ns: int | None = None) -> None:
+        """``stored_ns``: when the stream stored the message (None: not checked, as in benchmarks)."""
         kind = msg.get("type")
+        if stored_ns is not None and kind in ("batch", "reset"):
+            _check_plausible(msg, stored_ns)
         if kind == "batch":
             self._on_batch(msg)
         elif kind == "reset":
@@ -184,3 +194,13 @@ class L1State:
         """Events were seen for the pod and it was not removed, though it may hold nothing now (after
         AllBlocksCleared or a reset). Scans the cursors: asked only for pods without workers."""
         return any(key[0] == pod and cur.next_seq != _DEAD for key, cur in self.cursors.items())
+
+
+def _check_plausible(msg: dict, stored_ns: int) -> None:
+    gen = msg["gen"]
+    if gen > stored_ns + GEN_MAX_AHEAD_NS:
+        raise ImplausibleMessage(f"generation {gen} is {(gen - stored_ns) / 1e9:.0f}s ahead of the time the stream "
+                                 f"stored the message ({msg['pod']} rank {msg['rank']}): refused")
+    seq = msg.get("seq", msg.get("next_seq"))
+    if not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ:
+        raise ImplausibleMessage(f"seq {seq!r} is not a vLLM seq ({msg['pod']} rank {msg['rank']}): refused")

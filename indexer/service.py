@@ -36,6 +36,11 @@ from schemas.config import Config
 log = logging.getLogger(__name__)
 
 
+def _stored_ns(msg) -> int:
+    """When JetStream stored the message (ns), from its reply subject: what plausibility is judged by."""
+    return int(msg.metadata.timestamp.timestamp() * 1e9)
+
+
 class Indexer:
     def __init__(self, cfg: Config, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
@@ -201,7 +206,7 @@ class Indexer:
                 self._tasks.append(asyncio.create_task(self._reload(), name="indexer-reload"))
                 return
         try:
-            self.l1.apply(msgpack.unpackb(msg.data, raw=False))
+            self.l1.apply(msgpack.unpackb(msg.data, raw=False), _stored_ns(msg))
         except Exception as exc:  # a bad message is counted and skipped, never fatal
             self.metrics.ingest_errors.labels(self._stream).inc()
             log.warning("stream %s seq %d: cannot apply message: %s", self._stream, seq, exc)

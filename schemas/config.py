@@ -8,7 +8,8 @@ import re
 from types import UnionType
 from typing import Annotated, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WrapValidator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, SecretStr, WrapValidator,
+                      model_validator)
 
 from schemas.helm_values import fold, to_config_tree
 
@@ -78,7 +79,7 @@ Size = Annotated[int, BeforeValidator(_parse_size), Field(ge=0)]
 def _is_text_field(annotation: object) -> bool:
     """str, str | None, or a Literal of strings: settings whose values are text from any source."""
     args = get_args(annotation)
-    if annotation is str:
+    if annotation is str or annotation is SecretStr:
         return True
     if get_origin(annotation) is Literal:
         return all(isinstance(a, str) for a in args)
@@ -374,9 +375,40 @@ class LeaseConfig(_Section):
     ttl: Duration = 10.0
 
 
+class NatsTlsConfig(_Section):
+    """TLS to NATS: a private CA, and a client certificate where the server verifies clients (files, in
+    Kubernetes mounted from Secrets). tls:// URLs, ``enabled`` or any file here turn TLS on."""
+
+    enabled: bool = False
+    caFile: str = ""
+    certFile: str = ""
+    keyFile: str = ""
+    #: The name the server's certificate must carry, where it is not the URL's host.
+    serverName: str = ""
+
+    @model_validator(mode="after")
+    def _pair(self) -> "NatsTlsConfig":
+        if bool(self.certFile) != bool(self.keyFile):
+            raise ValueError("nats.tls.certFile and nats.tls.keyFile go together (a client certificate and its key)")
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.enabled or bool(self.caFile or self.certFile)
+
+
 class NatsConfig(_Section):
     #: One URL, or several separated by commas (every server of a cluster).
     url: str = "nats://127.0.0.1:4222"
+    #: Authentication, one kind at most: user and password, a token, an nkey seed file, or a .creds file
+    #: (JWT and seed). Secrets come from the environment (CACHE_INDEXER_NATS__PASSWORD, ..._TOKEN) or
+    #: mounted files, never from the chart's ConfigMap; ``config show`` masks them.
+    user: str = ""
+    password: SecretStr = SecretStr("")
+    token: SecretStr = SecretStr("")
+    nkeySeedFile: str = ""
+    credsFile: str = ""
+    tls: NatsTlsConfig = NatsTlsConfig()
     #: Replicas of the KV buckets (leases, records) and of the snapshot object store; the streams have
     #: their own (l1Stream/l3Stream.replicas). The chart sets all of them from jetstream.replicas.
     replicas: int = Field(1, ge=1, le=5)
@@ -391,6 +423,16 @@ class NatsConfig(_Section):
     #: only grow stale, so past this the Service stops sending it traffic until it is connected again.
     disconnectGrace: Duration = 10.0
     lease: LeaseConfig = LeaseConfig()
+
+    @model_validator(mode="after")
+    def _one_kind_of_auth(self) -> "NatsConfig":
+        kinds = [k for k, on in (("user/password", self.user), ("token", self.token.get_secret_value()),
+                                 ("nkeySeedFile", self.nkeySeedFile), ("credsFile", self.credsFile)) if on]
+        if len(kinds) > 1:
+            raise ValueError(f"nats: give one kind of authentication, not {' and '.join(kinds)}")
+        if self.password.get_secret_value() and not self.user:
+            raise ValueError("nats.password is set but nats.user is not")
+        return self
 
 
 class Config(_Section):

@@ -22,6 +22,12 @@ MAX_GROUP_IDX = 63
 #: Tokens per block: vLLM's are 16-128 (hybrid models align theirs to a few thousand at most).
 MAX_BLOCK_SIZE = 1 << 16
 GroupIdx = Annotated[int, Field(ge=0, le=MAX_GROUP_IDX)]
+#: vLLM numbers batches with an int64 counter from 0: a seq past it is garbage (or forged).
+MAX_SEQ = (1 << 63) - 1
+#: A generation is the bridge's wall clock (ns) when it started one; further than this ahead of the time
+#: the stream stored the message, it is forged or broken (a generation of 2^63 blinded a pod for ever:
+#: every later, real one is older).
+GEN_MAX_AHEAD_NS = 600 * 10**9
 Medium = Literal["GPU", "CPU", "STORAGE"] | str | None
 
 

@@ -21,12 +21,14 @@ DEPLOYMENT_KEYS = frozenset({
     "enabled", "global", "image", "imagePullSecrets", "nameOverride", "fullnameOverride", "service", "serviceAccount",
     "rbac", "resources", "indexer", "bridge", "monitoring", "podAnnotations", "podLabels", "nodeSelector",
     "tolerations", "affinity", "podSecurityContext", "securityContext", "networkPolicy", "externalNats", "jetstream",
+    "natsTls",
 })
 #: Top-level values of the official NATS chart (2.14.2), found under ``nats`` when it is our sub-chart.
 NATS_CHART_KEYS = frozenset({
     "enabled", "config", "configMap", "container", "extraResources", "fullnameOverride", "global", "headlessService",
     "nameOverride", "namespaceOverride", "natsBox", "podDisruptionBudget", "podTemplate", "promExporter", "reloader",
     "service", "serviceAccount", "statefulSet", "tlsCA",
+    "auth",  # ours: authorization of the bundled NATS (the chart's nats.auth)
 })
 _MISSING = object()
 

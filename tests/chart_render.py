@@ -73,3 +73,26 @@ def config_of(objs) -> dict:
 def nats_conf_of(objs) -> str:
     cm = [o for o in by_kind(objs, "ConfigMap") if "nats.conf" in o.get("data", {})][0]
     return cm["data"]["nats.conf"]
+
+
+def secrets_of(objs) -> dict[str, dict[str, str]]:
+    """The rendered Secrets' data, decoded, by name."""
+    import base64
+
+    return {s["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in (s.get("data") or {}).items()}
+            for s in by_kind(objs, "Secret")}
+
+
+def container_env(objs, kind: str, name: str) -> dict[str, str]:
+    """The environment the first container of a rendered workload gets, secretKeyRefs resolved against
+    the rendered Secrets (fieldRefs and the like left out)."""
+    secrets = secrets_of(objs)
+    workload = by_kind(objs, kind, name)[0]
+    env = {}
+    for e in workload["spec"]["template"]["spec"]["containers"][0].get("env", []):
+        ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+        if ref:
+            env[e["name"]] = secrets[ref["name"]][ref["key"]]
+        elif "value" in e:
+            env[e["name"]] = e["value"]
+    return env

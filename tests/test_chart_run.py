@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from cache_indexer.nats_server import find_binary
-from tests.chart_render import chart_with_nats, config_of, nats_conf_of, needs_nats_chart, render
+from tests.chart_render import chart_with_nats, config_of, container_env, nats_conf_of, needs_nats_chart, render
 from tests.conftest import DATA, ROOT, free_port, http_ready, wait_for
 from tests.kube_fake import FakeKubeApi
 
@@ -37,7 +37,8 @@ def nats_version() -> str:
 class RenderedNats:
     """nats-server with the sub-chart's nats.conf; only what binds or writes moves onto loopback / tmp."""
 
-    def __init__(self, conf: str, tmp: Path) -> None:
+    def __init__(self, conf: str, tmp: Path, env: dict[str, str]) -> None:
+        self.env = env  # the container's environment as rendered (the users' passwords)
         self.port, self.monitor = free_port(), free_port()
         store = tmp / "jetstream"
         replaced = {r'"port": 4222': f'"port": {self.port}', r'"http_port": 8222': f'"http_port": {self.monitor}',
@@ -56,7 +57,7 @@ class RenderedNats:
 
     def start(self) -> None:
         self.proc = subprocess.Popen([find_binary(), "-c", str(self.conf), "-a", "127.0.0.1"],
-                                     env={**os.environ, "SERVER_NAME": "nats-0"},
+                                     env={**os.environ, **self.env, "SERVER_NAME": "nats-0"},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def wait_healthy(self) -> None:
@@ -110,7 +111,7 @@ async def test_rendered_install_starts_and_survives_kill_9_of_every_pod(tmp_path
     objs = render(chart_with_nats(tmp_path / "chart"), given, name="cache-indexer", namespace="infer")
     conf = nats_conf_of(objs)
     assert re.search(r'"max_file_store": 10Gi', conf), "the sub-chart's default store"
-    nats = RenderedNats(conf, tmp_path)
+    nats = RenderedNats(conf, tmp_path, container_env(objs, "StatefulSet", "cache-indexer-nats"))
     kube = await FakeKubeApi().start()
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(json.dumps({
@@ -124,8 +125,9 @@ async def test_rendered_install_starts_and_survives_kill_9_of_every_pod(tmp_path
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(product))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KUBECONFIG": str(kubeconfig)}
-    pods = [Component(kind, config, env, tmp_path / f"{kind}-{i}.log")
-            for kind in ("indexer", "bridge") for i in range(2)]
+    pods = [Component(kind, config, {**env, **container_env(objs, "Deployment", f"cache-indexer-{kind}")},
+                      tmp_path / f"{kind}-{i}.log") for kind in ("indexer", "bridge") for i in range(2)]
+    assert all("CACHE_INDEXER_NATS__PASSWORD" in p.env for p in pods), "the bundled NATS authenticates every role"
     nats.start()
     try:
         await nats.wait_healthy()

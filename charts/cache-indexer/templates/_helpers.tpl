@@ -200,3 +200,165 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 {{- end -}}
+
+{{/* ---- NATS authentication and TLS -------------------------------------------------------------
+     The bundled NATS gets one user per role, their passwords in a Secret (generated and kept across
+     upgrades, or nats.auth.existingSecret); the processes get their role's user and password as
+     environment from that Secret, never through the ConfigMap. These helpers also render inside the
+     NATS sub-chart (its config.merge and container.env, through its $tplYaml), where .Values are the
+     sub-chart's: they take the auth values and the release name explicitly. */}}
+{{- define "cache-indexer.natsAuthSecret" -}}
+{{- .auth.existingSecret | default (printf "%s-nats-auth" (.release | trunc 53 | trimSuffix "-")) -}}
+{{- end -}}
+
+{{/* Stream subjects and JetStream assets (the processes' defaults: nats.l1Stream, nats.l3Stream,
+     nats.lease.bucket, snapshot.bucket and snapshot.metaBucket). */}}
+{{- define "cache-indexer.natsAssets" -}}
+streams: [KV_L1, KV_L3, KV_cache-indexer-leases, KV_cache-indexer-meta, OBJ_cache-indexer-snapshots]
+{{- end -}}
+
+{{/* NATS authorization of the bundled server (in the sub-chart's context). The bridge publishes to the
+     stream subjects and its KV records; indexers read the streams, write snapshots, and only they purge
+     (the snapshot writer compacts KV_L1 and prunes old snapshots); nobody deletes a stream; admin is
+     for operators (nats-box). */}}
+{{- define "cache-indexer.natsAuthorization" -}}
+{{- if (.Values.auth | default dict).enabled -}}
+{{- $streams := (include "cache-indexer.natsAssets" . | fromYaml).streams -}}
+{{- $manage := list "$JS.API.INFO" "$JS.API.STREAM.INFO.*" "$JS.API.STREAM.NAMES" "$JS.API.STREAM.LIST" "$JS.API.STREAM.MSG.GET.*" "$JS.API.DIRECT.GET.>" "$JS.API.CONSUMER.>" "$JS.ACK.>" "$JS.FC.>" -}}
+{{- range $s := $streams -}}
+{{- $manage = concat $manage (list (printf "$JS.API.STREAM.CREATE.%s" $s) (printf "$JS.API.STREAM.UPDATE.%s" $s)) -}}
+{{- end -}}
+{{- $kv := list "$KV.cache-indexer-leases.>" "$KV.cache-indexer-meta.>" -}}
+{{- $deny := list "$JS.API.STREAM.DELETE.>" "$JS.API.STREAM.MSG.DELETE.>" -}}
+authorization:
+  users:
+    - user: cache-indexer-bridge
+      password: "<< $CACHE_INDEXER_BRIDGE_PASSWORD >>"
+      permissions:
+        publish:
+          allow: {{ concat (list "kvcache.l1.>" "kvcache.l3.>") $kv $manage | toJson }}
+          deny: {{ append $deny "$JS.API.STREAM.PURGE.>" | toJson }}
+        subscribe:
+          allow: ["_INBOX.>"]
+    - user: cache-indexer-indexer
+      password: "<< $CACHE_INDEXER_INDEXER_PASSWORD >>"
+      permissions:
+        publish:
+          allow: {{ concat $kv (list "$O.cache-indexer-snapshots.>" "$JS.API.STREAM.PURGE.KV_L1" "$JS.API.STREAM.PURGE.OBJ_cache-indexer-snapshots") $manage | toJson }}
+          deny: {{ concat $deny (list "kvcache.>") | toJson }}
+        subscribe:
+          allow: ["_INBOX.>"]
+    - user: admin
+      password: "<< $CACHE_INDEXER_ADMIN_PASSWORD >>"
+{{- end -}}
+{{- end -}}
+
+{{/* The NATS container's environment: the passwords its configuration reads (sub-chart context). */}}
+{{- define "cache-indexer.natsServerAuthEnv" -}}
+{{- if (.Values.auth | default dict).enabled -}}
+{{- $secret := include "cache-indexer.natsAuthSecret" (dict "auth" .Values.auth "release" .Release.Name) -}}
+{{- range $role := list "bridge" "indexer" "admin" }}
+CACHE_INDEXER_{{ upper $role }}_PASSWORD:
+  valueFrom:
+    secretKeyRef: {name: {{ $secret }}, key: {{ $role }}-password}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/* nats-box as the admin user (the nats CLI reads NATS_USER / NATS_PASSWORD). */}}
+{{- define "cache-indexer.natsBoxAuthEnv" -}}
+{{- if (.Values.auth | default dict).enabled -}}
+NATS_USER: admin
+NATS_PASSWORD:
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "cache-indexer.natsAuthSecret" (dict "auth" .Values.auth "release" .Release.Name) }}
+      key: admin-password
+{{- end -}}
+{{- end -}}
+
+{{/* Our container's NATS credentials (.role: bridge or indexer): the bundled NATS's role user, or what
+     externalNats names in a Secret; files (nkey seed, .creds) are mounted by natsClientVolumes. */}}
+{{- define "cache-indexer.natsClientEnv" -}}
+{{- $env := list -}}
+{{- if .Values.nats.enabled -}}
+{{- if .Values.nats.auth.enabled -}}
+{{- $secret := include "cache-indexer.natsAuthSecret" (dict "auth" .Values.nats.auth "release" .Release.Name) -}}
+{{- $env = append $env (dict "name" "CACHE_INDEXER_NATS__USER" "value" (printf "cache-indexer-%s" .role)) -}}
+{{- $env = append $env (dict "name" "CACHE_INDEXER_NATS__PASSWORD" "valueFrom" (dict "secretKeyRef" (dict "name" $secret "key" (printf "%s-password" .role)))) -}}
+{{- end -}}
+{{- else -}}
+{{- $x := .Values.externalNats -}}
+{{- if $x.user -}}
+{{- $env = append $env (dict "name" "CACHE_INDEXER_NATS__USER" "value" $x.user) -}}
+{{- end -}}
+{{- range $key, $var := dict "passwordKey" "CACHE_INDEXER_NATS__PASSWORD" "tokenKey" "CACHE_INDEXER_NATS__TOKEN" -}}
+{{- if get $x $key -}}
+{{- if not $x.secretName }}{{ fail (printf "externalNats.%s needs externalNats.secretName" $key) }}{{ end -}}
+{{- $env = append $env (dict "name" $var "valueFrom" (dict "secretKeyRef" (dict "name" $x.secretName "key" (get $x $key)))) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- with $env }}
+env:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Files of NATS credentials and TLS, from Secrets: volumeMounts (.part "mounts") or volumes. */}}
+{{- define "cache-indexer.natsClientVolumes" -}}
+{{- $x := .Values.externalNats -}}
+{{- $files := and (not .Values.nats.enabled) (or $x.nkeySeedKey $x.credsKey) -}}
+{{- if and $files (not $x.secretName) }}{{ fail "externalNats.nkeySeedKey / credsKey need externalNats.secretName" }}{{ end -}}
+{{- if eq .part "mounts" -}}
+{{- if $files }}
+- name: nats-credentials
+  mountPath: /etc/nats-credentials
+  readOnly: true
+{{- end }}
+{{- if .Values.natsTls.secretName }}
+- name: nats-tls
+  mountPath: /etc/nats-tls
+  readOnly: true
+{{- end }}
+{{- else -}}
+{{- if $files }}
+- name: nats-credentials
+  secret:
+    secretName: {{ $x.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if .Values.natsTls.secretName }}
+- name: nats-tls
+  secret:
+    secretName: {{ .Values.natsTls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/* The nats section's file settings for the ConfigMap (paths only; secrets never go there). */}}
+{{- define "cache-indexer.natsClientFiles" -}}
+{{- $x := .Values.externalNats -}}
+{{- if not .Values.nats.enabled }}
+{{- with $x.nkeySeedKey }}
+nkeySeedFile: /etc/nats-credentials/{{ . }}
+{{- end }}
+{{- with $x.credsKey }}
+credsFile: /etc/nats-credentials/{{ . }}
+{{- end }}
+{{- end }}
+{{- with .Values.natsTls }}
+{{- if .secretName }}
+tls:
+  caFile: /etc/nats-tls/{{ .caKey | default "ca.crt" }}
+  {{- if .clientCertificate }}
+  certFile: /etc/nats-tls/tls.crt
+  keyFile: /etc/nats-tls/tls.key
+  {{- end }}
+  {{- with .serverName }}
+  serverName: {{ . | quote }}
+  {{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
