@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -47,3 +48,10 @@ def machine() -> str:
 
 def ms(x: float) -> str:
     return f"{x * 1000:.2f} ms"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a subprocess that must be told its port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -22,20 +22,12 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.common import percentile
+from bench.common import free_port, percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 POLL_INTERVAL = 2.0
 QUERY = {"server_ip": ["127.0.3.1", "127.0.3.2", "127.0.3.3", "127.0.3.4"],
          "body": {"token_ids": list(range(2048)), "block_size": 16}}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -71,7 +63,7 @@ async def _one(n: int, tree: Path = ROOT) -> dict:
     master = subprocess.Popen([sys.executable, "-m", "bench.mooncake_master_proc", "--keys", str(n),
                                "--churn-every", str(POLL_INTERVAL)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     url = master.stdout.readline().split()[1]
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "CACHE_INDEXER_RUNTIME_DIR": str(tmp)}
     local = subprocess.Popen([sys.executable, "-m", "cache_indexer.cli", "local", "--targets", str(targets),
                               "--set", f"http.port={port}", "--set", f"ingest.l3.pollInterval={POLL_INTERVAL}s",

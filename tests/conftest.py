@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import socket
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import free_port  # noqa: F401  (tests import it from here)
 from cache_indexer.nats_server import NatsServer, find_binary
 
 #: Test data copied into the repository (see tests/data/README.md): a clone needs nothing beside it.
@@ -142,13 +142,6 @@ async def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.01)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a subprocess that must be told its port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def http_ready(session, url: str) -> bool:

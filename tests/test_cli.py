@@ -61,6 +61,14 @@ def test_bench_help_and_unknown_names():
     assert r.returncode == 2 and "invalid choice: 'nope'" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_the_dynamo_side_by_side_says_what_is_missing_and_skips():
+    """The peer is an optional extra: without it the benchmark prints why and how to get it."""
+    env = {k: v for k, v in os.environ.items() if k != "DYNAMO_PYTHON"}
+    code = "import bench.dynamo as d; d.dynamo_python = lambda: None; print(d.table(d.run()))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and "skipped: Dynamo's indexer is not installed: pip install -e '.[bench]'" in r.stdout
+
+
 @pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None, reason="needs a git checkout")
 def test_readme_test_command_collects_in_a_fresh_clone_without_shared(tmp_path):
     """A user's clone has no ../shared: every test must find its data inside the repository."""

@@ -1,0 +1,324 @@
+"""Side by side with NVIDIA Dynamo's standalone KV indexer (`python -m dynamo.indexer`, PyPI
+`ai-dynamo-runtime`, the optional `bench` extra; or a Python that has it in `DYNAMO_PYTHON`): the same
+fake vLLM engines (own processes, vLLM's exact frames, chains with real token ids), the same prompts,
+in one run, the two systems alternated.
+
+- Ingest: 4 engines publish chains of 32, 8 or 1 blocks per message as fast as they can; block events
+  per second from the first publish until every engine's last chain answers as fully cached, and CPU
+  seconds per 100k block events of each system's processes (ours: bridge, indexer, nats-server;
+  engines excluded). Two runs each, alternated; the better one counts.
+- Query: 16 engines hold the first 1/16..16/16 of one 32k-token prompt (block size 16); both systems
+  follow the same engines at once and answer the same query, alternately: p50/p99 of sequential
+  queries, then requests per second with 16 concurrent connections. Both answers are checked exact.
+
+Runs in a network namespace with only loopback (`unshare -n`; Dynamo listens on all interfaces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from bench.common import free_port, percentile
+from bench.side_engines import BLOCK, chain_tokens, query_prompt
+from cache_indexer.nats_server import NatsServer
+
+ROOT = Path(__file__).resolve().parents[1]
+INGEST_SHAPES = [(32, 2500), (8, 5000), (1, 5000)]  # (block events per message, messages per engine)
+ENGINES = 4
+QUERY_PODS, QUERY_TOKENS = 16, 32768
+
+
+def dynamo_python() -> str | None:
+    if os.environ.get("DYNAMO_PYTHON"):
+        return os.environ["DYNAMO_PYTHON"]
+    return sys.executable if importlib.util.find_spec("dynamo") else None
+
+
+def _cpu(pids: list[int]) -> float:
+    """User + system CPU seconds of the processes (all their threads) so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError):
+            pass
+    return total / tick
+
+
+def _spawn(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, **kw)
+
+
+class Ours:
+    name = "cache-indexer"
+
+    def __init__(self, vllm: list[tuple[str, int, int]]) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="bench-side-"))
+        (self.tmp / "targets.yaml").write_text("vllm:\n" + "".join(
+            f"  - ip: {ip}\n    zmqPort: {pub}\n    replayPort: {rep}\n" for ip, pub, rep in vllm))
+        self.port = free_port()
+        self.nats = self.procs = None
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self.nats = NatsServer().start()
+        common = ["--set", f"nats.url={self.nats.url}", "--set", "log.level=warning", "--set", "http.host=127.0.0.1"]
+        self.procs = [
+            _spawn("-m", "cache_indexer.cli", "bridge", *common, "--set", f"discovery.static.file={self.tmp / 'targets.yaml'}",
+                   "--set", f"http.port={free_port()}", "--set", "ingest.l1.blockKeyCheckInterval=0"),
+            _spawn("-m", "cache_indexer.cli", "indexer", *common, "--set", f"http.port={self.port}")]
+        await _until(lambda: _ok(session, "GET", f"http://127.0.0.1:{self.port}/readyz"), 60)
+
+    def pids(self) -> list[int]:
+        return [self.nats.proc.pid, *(p.pid for p in self.procs)]
+
+    def request(self, pods: list[str], tokens: list[int]) -> tuple[str, bytes]:
+        body = {"server_ip": pods, "body": {"token_ids": tokens, "block_size": BLOCK}}
+        return f"http://127.0.0.1:{self.port}/kv-cache/hit-rate", json.dumps(body).encode()
+
+    def lengths(self, answer: dict, pods: list[str], tokens: list[int]) -> list[int]:
+        return [round(s["l1_hit_ratio"] * len(tokens)) for s in answer["server_score_list"]]
+
+    def stop(self) -> None:
+        for p in self.procs or ():
+            p.terminate()
+        for p in self.procs or ():
+            p.wait(20)
+        if self.nats:
+            self.nats.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class Dynamo:
+    name = "Dynamo"
+
+    def __init__(self, vllm: list[tuple[str, int, int]]) -> None:
+        self.vllm = vllm
+        self.port = free_port()
+        self.proc = None
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        workers = ",".join(f"{k + 1}=tcp://{ip}:{pub}" for k, (ip, pub, _) in enumerate(self.vllm))
+        self.proc = subprocess.Popen([dynamo_python(), "-m", "dynamo.indexer", "--port", str(self.port), "--block-size",
+                                      str(BLOCK), "--workers", workers], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await _until(lambda: _ok(session, "GET", f"http://127.0.0.1:{self.port}/workers"), 60)
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
+
+    def request(self, pods: list[str], tokens: list[int]) -> tuple[str, bytes]:
+        return f"http://127.0.0.1:{self.port}/query", json.dumps({"token_ids": tokens, "model_name": "default"}).encode()
+
+    def lengths(self, answer: dict, pods: list[str], tokens: list[int]) -> list[int]:
+        instances = answer.get("instances") or {}
+        ids = [str(k + 1) for k, (ip, _, _) in enumerate(self.vllm) if ip in pods]
+        return [(instances.get(i) or {}).get("longest_matched", 0) for i in ids]
+
+    def stop(self) -> None:
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait(20)
+
+
+async def full_lengths(system, session, pods: list[str], tokens: list[int], request=None) -> list[int]:
+    """Cached tokens per pod, as the system answers (``request``: pre-encoded, so the client's own JSON
+    encoding of a long prompt is not timed)."""
+    url, body = request or system.request(pods, tokens)
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        return system.lengths(await r.json(), pods, tokens)
+
+
+async def _ok(session, method: str, url: str) -> bool:
+    try:
+        async with session.request(method, url) as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+async def _until(predicate, timeout: float, every: float = 0.01) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark condition not reached")
+        await asyncio.sleep(every)
+
+
+def _read_ports(proc: subprocess.Popen) -> tuple[int, int]:
+    _, pub, rep = proc.stdout.readline().split()
+    return int(pub), int(rep)
+
+
+async def _ingest_once(kind, events: int, batches: int) -> dict:
+    engines = [_spawn("-m", "bench.side_engines", "--mode", "ingest", "--host", f"127.0.2.{i + 1}", "--seed", str(i + 1),
+                      "--events", str(events), "--batches", str(batches), stdout=subprocess.PIPE, text=True)
+               for i in range(ENGINES)]
+    vllm = [(f"127.0.2.{i + 1}", *_read_ports(p)) for i, p in enumerate(engines)]
+    system = kind(vllm)
+    finals = [chain_tokens(i + 1, batches - 1, events) for i in range(ENGINES)]
+    try:
+        async with aiohttp.ClientSession() as session:
+            await system.start(session)
+            starts = [float(p.stdout.readline().split()[1]) for p in engines]
+            cpu0 = _cpu(system.pids())
+
+            async def all_in() -> bool:
+                for (ip, _, _), tokens in zip(vllm, finals):
+                    if (await full_lengths(system, session, [ip], tokens)) != [len(tokens)]:
+                        return False
+                return True
+            await _until(all_in, 600, every=0.005)
+            done = time.time()
+            cpu = _cpu(system.pids()) - cpu0
+    finally:
+        system.stop()
+        for p in engines:
+            p.kill()
+            p.wait()
+    n = ENGINES * batches * events
+    return {"rate": n / (done - min(starts)), "cpu_per_100k": cpu / n * 100_000}
+
+
+async def _query_latency(system, session, pods, prompt, expected, n: int) -> list[float]:
+    out = []
+    request = system.request(pods, prompt)
+    for i in range(n + 10):
+        t = time.perf_counter()
+        got = await full_lengths(system, session, pods, prompt, request)
+        if i >= 10:
+            out.append(time.perf_counter() - t)
+        assert got == expected, f"{system.name} answered {got[:4]}..., expected {expected[:4]}..."
+    return out
+
+
+async def _throughput(system, pods, prompt, seconds: float = 5.0, conns: int = 16) -> float:
+    done = 0
+    stop = time.monotonic() + seconds
+    request = system.request(pods, prompt)
+
+    async def worker() -> None:
+        nonlocal done
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() < stop:
+                await full_lengths(system, s, pods, prompt, request)
+                done += 1
+    t = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(conns)))
+    return done / (time.monotonic() - t)
+
+
+async def _query() -> dict:
+    engines = _spawn("-m", "bench.side_engines", "--mode", "query", "--pods", str(QUERY_PODS), "--tokens",
+                     str(QUERY_TOKENS), "--subscribers", "2", stdout=subprocess.PIPE, text=True)
+    vllm = []
+    for _ in range(QUERY_PODS):
+        _, ip, pub, rep = engines.stdout.readline().split()
+        vllm.append((ip, int(pub), int(rep)))
+    pods = [ip for ip, _, _ in vllm]
+    prompt = query_prompt(QUERY_TOKENS, BLOCK)
+    expected = [len(prompt) * (k + 1) // QUERY_PODS for k in range(QUERY_PODS)]
+    systems = [Ours(vllm), Dynamo(vllm)]
+    out: dict = {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for s in systems:
+                await s.start(session)
+            assert engines.stdout.readline().strip() == "READY"
+            for s in systems:
+                await _until(lambda s=s: _equal(s, session, pods, prompt, expected), 120, every=0.05)
+            lat = {s.name: [] for s in systems}
+            for _ in range(4):  # alternated
+                for s in systems:
+                    lat[s.name] += await _query_latency(s, session, pods, prompt, expected, 50)
+            for s in systems:
+                out[s.name] = {"p50": percentile(lat[s.name], 50), "p99": percentile(lat[s.name], 99),
+                               "rps": await _throughput(s, pods, prompt)}
+    finally:
+        for s in systems:
+            s.stop()
+        engines.kill()
+        engines.wait()
+    return out
+
+
+async def _equal(system, session, pods, prompt, expected) -> bool:
+    try:
+        return await full_lengths(system, session, pods, prompt) == expected
+    except (aiohttp.ClientError, KeyError, TypeError):
+        return False
+
+
+def _in_namespace(quick: bool) -> list[dict] | None:
+    """Re-run this benchmark inside a loopback-only network namespace; None when already inside."""
+    if os.environ.get("BENCH_NETNS") == "1":
+        return None
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        raise RuntimeError("needs root, unshare and ip (Dynamo listens on all interfaces: it runs in a "
+                           "loopback-only network namespace)")
+    code = f"import json, bench.dynamo as d; print('RESULT ' + json.dumps(d.run({quick})))"
+    r = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {sys.executable} -c \"{code}\""],
+                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "BENCH_NETNS": "1",
+                                                                    "PYTHONPATH": str(ROOT)})
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"side-by-side run failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+
+
+def run(quick: bool = False) -> list[dict]:
+    if not dynamo_python():
+        return [{"skipped": "Dynamo's indexer is not installed: pip install -e '.[bench]' (ai-dynamo-runtime), "
+                            "or set DYNAMO_PYTHON to a Python that has it"}]
+    inside = _in_namespace(quick)
+    if inside is not None:
+        return inside
+    rows = []
+    shapes = INGEST_SHAPES if not quick else [(8, 500)]
+    for events, batches in shapes:
+        best: dict = {}
+        for _ in range(1 if quick else 2):
+            for kind in (Ours, Dynamo):
+                r = asyncio.run(_ingest_once(kind, events, batches))
+                if kind.name not in best or r["rate"] > best[kind.name]["rate"]:
+                    best[kind.name] = r
+        rows.append({"kind": "ingest", "events": events, **{f"{k}_{m}": v for k, r in best.items() for m, v in r.items()}})
+    q = asyncio.run(_query())
+    rows.append({"kind": "query", **{f"{k}_{m}": v for k, r in q.items() for m, v in r.items()}})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    if rows and "skipped" in rows[0]:
+        return f"skipped: {rows[0]['skipped']}"
+    o, d = "cache-indexer", "Dynamo"
+    lines = ["| measure | cache-indexer | Dynamo | ratio (ours / Dynamo) |", "|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] == "ingest":
+            lines.append(f"| ingest, {ENGINES} engines, {r['events']} block events per message | {r[o + '_rate']:,.0f} ev/s | "
+                         f"{r[d + '_rate']:,.0f} ev/s | {r[o + '_rate'] / r[d + '_rate']:.2f} |")
+            lines.append(f"| CPU per 100k block events, {r['events']} per message | {r[o + '_cpu_per_100k']:.2f} s | "
+                         f"{r[d + '_cpu_per_100k']:.2f} s | {r[o + '_cpu_per_100k'] / max(r[d + '_cpu_per_100k'], 1e-9):.1f}x |")
+        else:
+            shape = f"{QUERY_TOKENS // 1024}k tokens, bs {BLOCK}, {QUERY_PODS} pods"
+            lines.append(f"| query {shape}: p50 / p99 | {r[o + '_p50'] * 1e3:.2f} / {r[o + '_p99'] * 1e3:.2f} ms | "
+                         f"{r[d + '_p50'] * 1e3:.2f} / {r[d + '_p99'] * 1e3:.2f} ms | "
+                         f"{r[o + '_p50'] / r[d + '_p50']:.2f} / {r[o + '_p99'] / r[d + '_p99']:.2f} |")
+            lines.append(f"| 16 concurrent connections, {shape} | {r[o + '_rps']:,.0f} req/s | {r[d + '_rps']:,.0f} req/s | "
+                         f"{r[o + '_rps'] / r[d + '_rps']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table(run(quick="--quick" in sys.argv)))
