@@ -77,8 +77,10 @@ def split_events(events: list[dict], budget: int) -> list[list[dict]]:
 
 class L1Publisher:
     def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, js=None, stream: str = "",
-                 max_payload: Callable[[], int] | None = None) -> None:
+                 max_payload: Callable[[], int] | None = None, bridge: str = "-") -> None:
         self._pub = publisher
+        #: which bridge published (the Kv-Bridge header): who relayed a pod when, for operators and tests
+        self._bridge = bridge
         self._prefix = subject_prefix
         self._js = js
         self._stream = stream
@@ -132,7 +134,7 @@ class L1Publisher:
             kinds = ",".join(sorted({e["kind"] for e in part}))
             msg_id = f"{pod}:{rank}:{gen}:{seq}" + (f":{i}" if len(parts) > 1 else "")
             extra = {"Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(seq), "Kv-Epoch": epoch or "-",
-                     "Kv-Events": str(len(part)), "Kv-Kinds": kinds or "-"}
+                     "Kv-Events": str(len(part)), "Kv-Kinds": kinds or "-", "Kv-Bridge": self._bridge}
             if len(parts) > 1:
                 extra["Kv-Part"] = f"{i + 1}/{len(parts)}"
             await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, _headers(pod, msg_id, "batch", **extra))
@@ -142,10 +144,11 @@ class L1Publisher:
                                  "next_seq": next_seq, "reason": reason})
         headers = _headers(pod, f"{pod}:{rank}:{gen}:reset", "reset", **{
             "Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(next_seq), "Kv-Epoch": epoch or "-",
-            "Kv-Reason": reason})
+            "Kv-Reason": reason, "Kv-Bridge": self._bridge})
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers)
 
     async def pod_removed(self, pod: str, reason: str) -> None:
         payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "pod_removed", "pod": pod, "reason": reason})
-        headers = _headers(pod, f"{pod}:removed:{new_generation()}", "pod_removed", **{"Kv-Reason": reason})
+        headers = _headers(pod, f"{pod}:removed:{new_generation()}", "pod_removed",
+                           **{"Kv-Reason": reason, "Kv-Bridge": self._bridge})
         await self._pub.publish(l1_lifecycle_subject(self._prefix, pod), payload, headers)

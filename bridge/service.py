@@ -4,7 +4,8 @@ When an endpoint's pod leaves discovery the bridge stops its subscribers and pub
 on the stream, so every indexer drops the pod through the same ordered log.
 
 Several bridges run active/standby (``ingest.leaderElection``): only the holder of a KV lease
-discovers and subscribes. Active/active would also be correct (message ids dedupe identical
+discovers and subscribes. With ``ingest.sharded`` they all run active instead, each publishing for its
+own share of the pods and masters (bridge/shard_leases.py), so capacity grows with their number. Active/active would also be correct (message ids dedupe identical
 batches), but each bridge starts its own sequence generation, so two writers make indexers throw
 away the older one's work and double the stream traffic; a standby that resumes from the stream
 costs one lease TTL of delay and nothing else.
@@ -29,6 +30,7 @@ from bridge.l1_publisher import L1Publisher
 from bridge.l3_publisher import L3Publisher
 from bridge.mooncake_poller import MasterTarget, MooncakePoller
 from bridge.receive_budget import ReceiveBudget
+from bridge.shard_leases import ShardLeases
 from bridge.static_targets import StaticTargets
 from bridge.targets_record import TargetsRecord
 from bridge.vllm_subscriber import Endpoint, VllmSubscriber
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 _RESTORE_EVERY = 2.0
 #: Bytes of a message's limit kept for its headers (ours take about 300).
 _HEADER_ROOM = 1024
+#: Shard targets: a vLLM pod (its IP) or a Mooncake master (its name).
+POD, MASTER = "pod:", "master:"
 
 
 class Bridge:
@@ -61,7 +65,12 @@ class Bridge:
         interval = cfg.ingest.l1.blockKeyCheckInterval
         self.block_key_check = BlockKeyCheck(cfg.blockKey, self.metrics, interval) if interval else None
         self._watch_task: asyncio.Task | None = None
-        self._known: set[Endpoint] = set()
+        #: what discovery listed last, all of it (a sharded bridge subscribes to its share only)
+        self._endpoints: list[Endpoint] = []
+        self._masters: list[MasterTarget] = []
+        self._discovered_pods: set[str] = set()
+        self._discovered_masters: set[str] = set()
+        self.shards: ShardLeases | None = None
         self._kube_client = kube_client  # a kubernetes_asyncio ApiClient; None: in-cluster or kubeconfig
         self.discovery: KubernetesDiscovery | None = None
         self.master_discovery: KubernetesDiscovery | None = None
@@ -87,13 +96,19 @@ class Bridge:
                                             self.cfg.nats.publish.ackTimeout, on_no_stream=self._stream_missing)
         await self.publisher.start()
         nc, nats = self.nc, self.cfg.nats
+        holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.l1 = L1Publisher(self.publisher, nats.l1Stream.subjectPrefix, js, nats.l1Stream.name,
-                              lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM)
+                              lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM, holder)
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
                               lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics)
         self.targets_record = TargetsRecord(js, self.cfg.snapshot.metaBucket, self.cfg.nats.replicas)
-        if self.cfg.ingest.leaderElection:
-            holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        if self.cfg.ingest.sharded:
+            self.shards = ShardLeases(js, self.cfg.nats.lease.bucket, holder, self.cfg.nats.lease.ttl,
+                                      self.cfg.nats.replicas, self._on_owned)
+            self.shards.start()
+            self.metrics.bridge_leader.set(1)  # every bridge is active, for its share
+            await self._start_sources()
+        elif self.cfg.ingest.leaderElection:
             self.lease = Lease(js, self.cfg.nats.lease.bucket, "bridge-l1-leader", holder, self.cfg.nats.lease.ttl,
                                self.cfg.nats.replicas)
             self.lease.start()
@@ -141,7 +156,8 @@ class Bridge:
         for sub in self.subscribers.values():
             await sub.stop()
         self.subscribers.clear()
-        self._known = set()
+        self._endpoints, self._masters = [], []
+        self._discovered_pods, self._discovered_masters = set(), set()
         for poller in self.pollers.values():
             await poller.stop()
         self.pollers.clear()
@@ -170,18 +186,39 @@ class Bridge:
             await asyncio.sleep(interval)
 
     async def set_endpoints(self, endpoints: list[Endpoint]) -> None:
-        """Reconcile subscriptions with the wanted endpoints; publishes pod_removed for vanished pods."""
+        """Discovery's answer: subscribe to what this bridge publishes for (all of it, or its share), and
+        publish pod_removed for pods that left (a sharded bridge for those placed on it)."""
+        self._endpoints = list(endpoints)
+        live = {e.pod for e in endpoints}
+        gone = (self._discovered_pods | self._inherited_pods) - live
+        self._discovered_pods, self._inherited_pods = live, set()
+        await self._subscribe_to(self._mine(endpoints))
+        for pod in sorted(gone):
+            if self.shards is None or self.shards.is_owner(POD + pod):
+                await self.l1.pod_removed(pod, "discovery")
+            if self.block_key_check is not None:
+                self.block_key_check.forget(pod)
+        self._want_shards()
+        await self.targets_record.save(pods=live)
+
+    def _mine(self, endpoints: list[Endpoint]) -> list[Endpoint]:
+        return endpoints if self.shards is None else [e for e in endpoints if POD + e.pod in self.shards.held]
+
+    def _want_shards(self) -> None:
+        if self.shards is not None:
+            self.shards.want({POD + p for p in self._discovered_pods} | {MASTER + m for m in self._discovered_masters})
+
+    async def _on_owned(self, held: set[str]) -> None:
+        """The shards this bridge holds changed: follow them (what moved away is stopped before its
+        lease is released; what arrived resumes from the stream)."""
+        await self._subscribe_to(self._mine(self._endpoints))
+        await self._poll(self._mine_masters(self._masters))
+
+    async def _subscribe_to(self, endpoints: list[Endpoint]) -> None:
         wanted = set(endpoints)
         for ep in [e for e in self.subscribers if e not in wanted]:
             await self.subscribers.pop(ep).stop()
             log.info("unsubscribed %s rank %d (%s)", ep.pod, ep.rank, ep.pub)
-        live_pods = {e.pod for e in wanted}
-        gone = ({e.pod for e in self._known} | self._inherited_pods) - live_pods
-        self._inherited_pods = set()
-        for pod in sorted(gone):
-            await self.l1.pod_removed(pod, "discovery")
-            if self.block_key_check is not None:
-                self.block_key_check.forget(pod)
         for ep in endpoints:
             if ep not in self.subscribers:
                 sub = VllmSubscriber(self.ctx, ep, self.cfg.ingest.l1, self.l1, self.metrics, self._replay_slots,
@@ -190,8 +227,6 @@ class Bridge:
                 sub.start()
                 self.subscribers[ep] = sub
                 log.info("subscribed %s rank %d at %s (replay %s)", ep.pod, ep.rank, ep.pub, ep.replay or "off")
-        self._known = wanted
-        await self.targets_record.save(pods=live_pods)
 
     def _stream_missing(self) -> None:
         """A publish found no stream: look (at most every few seconds) and recreate what was lost."""
@@ -215,18 +250,30 @@ class Bridge:
                 log.exception("stream %s: cannot check or recreate it", name)
 
     async def set_masters(self, masters: list[MasterTarget]) -> None:
-        """Reconcile Mooncake pollers; a master that is gone gets an empty full state (its L3 entries drop)."""
+        """Discovery's Mooncake masters: poll what this bridge polls (all, or its share); a master that is
+        gone gets an empty full state (its L3 entries drop), from one bridge."""
+        self._masters = list(masters)
+        names = {t.name for t in masters}
+        gone = (self._discovered_masters | self._inherited_masters) - names
+        self._discovered_masters, self._inherited_masters = names, set()
+        await self._poll(self._mine_masters(masters))
+        for name in sorted(gone):
+            if self.shards is None or self.shards.is_owner(MASTER + name):
+                await self.l3.full(name, {})
+                log.info("mooncake master %s is gone: its L3 entries are dropped", name)
+        self._want_shards()
+        await self.targets_record.save(masters=names)
+
+    def _mine_masters(self, masters: list[MasterTarget]) -> list[MasterTarget]:
+        return masters if self.shards is None else [m for m in masters if MASTER + m.name in self.shards.held]
+
+    async def _poll(self, masters: list[MasterTarget]) -> None:
         if self._http is None:
             self._http = aiohttp.ClientSession()
         wanted = set(masters)
         for target in [t for t in self.pollers if t not in wanted]:
-            await self.pollers.pop(target).stop(reset=True)
+            await self.pollers.pop(target).stop()
             log.info("stopped polling mooncake master %s", target.name)
-        names = {t.name for t in wanted}
-        for name in sorted(self._inherited_masters - names - {t.name for t in self.pollers}):
-            await self.l3.full(name, {})  # left while no bridge polled it
-            log.info("mooncake master %s is gone since the last bridge: its L3 entries are dropped", name)
-        self._inherited_masters = set()
         for target in masters:
             if target not in self.pollers:
                 poller = MooncakePoller(target, self.cfg.ingest.l3, self.l3, self.metrics, self._http,
@@ -234,7 +281,6 @@ class Bridge:
                 poller.start()
                 self.pollers[target] = poller
                 log.info("polling mooncake master %s at %s", target.name, target.url)
-        await self.targets_record.save(masters=names)
 
     async def stop(self) -> None:
         if self._lease_task:
@@ -244,6 +290,8 @@ class Bridge:
         await self._stop_sources()
         if self.lease:
             await self.lease.stop()
+        if self.shards:
+            await self.shards.stop()
         if self.publisher:
             await self.publisher.flush(5.0)
             await self.publisher.close()

@@ -314,6 +314,10 @@ class IngestConfig(_Section):
     #: Active/standby bridges: only the holder of a KV lease subscribes; the standby takes over after
     #: nats.lease.ttl and resumes each engine from the stream (gap replay, no reset).
     leaderElection: bool = True
+    #: Every bridge active at once, each publishing for its own share of the pods and masters (a lease
+    #: per target in the lease bucket, placed by rendezvous hashing over the live bridges); a dead
+    #: bridge's share moves within nats.lease.ttl and resumes from the stream. Replaces leaderElection.
+    sharded: bool = False
 
 
 class StreamConfig(_Section):

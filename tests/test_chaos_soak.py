@@ -57,12 +57,13 @@ class Engine:
         return n / len(chain)
 
 
-async def answers(port: int) -> list[list[float]] | None:
+async def answers(port: int, pods: list[str] = PODS) -> list[list[float]] | None:
+    """A replica's ratios for every document and pod; None while it cannot answer."""
     try:
         async with aiohttp.ClientSession() as s:
             out = []
             for doc in DOCS:
-                body = {"server_ip": PODS, "body": {"token_ids": doc, "block_size": BS}}
+                body = {"server_ip": pods, "body": {"token_ids": doc, "block_size": BS}}
                 async with s.post(f"http://127.0.0.1:{port}/kv-cache/hit-rate", json=body) as r:
                     if r.status != 200:
                         return None

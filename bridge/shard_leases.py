@@ -1,0 +1,129 @@
+"""Bridges that share the work (``ingest.sharded``): every live bridge owns a disjoint set of targets
+(vLLM pods, Mooncake masters), so ingest capacity grows with the number of bridges.
+
+- Membership: each bridge keeps a key ``member.<holder>`` in the lease bucket (whose TTL is the lease
+  TTL) fresh; the live bridges are the keys present.
+- Placement: rendezvous hashing of each target over the live bridges; every bridge computes the same
+  owner, and when a bridge joins or leaves only its own share moves.
+- Exclusion: a bridge publishes for a target only while it holds the target's lease ``own.<target>``
+  (created by one holder only, renewed by revision, gone after the TTL when the holder dies). A target
+  that moves is stopped and released by its old owner before the new one can take it; the new owner
+  resumes it from the stream (bridge/vllm_subscriber.py: replay of the gap, no reset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+
+from cache_indexer.streams import kv_bucket, subject_token
+from cache_indexer.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+MEMBER = "member."
+OWN = "own."
+
+
+def owner(target: str, members: list[str]) -> str:
+    """The rendezvous (highest random weight) owner of ``target`` among ``members``."""
+    return max(members, key=lambda m: hashlib.blake2b(f"{target}\0{m}".encode(), digest_size=8).digest())
+
+
+class ShardLeases:
+    def __init__(self, js, bucket: str, holder: str, ttl: float, replicas: int,
+                 on_owned: Callable[[set[str]], Awaitable[None]]) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.holder = holder
+        self.ttl = ttl
+        self.replicas = replicas
+        self.on_owned = on_owned  # called with the targets held, after every change
+        self.wanted: set[str] = set()  # every target discovery lists now
+        self.held: dict[str, int] = {}  # target -> revision of its lease
+        self.members: list[str] = [holder]
+        self._kv = None
+        self._task: asyncio.Task | None = None
+        self._poke = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="bridge-shards")
+
+    def want(self, targets: set[str]) -> None:
+        """What discovery lists now; placement follows at once."""
+        self.wanted = set(targets)
+        self._poke.set()
+
+    def is_owner(self, target: str) -> bool:
+        """Whether this bridge is the target's place among the live bridges (held or not)."""
+        return owner(target, self.members) == self.holder
+
+    async def stop(self) -> None:
+        if self._task:
+            await cancel_and_wait(self._task)
+        kv = self._kv
+        for target, rev in list(self.held.items()):  # hand over at once instead of after the TTL
+            await self._release(target, rev)
+        if kv is not None:
+            try:
+                await kv.delete(MEMBER + self.holder)
+            except Exception:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("shard leases: a round failed; the targets held are kept until their TTL")
+            try:
+                await asyncio.wait_for(self._poke.wait(), self.ttl / 4)
+            except asyncio.TimeoutError:
+                pass
+            self._poke.clear()
+
+    async def _round(self) -> None:
+        if self._kv is None:
+            self._kv = await kv_bucket(self.js, self.bucket, self.replicas, ttl=self.ttl, history=1)
+        kv = self._kv
+        await kv.put(MEMBER + self.holder, b"1")
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            keys = []
+        self.members = sorted({k[len(MEMBER):] for k in keys if k.startswith(MEMBER)} | {self.holder})
+        before = set(self.held)
+        mine = {t for t in self.wanted if self.is_owner(t)}
+        for target in [t for t in self.held if t not in mine]:  # moved or gone: stop first, then release
+            rev = self.held.pop(target)
+            await self.on_owned(set(self.held))
+            await self._release(target, rev)
+        for target, rev in list(self.held.items()):
+            try:
+                self.held[target] = await kv.update(OWN + subject_token(target), self.holder.encode(), last=rev)
+            except KeyWrongLastSequenceError:  # expired and taken meanwhile: no longer ours
+                log.warning("shard lease of %s lost", target)
+                del self.held[target]
+        for target in sorted(mine - set(self.held)):
+            try:
+                self.held[target] = await kv.create(OWN + subject_token(target), self.holder.encode())
+            except KeyWrongLastSequenceError:
+                pass  # the previous owner has not released it yet, or died: its TTL runs out
+        if set(self.held) != before:
+            log.info("bridge %s owns %d of %d targets (%d bridges)", self.holder, len(self.held), len(self.wanted),
+                     len(self.members))
+            await self.on_owned(set(self.held))
+
+    async def _release(self, target: str, rev: int) -> None:
+        try:
+            await self._kv.delete(OWN + subject_token(target), last=rev)
+        except (KeyWrongLastSequenceError, KeyNotFoundError):
+            pass
+        except Exception as exc:
+            log.warning("shard lease of %s not released (%s): it expires after the TTL", target, exc)

@@ -1,0 +1,126 @@
+"""Issue 15: bridges that scale out (``ingest.sharded``).
+
+Three bridge processes share 12 fake engines on one nats-server; one of them is killed with SIGKILL in
+the middle of a burst. Its pods move to the two others within the lease TTL and resume from the stream
+(the gap comes from the engines' replay buffers). Afterwards both indexer replicas answer exactly what
+the engines hold, every bridge had a share before the kill, and no pod was ever published by two
+bridges at once (the stream's Kv-Bridge headers: per pod, a bridge that stopped never comes back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import aiohttp
+import zmq.asyncio
+from nats.js import api
+
+import nats
+from cache_indexer.replica import Replica
+from tests.conftest import free_port, make_config, wait_for
+from tests.test_chaos_soak import CHAINS, Engine, answers
+from tests.test_recovery import spawn, write_config
+
+PODS = [f"127.0.0.{91 + i}" for i in range(12)]
+
+
+async def _subscriptions(session: aiohttp.ClientSession, port: int) -> int | None:
+    try:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith("cache_indexer_bridge_subscriptions "):
+                    return int(float(line.split()[1]))
+    except aiohttp.ClientError:
+        return None
+    return None
+
+
+async def _publishers_by_pod(nats_url: str, stream: str) -> dict[str, list[str]]:
+    """Per pod, the bridges that published its messages, in stream order (runs collapsed)."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        last = (await js.stream_info(stream)).state.last_seq
+        sub = await js.subscribe(">", stream=stream, ordered_consumer=True,
+                                 config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
+        runs: dict[str, list[str]] = {}
+        while True:
+            msg = await sub.next_msg(timeout=10)
+            h = msg.headers or {}
+            if "Kv-Bridge" in h:
+                seen = runs.setdefault(h["Kv-Pod"], [])
+                if not seen or seen[-1] != h["Kv-Bridge"]:
+                    seen.append(h["Kv-Bridge"])
+            if msg.metadata.sequence.stream >= last:
+                return runs
+    finally:
+        await nc.close()
+
+
+async def test_three_sharded_bridges_share_12_engines_and_survive_a_sigkill_mid_burst(nats_url, stream_prefix, tmp_path):
+    rng = random.Random(15)
+    ctx = zmq.asyncio.Context()
+    engines = [Engine(ctx, pod) for pod in PODS]
+    targets = tmp_path / "targets.yaml"
+    targets.write_text("vllm:\n" + "".join(f"  - ip: {e.pub.host}\n    zmqPort: {e.pub.pub_port}\n"
+                                           f"    replayPort: {e.pub.replay_port}\n" for e in engines))
+    cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"}, ingest={"sharded": True})
+    ports = [free_port() for _ in range(3)]
+    bridges = [spawn("bridge", "--config", str(write_config(cfg, tmp_path / f"bridge{i}.yaml", **{
+        "discovery.static.file": str(targets), "http.port": port}))) for i, port in enumerate(ports)]
+    replicas = [Replica(cfg), Replica(cfg)]
+    try:
+        for r in replicas:
+            await r.start()
+        async with aiohttp.ClientSession() as session:
+            async def shares() -> list[int | None]:
+                return [await _subscriptions(session, p) for p in ports]
+
+            async def spread() -> bool:
+                s = await shares()
+                return None not in s and sum(s) == len(PODS) and min(s) > 0
+            await wait_for(spread, 60, "the 12 engines spread over the 3 bridges")
+            print("shares before the kill:", await shares())
+            for e in engines:
+                await e.pub.wait_subscribed(30)
+
+            steps = 1200
+            for i in range(steps):
+                await rng.choice(engines).step(rng)
+                if i % 20 == 0:
+                    await asyncio.sleep(0.005)
+                if i == steps // 3:
+                    bridges[0].send_signal(signal.SIGKILL)
+                    await asyncio.to_thread(bridges[0].wait, 10)
+
+            async def survivors_cover_all() -> bool:
+                s = [await _subscriptions(session, p) for p in ports[1:]]
+                return None not in s and sum(s) == len(PODS)
+            await wait_for(survivors_cover_all, 30, "the killed bridge's pods taken over by the two others")
+
+            expected = [[e.expected(chain) for e in engines] for chain in CHAINS]
+            for r in replicas:
+                port = r.http.port
+
+                async def equal(port=port) -> bool:
+                    return await answers(port, PODS) == expected
+                await wait_for(equal, 60, f"replica on {port} equal to the engines")
+
+        runs = await _publishers_by_pod(nats_url, cfg.nats.l1Stream.name)
+        assert set(runs) == set(PODS)
+        for pod, seq in runs.items():
+            assert len(seq) == len(set(seq)), f"{pod} was published by a bridge that had handed it over: {seq}"
+        assert len({b for seq in runs.values() for b in seq}) == 3, "every bridge published for its share"
+    finally:
+        for b in bridges:
+            if b.poll() is None:
+                b.send_signal(signal.SIGTERM)
+        for b in bridges:
+            await asyncio.to_thread(b.wait, 20)
+        for r in replicas:
+            await r.stop()
+        for e in engines:
+            await e.pub.close()
+        ctx.term()
