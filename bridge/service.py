@@ -71,6 +71,9 @@ class Bridge:
         self._discovered_pods: set[str] = set()
         self._discovered_masters: set[str] = set()
         self.shards: ShardLeases | None = None
+        #: discovery and shard changes both reconcile subscriptions and pollers: one at a time, or two
+        #: could each start a subscriber for the same endpoint while the other awaits
+        self._reconciling = asyncio.Lock()
         self._kube_client = kube_client  # a kubernetes_asyncio ApiClient; None: in-cluster or kubeconfig
         self.discovery: KubernetesDiscovery | None = None
         self.master_discovery: KubernetesDiscovery | None = None
@@ -215,6 +218,10 @@ class Bridge:
         await self._poll(self._mine_masters(self._masters))
 
     async def _subscribe_to(self, endpoints: list[Endpoint]) -> None:
+        async with self._reconciling:
+            await self._subscribe_to_now(endpoints)
+
+    async def _subscribe_to_now(self, endpoints: list[Endpoint]) -> None:
         wanted = set(endpoints)
         for ep in [e for e in self.subscribers if e not in wanted]:
             await self.subscribers.pop(ep).stop()
@@ -268,6 +275,10 @@ class Bridge:
         return masters if self.shards is None else [m for m in masters if MASTER + m.name in self.shards.held]
 
     async def _poll(self, masters: list[MasterTarget]) -> None:
+        async with self._reconciling:
+            await self._poll_now(masters)
+
+    async def _poll_now(self, masters: list[MasterTarget]) -> None:
         if self._http is None:
             self._http = aiohttp.ClientSession()
         wanted = set(masters)

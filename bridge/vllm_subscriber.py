@@ -41,6 +41,7 @@ PUBLISH_BURST = 256  # queued batches published without yielding to the event lo
 #: Messages read from libzmq without yielding: reading ahead must outpace publishing, or the backlog
 #: waits in the engine's send queue (vLLM's PUB holds up to 100,000 messages in the engine's memory).
 READ_BURST = 4096
+#: Longest wait for libzmq's signal: a missed one costs at most this much delay.
 READ_WAIT_MAX = 1.0
 #: Budget bytes a batch costs beyond its frames (the tuple, the bytes objects' headers).
 BATCH_OVERHEAD = 64
