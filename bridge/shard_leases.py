@@ -18,7 +18,7 @@ import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from cache_indexer.streams import kv_bucket, subject_token
 from cache_indexer.tasks import cancel_and_wait
@@ -93,11 +93,7 @@ class ShardLeases:
             self._kv = await kv_bucket(self.js, self.bucket, self.replicas, ttl=self.ttl, history=1)
         kv = self._kv
         await kv.put(MEMBER + self.holder, b"1")
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            keys = []
-        self.members = sorted({k[len(MEMBER):] for k in keys if k.startswith(MEMBER)} | {self.holder})
+        self.members = sorted(await self._live_members() | {self.holder})
         before = set(self.held)
         mine = {t for t in self.wanted if self.is_owner(t)}
         for target in [t for t in self.held if t not in mine]:  # moved or gone: stop first, then release
@@ -119,6 +115,20 @@ class ShardLeases:
             log.info("bridge %s owns %d of %d targets (%d bridges)", self.holder, len(self.held), len(self.wanted),
                      len(self.members))
             await self.on_owned(set(self.held))
+
+    async def _live_members(self) -> set[str]:
+        """The member keys present (a watch of ``member.>`` alone: the bucket also holds a lease per
+        target, which listing every key would read each round)."""
+        watcher = await self._kv.watch(MEMBER + ">", ignore_deletes=True, meta_only=True)
+        try:
+            found = set()
+            async for entry in watcher:
+                if entry is None:  # the present values are all in
+                    return found
+                found.add(entry.key[len(MEMBER):])
+            return found
+        finally:
+            await watcher.stop()
 
     async def _release(self, target: str, rev: int) -> None:
         try:
