@@ -148,7 +148,14 @@ class BlockHasher:
         return tuple(keys) if keys else None
 
     # -- chains ---------------------------------------------------------------------------------
-    def iter_block_hashes(
+    def iter_block_hashes(self, token_ids: Sequence[int], block_size: int, **kwargs) -> Iterator[bytes]:
+        """Lazily yields the digests of the request's full blocks, in order (keywords as
+        iter_block_hash_chunks). Stop iterating as soon as no further block can matter: nothing after
+        the first miss is computed, beyond the chunk it is in."""
+        for chunk in self.iter_block_hash_chunks(token_ids, block_size, **kwargs):
+            yield from chunk
+
+    def iter_block_hash_chunks(
         self,
         token_ids: Sequence[int],
         block_size: int,
@@ -156,12 +163,9 @@ class BlockHasher:
         lora: LoRAKey | None = None,
         mm_features: Sequence[MultiModalKey] = (),
         lookahead_tokens: int = 0,
-    ) -> Iterator[bytes]:
-        """Lazily yields the digests of the request's full blocks, in order.
-
-        Stop iterating as soon as the caller knows no further block can matter: nothing after the
-        first miss is computed.
-        """
+    ) -> Iterator[list[bytes]]:
+        """The digests of the request's full blocks in order, a list at a time: as the C accelerator
+        computes them (runs growing from 8 to 512 blocks), else one by one."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         n_blocks = (len(token_ids) - lookahead_tokens) // block_size if lookahead_tokens else len(token_ids) // block_size
@@ -179,15 +183,16 @@ class BlockHasher:
                 if lookahead_tokens == 1:
                     extra = (extra[0], extra[1])
             parent = self.hash_object((parent, tuple(token_ids[start:end]), extra))
-            yield parent
+            yield [parent]
 
-    def _iter_plain(self, token_ids: Sequence[int], block_size: int, n_blocks: int, cache_salt: str | None) -> Iterator[bytes]:
+    def _iter_plain(self, token_ids: Sequence[int], block_size: int, n_blocks: int,
+                    cache_salt: str | None) -> Iterator[list[bytes]]:
         """The hot path: no LoRA/MM/lookahead, salt only on block 0."""
         parent = self.none_hash
         start = 0
         if cache_salt:
             parent = self.hash_block(parent, token_ids[0:block_size], self.block_extra_keys(0, block_size, cache_salt))
-            yield parent
+            yield [parent]
             start = 1
         if self._accel is not None and start < n_blocks and (self._cbor or block_size <= PICKLE_ONE_FRAME_TOKENS):
             if not isinstance(token_ids, (list, tuple)) and not (isinstance(token_ids, array) and token_ids.typecode == "Q"):
@@ -200,13 +205,14 @@ class BlockHasher:
                     digests = self._accel.chain(parent, token_ids, block_size, start, n, self._cbor, digest_fn, sha_mode)
                 except (OverflowError, TypeError):
                     break  # a token the C encoder does not take (huge or not an int): Python path below
-                yield from digests
+                yield digests
                 parent = digests[-1]
                 start += n
                 chunk = min(chunk * 2, 512)
             if start >= n_blocks:
                 return
-        yield from self._iter_python(token_ids, block_size, start, n_blocks, parent)
+        for digest in self._iter_python(token_ids, block_size, start, n_blocks, parent):
+            yield [digest]
 
     def _iter_python(self, token_ids: Sequence[int], block_size: int, start: int, n_blocks: int,
                      parent: bytes) -> Iterator[bytes]:

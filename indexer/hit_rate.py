@@ -14,6 +14,11 @@ from typing import Protocol
 
 from indexer.block_hash import BlockHasher
 
+try:  # the C accelerator's fast path of the walk (blocks where no worker drops out)
+    from indexer._blockhash import walk as _walk_c
+except (ImportError, AttributeError):
+    _walk_c = None
+
 
 class Tier(Protocol):
     """What the scorer needs of an index: hash -> worker bitmask, and a pod's workers (rank -> id)."""
@@ -62,25 +67,42 @@ def score(hasher: BlockHasher, token_ids: Sequence[int], block_size: int, cache_
     hashed = 0
     if n_blocks and any(alive):
         blocks = [t.blocks if t is not None else {} for t in tiers]
-        tier_range = range(len(tiers))
-        for digest in hasher.iter_block_hashes(token_ids, block_size, cache_salt=cache_salt or None):
-            key = int.from_bytes(digest[-8:], "big")
-            any_alive = 0
-            for ti in tier_range:
-                a = alive[ti]
-                if not a:
-                    continue
-                m = blocks[ti].get(key, 0) & a
-                dead = a ^ m
-                if dead:
-                    rec = lengths[ti]
-                    for wid in _set_bits(dead):
-                        rec[wid] = hashed
-                alive[ti] = m
-                any_alive |= m
-            hashed += 1
-            if not any_alive:
-                break
+        for chunk in hasher.iter_block_hash_chunks(token_ids, block_size, cache_salt=cache_salt or None):
+            i = 0
+            while i < len(chunk):
+                if _walk_c is not None:  # skip, in C, the blocks where every alive worker stays alive
+                    j = _walk_c(chunk, i, blocks, alive)
+                    hashed += j - i
+                    if j == len(chunk):
+                        break
+                    i = j
+                if not _step(int.from_bytes(chunk[i][-8:], "big"), blocks, alive, lengths, hashed):
+                    return _result(n_blocks, hashed + 1, pods, pod_workers, tiers, alive, lengths)
+                hashed += 1
+                i += 1
+    return _result(n_blocks, hashed, pods, pod_workers, tiers, alive, lengths)
+
+
+def _step(key: int, blocks: list[dict[int, int]], alive: list[int], lengths: list[dict[int, int]], hashed: int) -> int:
+    """One block of the walk (the reference; the C fast path only skips blocks where this changes
+    nothing): workers not holding it drop out with ``hashed`` blocks. Returns whether any is left."""
+    any_alive = 0
+    for ti, a in enumerate(alive):
+        if not a:
+            continue
+        m = blocks[ti].get(key, 0) & a
+        dead = a ^ m
+        if dead:
+            rec = lengths[ti]
+            for wid in _set_bits(dead):
+                rec[wid] = hashed
+        alive[ti] = m
+        any_alive |= m
+    return any_alive
+
+
+def _result(n_blocks: int, hashed: int, pods: Sequence[str], pod_workers, tiers, alive: list[int],
+            lengths: list[dict[int, int]]) -> ScoreResult:
     for ti in range(len(tiers)):
         for wid in _set_bits(alive[ti]):
             lengths[ti][wid] = hashed
