@@ -4,11 +4,12 @@ When an endpoint's pod leaves discovery the bridge stops its subscribers and pub
 on the stream, so every indexer drops the pod through the same ordered log.
 
 Several bridges run active/standby (``ingest.leaderElection``): only the holder of a KV lease
-discovers and subscribes. With ``ingest.sharded`` they all run active instead, each publishing for its
-own share of the pods and masters (bridge/shard_leases.py), so capacity grows with their number. Active/active would also be correct (message ids dedupe identical
-batches), but each bridge starts its own sequence generation, so two writers make indexers throw
-away the older one's work and double the stream traffic; a standby that resumes from the stream
-costs one lease TTL of delay and nothing else.
+discovers and subscribes. All of them publishing everything would also be correct (message ids
+dedupe identical batches), but each bridge starts its own sequence generation, so two writers make
+indexers throw away the older one's work and double the stream traffic; a standby that resumes from
+the stream costs one lease TTL of delay and nothing else. With ``ingest.sharded`` they all run active
+instead, each publishing for its own share of the pods and masters (bridge/shard_leases.py), so
+capacity grows with their number.
 """
 
 from __future__ import annotations
