@@ -22,6 +22,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from cache_indexer.streams import kv_bucket, subject_token
 from cache_indexer.tasks import cancel_and_wait
+from cache_indexer.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class ShardLeases:
         self._kv = None
         self._task: asyncio.Task | None = None
         self._poke = asyncio.Event()
+        self._failed = ThrottledWarning(log)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="bridge-shards")
@@ -80,8 +82,9 @@ class ShardLeases:
                 await self._round()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("shard leases: a round failed; the targets held are kept until their TTL")
+            except Exception as exc:  # NATS away, typically: once per ttl/4 until it is back, so throttled
+                self._failed("shard leases: a round failed (%s: %s); the targets held are kept until their TTL",
+                             type(exc).__name__, exc)
             try:
                 await asyncio.wait_for(self._poke.wait(), self.ttl / 4)
             except asyncio.TimeoutError:

@@ -153,3 +153,18 @@ async def http_ready(session, url: str) -> bool:
             return r.status == 200
     except aiohttp.ClientError:
         return False
+
+
+async def metric_value(session, port: int, name: str) -> float | None:
+    """The sum of a metric's samples scraped from a process's /metrics on 127.0.0.1:``port`` (``name``
+    may carry labels; no sample: 0.0); None while the process does not answer."""
+    import re
+
+    import aiohttp
+
+    try:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+            text = await r.text()
+    except aiohttp.ClientError:
+        return None
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from cache_indexer.replica import Replica
 from cache_indexer.vllm_publisher import VllmPublisher, batch_payload, stored
-from tests.conftest import free_port, make_config, wait_for
+from tests.conftest import free_port, make_config, metric_value, wait_for
 from tests.test_recovery import spawn, write_config
 
 BURST = 16000
@@ -32,12 +32,6 @@ def _status(pid: int, field: str) -> int:
     """Bytes of a /proc/<pid>/status field (VmRSS, VmHWM)."""
     with open(f"/proc/{pid}/status") as f:
         return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
-
-
-async def _metric(session: aiohttp.ClientSession, port: int, name: str) -> float:
-    async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
-        text = await r.text()
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 async def test_a_burst_larger_than_the_budget_stays_within_it_and_drops_are_replayed(nats_url, stream_prefix, tmp_path):
@@ -65,9 +59,9 @@ async def test_a_burst_larger_than_the_budget_stays_within_it_and_drops_are_repl
         await wait_for(lambda: l1.index.entries() == BURST + 1, 180, "every batch of the burst indexed")
         peak = _status(bridge.pid, "VmHWM") - before
         async with aiohttp.ClientSession() as s:
-            dropped = await _metric(s, ops, 'cache_indexer_bridge_batches_total{outcome="overflow"}')
-            resets = await _metric(s, ops, "cache_indexer_bridge_resets_total")
-            held = await _metric(s, ops, "cache_indexer_bridge_buffered_bytes")
+            dropped = await metric_value(s, ops, 'cache_indexer_bridge_batches_total{outcome="overflow"}')
+            resets = await metric_value(s, ops, "cache_indexer_bridge_resets_total")
+            held = await metric_value(s, ops, "cache_indexer_bridge_buffered_bytes")
         after = _status(bridge.pid, "VmRSS") - before
         print(f"burst {BURST * 12 / 1000:.0f} MB: peak +{peak / MiB:.0f} MiB, after +{after / MiB:.0f} MiB, "
               f"{dropped:.0f} dropped and replayed")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -23,12 +22,11 @@ from cache_indexer.inspect_events import connect_once
 from cache_indexer.nats_server import NatsServer
 from cache_indexer.streams import subject_token
 from schemas.config import NatsConfig
-from tests.conftest import make_config, wait_for
+from tests.conftest import ROOT, make_config, wait_for
 from tests.l1_stack import L1Stack
 from tests.test_l1_end_to_end import BS, CHAIN, POD, TOKENS, until_ratio
 from cache_indexer.vllm_publisher import stored
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 async def test_a_forged_generation_or_seq_is_refused_and_the_pod_stays_indexed(nats_url, stream_prefix):

@@ -19,22 +19,11 @@ from nats.js import api
 
 import nats
 from cache_indexer.replica import Replica
-from tests.conftest import free_port, make_config, wait_for
+from tests.conftest import free_port, make_config, metric_value, wait_for
 from tests.test_chaos_soak import CHAINS, Engine, answers
 from tests.test_recovery import spawn, write_config
 
 PODS = [f"127.0.0.{91 + i}" for i in range(12)]
-
-
-async def _subscriptions(session: aiohttp.ClientSession, port: int) -> int | None:
-    try:
-        async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
-            for line in (await r.text()).splitlines():
-                if line.startswith("cache_indexer_bridge_subscriptions "):
-                    return int(float(line.split()[1]))
-    except aiohttp.ClientError:
-        return None
-    return None
 
 
 async def _publishers_by_pod(nats_url: str, stream: str) -> dict[str, list[str]]:
@@ -76,7 +65,7 @@ async def test_three_sharded_bridges_share_12_engines_and_survive_a_sigkill_mid_
             await r.start()
         async with aiohttp.ClientSession() as session:
             async def shares() -> list[int | None]:
-                return [await _subscriptions(session, p) for p in ports]
+                return [await metric_value(session, p, "cache_indexer_bridge_subscriptions") for p in ports]
 
             async def spread() -> bool:
                 s = await shares()
@@ -96,7 +85,7 @@ async def test_three_sharded_bridges_share_12_engines_and_survive_a_sigkill_mid_
                     await asyncio.to_thread(bridges[0].wait, 10)
 
             async def survivors_cover_all() -> bool:
-                s = [await _subscriptions(session, p) for p in ports[1:]]
+                s = [await metric_value(session, p, "cache_indexer_bridge_subscriptions") for p in ports[1:]]
                 return None not in s and sum(s) == len(PODS)
             await wait_for(survivors_cover_all, 30, "the killed bridge's pods taken over by the two others")
 
