@@ -24,8 +24,10 @@ def _readable(setting: str, path: str) -> str:
 
 
 def tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
+    from cache_indexer.streams import servers  # (streams builds its connections with this module)
+
     tls = cfg.tls
-    if not (tls.on or any(u.strip().startswith("tls://") for u in cfg.url.split(","))):
+    if not (tls.on or any(u.startswith("tls://") for u in servers(cfg.url))):
         return None
     try:
         ctx = ssl.create_default_context(cafile=_readable("tls.caFile", tls.caFile) if tls.caFile else None)
