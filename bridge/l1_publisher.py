@@ -6,7 +6,8 @@ sequence restarts (engine restart, unrecoverable gap, bridge restart), so a rest
 never mistaken for a duplicate, while the same batch published twice (a retry, a replay overlap) is.
 A batch over the message limit (150k hashes is 1.35 MB) goes out in parts of the same seq,
 ``<pod>:<rank>:<gen>:<seq>:<part>``, each with ``part``/``parts``; indexers apply them in order and
-count the seq done after the last.
+count the seq done after the last. A run of consecutive batches coalesced by the subscriber
+(bridge/batch_run.py) is one message, ``<pod>:<rank>:<gen>:<first>-<last>``, with ``Kv-Seq-Last``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def split_events(events: list[dict], budget: int) -> list[list[dict]]:
     return parts
 
 
+def run_message(pod: str, rank: int, gen: int, batches: list[tuple[int, float | None, list[dict]]]) -> dict:
+    """The message of a run of consecutive batches (seq, ts, events): schemas.events.L1Batch with
+    ``last_seq`` and ``ends``."""
+    events: list[dict] = []
+    ends = []
+    for _, _, evs in batches:
+        events.extend(evs)
+        ends.append(len(events))
+    return {"v": SCHEMA_VERSION, "type": "batch", "pod": pod, "rank": rank, "gen": gen, "seq": batches[0][0],
+            "last_seq": batches[-1][0], "ends": ends, "ts": batches[-1][1], "events": events}
+
+
 class L1Publisher:
     def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, js=None, stream: str = "",
                  max_payload: Callable[[], int] | None = None, bridge: str = "-") -> None:
@@ -108,7 +121,7 @@ class L1Publisher:
             return None  # the pod left discovery after that batch: indexers retired its generation
         h = msg.headers or {}
         try:
-            gen, seq = int(h["Kv-Gen"]), int(h["Kv-Seq"])
+            gen, seq = int(h["Kv-Gen"]), int(h.get("Kv-Seq-Last") or h["Kv-Seq"])
         except (KeyError, ValueError):
             return None
         ts = None
@@ -129,15 +142,39 @@ class L1Publisher:
         limit = self._max()
         parts = [events] if len(payload) <= limit else split_events(events, limit - _ENVELOPE_BYTES - len(pod))
         for i, part in enumerate(parts):
+            extra = {}
             if len(parts) > 1:
                 payload = msgpack.packb({**msg, "events": part, "part": i, "parts": len(parts)})
-            kinds = ",".join(sorted({e["kind"] for e in part}))
-            msg_id = f"{pod}:{rank}:{gen}:{seq}" + (f":{i}" if len(parts) > 1 else "")
-            extra = {"Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(seq), "Kv-Epoch": epoch or "-",
-                     "Kv-Events": str(len(part)), "Kv-Kinds": kinds or "-", "Kv-Bridge": self._bridge}
-            if len(parts) > 1:
                 extra["Kv-Part"] = f"{i + 1}/{len(parts)}"
-            await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, _headers(pod, msg_id, "batch", **extra))
+            msg_id = f"{pod}:{rank}:{gen}:{seq}" + (f":{i}" if len(parts) > 1 else "")
+            await self._publish_batch(pod, rank, gen, seq, epoch, part, msg_id, payload, extra)
+
+    async def run(self, pod: str, rank: int, gen: int, batches: list[tuple[int, float | None, list[dict]]],
+                  epoch: str = "") -> None:
+        """Consecutive batches (seq, ts, events) of one generation as one message (``last_seq``, ``ends``:
+        schemas/events.py); one that would not fit the message limit goes out as two halves, down to
+        single batches (which may still go out in parts)."""
+        if len(batches) == 1:
+            seq, ts, events = batches[0]
+            await self.batch(pod, rank, gen, seq, ts, events, epoch)
+            return
+        msg = run_message(pod, rank, gen, batches)
+        events, first, last = msg["events"], msg["seq"], msg["last_seq"]
+        payload = msgpack.packb(msg)
+        if len(payload) > self._max():
+            half = len(batches) // 2
+            await self.run(pod, rank, gen, batches[:half], epoch)
+            await self.run(pod, rank, gen, batches[half:], epoch)
+            return
+        await self._publish_batch(pod, rank, gen, first, epoch, events, f"{pod}:{rank}:{gen}:{first}-{last}", payload,
+                                  {"Kv-Seq-Last": str(last)})
+
+    async def _publish_batch(self, pod: str, rank: int, gen: int, seq: int, epoch: str, events: list[dict],
+                             msg_id: str, payload: bytes, extra: dict[str, str]) -> None:
+        kinds = ",".join(sorted({e["kind"] for e in events}))
+        extra.update({"Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(seq), "Kv-Epoch": epoch or "-",
+                      "Kv-Events": str(len(events)), "Kv-Kinds": kinds or "-", "Kv-Bridge": self._bridge})
+        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, _headers(pod, msg_id, "batch", **extra))
 
     async def reset(self, pod: str, rank: int, gen: int, next_seq: int, reason: str, epoch: str = "") -> None:
         payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "reset", "pod": pod, "rank": rank, "gen": gen,

@@ -6,7 +6,8 @@ engine process. Per (pod, rank) this subscriber:
   asks the replay socket for everything from seq 0, publishes a reset, then the replayed batches;
 - on a gap asks the replay socket (a DEALER; ROUTER replies with or without the topic frame, ended by
   seq -1) for the missing range; what the buffer no longer holds becomes a reset;
-- publishes one message per seq, an empty one for a malformed payload, so the stream stays contiguous;
+- publishes every seq, an empty batch for a malformed payload, so the stream stays contiguous; the
+  consecutive batches worked off in one go share a message (bridge/batch_run.py);
 - reads its socket ahead into a queue bounded in bytes (bridge/receive_budget.py): a batch that does
   not fit is dropped and replayed once the queue has drained, and replays too come in chunks that fit.
 libzmq reconnects by itself with exponential backoff (``backoffInitial`` .. ``backoffMax``).
@@ -24,6 +25,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from bridge.batch_run import BatchRun, events_size
 from bridge.block_key_check import BlockKeyCheck
 from bridge.l1_publisher import L1Publisher, new_generation
 from bridge.receive_budget import ReceiveBudget
@@ -37,6 +39,7 @@ from schemas.events import MAX_SEQ
 log = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8
+_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
 PUBLISH_BURST = 256  # queued batches published without yielding to the event loop
 #: Messages read from libzmq without yielding: reading ahead must outpace publishing, or the backlog
 #: waits in the engine's send queue (vLLM's PUB holds up to 100,000 messages in the engine's memory).
@@ -130,6 +133,9 @@ class VllmSubscriber:
         #: the SUB socket connected again (the engine's process may be another one): the next batch that
         #: looks like a continuation is checked against the engine's replay buffer first
         self._reconnected = False
+        #: batches handed on (``last`` counts them) and not yet published: sent before anything waits
+        self._run_pending = BatchRun(cfg.coalesceMaxBatches, cfg.coalesceMaxBytes)
+        self._batches_counted = {o: metrics.bridge_batches.labels(o) for o in ("published", "malformed")}
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def resume_from_stream(self) -> None:
@@ -149,6 +155,7 @@ class VllmSubscriber:
         """The stream lost what was published: the next batch starts a new generation (a reset, then
         what the engine's replay buffer holds from seq 0)."""
         self.gen = self.last = self.last_live = self.last_ts = None
+        self._run_pending.take()  # of the lost generation
 
     def start(self) -> None:
         sock = self.ctx.socket(zmq.SUB)
@@ -215,6 +222,7 @@ class VllmSubscriber:
         sock = self._sock
         assert sock is not None
         queued = zmq.Socket.shadow(sock.underlying)
+        recv, more = queued.recv, queued.get  # recv_multipart costs an enum lookup per frame
         loop = asyncio.get_running_loop()
         signalled = asyncio.Event()
         fd = queued.get(zmq.FD)
@@ -225,9 +233,11 @@ class VllmSubscriber:
                     signalled.clear()
                     for _ in range(READ_BURST):
                         try:
-                            frames = queued.recv_multipart(zmq.NOBLOCK)
+                            frames = [recv(_NOBLOCK)]
                         except zmq.Again:
                             break
+                        while more(_RCVMORE):
+                            frames.append(recv(_NOBLOCK))
                         self._take(frames)
                     if self._queue:
                         self._queued.set()
@@ -274,6 +284,7 @@ class VllmSubscriber:
                     if self.gen is not None and self.last is not None and upto > self.last:
                         await self._guarded(self._drain_buffer(self.last + 1, None))
                     continue
+                await self._flush_guarded()
                 self._queued.clear()
                 await self._queued.wait()
                 continue
@@ -285,7 +296,22 @@ class VllmSubscriber:
                     await self._on_frames(frames)
                 finally:
                     self.budget.give(size)
+            await self._flush_guarded()
             await asyncio.sleep(0)
+
+    async def _flush_guarded(self) -> None:
+        try:
+            await self._flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never let one message kill the subscription
+            log.exception("%s rank %d: failed to publish batches", self.ep.pod, self.ep.rank)
+
+    async def _flush(self) -> None:
+        """Publish the batches handed on so far (before anything else of this worker, and before waiting)."""
+        run = self._run_pending
+        if run.batches:
+            await self.sink.run(self.ep.pod, self.ep.rank, run.gen, run.take(), self.ep.epoch)
 
     async def _guarded(self, work) -> None:
         try:
@@ -471,6 +497,7 @@ class VllmSubscriber:
                 await asyncio.sleep(0)
 
     async def _reset(self, start: int, reason: str) -> None:
+        await self._flush()
         self.gen = new_generation()
         await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason, self.ep.epoch)
         self.metrics.bridge_resets.labels(reason).inc()
@@ -486,6 +513,7 @@ class VllmSubscriber:
         asked again from the first seq missing, until a round is whole up to its end marker, the buffer no
         longer reaches back that far, a round brings nothing new, the budget is full (``cut``: the caller
         asks again after publishing), or REPLAY_MAX_ROUNDS rounds were asked."""
+        await self._flush()  # what was handed on goes out before waiting on the engine
         out = Replayed(self.budget)
         if not self.ep.replay:
             return out
@@ -582,6 +610,7 @@ class VllmSubscriber:
             sock.close(0)
 
     async def _publish(self, seq: int, payload: bytes) -> None:
+        """Hand a batch on: it joins the pending run (published when full, or before anything waits)."""
         try:
             check = self.block_key_check
             batch = decode_batch(payload, want_probe=check is not None and check.due(self.ep.pod))
@@ -594,9 +623,12 @@ class VllmSubscriber:
             self._malformed_log("%s rank %d seq %d: malformed payload: %s", self.ep.pod, self.ep.rank, seq, exc)
             events, ts, outcome = [], None, "malformed"
         self.last_ts = ts
-        await self.sink.batch(self.ep.pod, self.ep.rank, self.gen, seq, ts, events, self.ep.epoch)
-        self.metrics.bridge_batches.labels(outcome).inc()
-        n = 0
-        for e in events:
-            n += len(e.get("hashes", ())) or 1
+        n, size = events_size(events)
+        run = self._run_pending
+        if not run.takes(self.gen, seq, size):
+            await self._flush()
+        run.add(self.gen, seq, ts, events, size)
+        if run.full():
+            await self._flush()
+        self._batches_counted[outcome].inc()
         self.metrics.bridge_block_events.inc(n)

@@ -3,6 +3,7 @@
 The stream is the source of truth and every replica applies the same rules to the same message order,
 so replicas agree. The rules make the index robust to what a retrying publisher can do to order:
 - a batch carries (gen, seq); per worker only ``seq == next`` is applied, lower seqs are duplicates;
+  a run of coalesced batches (seq .. last_seq) that overlaps what was applied applies only the rest;
 - a batch that arrives early (seq > next) is held until the missing ones arrive; if more than
   ``max_held`` pile up the missing ones are declared lost: the worker is cleared and resumes at the
   first held seq;
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from indexer.l1_index import BlockIndex, WorkerTable
-from schemas.events import GEN_MAX_AHEAD_NS, MAX_GROUP_IDX, MAX_SEQ
+from schemas.events import GEN_MAX_AHEAD_NS, MAX_GROUP_IDX, MAX_SEQ, last_seq, run_error
 
 _DEAD = (1 << 64) - 1  # next_seq of a removed pod: every batch of its generation is stale (a uint64,
 #                       so snapshots can encode it)
@@ -40,7 +41,21 @@ class _Cursor:
         if part + 1 < msg.get("parts", 1):
             self.next_part = part + 1
         else:
-            self.next_seq, self.next_part = msg["seq"] + 1, 0
+            self.next_seq, self.next_part = last_seq(msg) + 1, 0
+
+    def take_held(self) -> tuple[dict, int] | None:
+        """The held message that goes on from (next_seq, next_part), and how many of its events were
+        applied before (a run that overlaps what came before it); None when it has not arrived."""
+        msg = self.held.pop((self.next_seq, self.next_part), None)
+        if msg is not None:
+            return msg, 0
+        if self.next_part:
+            return None
+        for pos, msg in self.held.items():  # only a run that starts earlier can go on from here
+            if pos[0] < self.next_seq <= last_seq(msg):
+                del self.held[pos]
+                return msg, msg["ends"][self.next_seq - pos[0] - 1]
+        return None
 
 
 @dataclass(slots=True)
@@ -84,6 +99,8 @@ class L1State:
             raise ValueError(f"unknown L1 message type {kind!r}")
 
     def _on_batch(self, msg: dict) -> None:
+        if "last_seq" in msg and (error := run_error(msg)):
+            raise ValueError(f"malformed run of batches: {error}")
         key = (msg["pod"], msg["rank"])
         gen, seq, part = msg["gen"], msg["seq"], msg.get("part", 0)
         cur = self.cursors.get(key)
@@ -96,14 +113,20 @@ class L1State:
             self.stats.stale += 1
             return
         pos, want = (seq, part), (cur.next_seq, cur.next_part)
+        skip = 0
         if pos < want:
-            self.stats.duplicates += 1
-            return
+            if cur.next_part or last_seq(msg) < cur.next_seq:
+                self.stats.duplicates += 1
+                return
+            skip = msg["ends"][cur.next_seq - seq - 1]  # a run overlapping what was applied: the rest of it
+            pos = want
         if pos > want:
             if cur.next_seq == _DEAD:
                 self.stats.stale += 1
                 return
-            cur.held[pos] = msg
+            other = cur.held.get(pos)
+            if other is None or last_seq(msg) > last_seq(other):  # of two from one seq, the one reaching further
+                cur.held[pos] = msg
             self.stats.held += 1
             if len(cur.held) > self.max_held:
                 self.stats.lost_gaps += 1
@@ -112,17 +135,17 @@ class L1State:
                 self._drain(key, cur)
             return
         cur.advance(msg)  # first: a batch that cannot be applied whole must not hold up the ones after it
-        self._apply_events(key, msg["events"])
+        self._apply_events(key, msg["events"][skip:] if skip else msg["events"], _batches(msg))
         if cur.held:
             self._drain(key, cur)
 
     def _drain(self, key: tuple[str, int], cur: _Cursor) -> None:
-        held = cur.held
-        while (cur.next_seq, cur.next_part) in held:
-            msg = held.pop((cur.next_seq, cur.next_part))
+        while (nxt := cur.take_held()) is not None:
+            msg, skip = nxt
             cur.advance(msg)
-            self._apply_events(key, msg["events"])
-        for pos in [pos for pos in held if pos < (cur.next_seq, cur.next_part)]:
+            self._apply_events(key, msg["events"][skip:] if skip else msg["events"], _batches(msg))
+        held = cur.held
+        for pos in [pos for pos, msg in held.items() if (last_seq(msg), pos[1]) < (cur.next_seq, cur.next_part)]:
             del held[pos]
 
     def _on_reset(self, msg: dict) -> None:
@@ -148,8 +171,8 @@ class L1State:
                 cur.held.clear()
 
     # -- block events ------------------------------------------------------------------------------
-    def _apply_events(self, key: tuple[str, int], events: list[dict]) -> None:
-        self.stats.batches += 1
+    def _apply_events(self, key: tuple[str, int], events: list[dict], batches: int = 1) -> None:
+        self.stats.batches += batches
         wid = None
         for ev in events:
             medium = ev.get("medium")
@@ -201,6 +224,13 @@ def _check_plausible(msg: dict, stored_ns: int) -> None:
     if gen > stored_ns + GEN_MAX_AHEAD_NS:
         raise ImplausibleMessage(f"generation {gen} is {(gen - stored_ns) / 1e9:.0f}s ahead of the time the stream "
                                  f"stored the message ({msg['pod']} rank {msg['rank']}): refused")
-    seq = msg.get("seq", msg.get("next_seq"))
-    if not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ:
-        raise ImplausibleMessage(f"seq {seq!r} is not a vLLM seq ({msg['pod']} rank {msg['rank']}): refused")
+    last = msg.get("last_seq")
+    for seq in (msg.get("seq", msg.get("next_seq")), 0 if last is None else last):
+        if not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ:
+            raise ImplausibleMessage(f"seq {seq!r} is not a vLLM seq ({msg['pod']} rank {msg['rank']}): refused")
+
+
+def _batches(msg: dict) -> int:
+    """vLLM batches a message completes (a part of a batch counts as one, as before)."""
+    last = msg.get("last_seq")
+    return 1 if last is None else last - msg["seq"] + 1

@@ -273,6 +273,11 @@ class L1IngestConfig(_Section):
     maxBatchBytes: Size = 16 << 20
     #: How often per pod an engine's block hash is recomputed to check blockKey (0: never).
     blockKeyCheckInterval: Duration = 30.0
+    #: Consecutive batches of one engine waiting to be published go out as one stream message of at most
+    #: this many batches and (estimated) bytes of events (bridge/batch_run.py); 1: one message per batch.
+    #: Nothing waits for company: a lone batch is published at once.
+    coalesceMaxBatches: int = Field(256, ge=1, le=4096)
+    coalesceMaxBytes: Size = 256 << 10
 
     @model_validator(mode="after")
     def _batch_fits_budget(self) -> "L1IngestConfig":

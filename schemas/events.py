@@ -1,6 +1,7 @@
 """Wire contract of the JetStream streams: normalized, versioned L1 events published by the bridge.
 
-One message per vLLM ``KVEventBatch`` (type ``batch``), plus control messages (``reset``,
+One message per vLLM ``KVEventBatch`` (type ``batch``), or per run of consecutive batches of one worker
+that the bridge coalesced (``last_seq``, ``ends``), plus control messages (``reset``,
 ``pod_removed``) on the same stream so every indexer replica sees them in the same order. Payloads
 are msgpack maps of exactly these models; block hashes are the uint64 form of vLLM's int events.
 The hot paths encode and decode plain dicts; tests validate what the bridge writes against these models.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 CONTENT_TYPE_L1 = "application/vnd.cache-indexer.l1-event+msgpack"
@@ -29,6 +30,35 @@ MAX_SEQ = (1 << 63) - 1
 #: every later, real one is older).
 GEN_MAX_AHEAD_NS = 600 * 10**9
 Medium = Literal["GPU", "CPU", "STORAGE"] | str | None
+
+
+def last_seq(msg: dict) -> int:
+    """The last vLLM seq a batch message covers (its seq, or a run's last_seq)."""
+    last = msg.get("last_seq")
+    return msg["seq"] if last is None else last
+
+
+def run_error(msg: dict) -> str | None:
+    """Why a batch message's run fields (``last_seq``, ``ends``) do not hold together; None when they do
+    or it is a single batch. Shared by the model below and the indexer, which gets plain dicts."""
+    last, ends = msg.get("last_seq"), msg.get("ends")
+    if last is None and ends is None:
+        return None
+    seq, events = msg.get("seq"), msg.get("events")
+    if not (type(last) is int and type(seq) is int and isinstance(ends, list) and isinstance(events, list)):
+        return "a run needs int seq and last_seq, and lists ends and events"
+    if not seq <= last <= MAX_SEQ or len(ends) != last - seq + 1:
+        return f"run {seq}..{last} with {len(ends)} ends"
+    if msg.get("parts", 1) != 1:
+        return "a run is never in parts"
+    prev = 0
+    for end in ends:
+        if type(end) is not int or end < prev:
+            return "ends must be non-decreasing ints"
+        prev = end
+    if prev != len(events):
+        return f"the last end is {prev}, with {len(events)} events"
+    return None
 
 
 class _Event(BaseModel):
@@ -68,7 +98,12 @@ class _Message(BaseModel):
 
 
 class L1Batch(_Message):
-    """One vLLM KVEventBatch from one (pod, data-parallel rank)."""
+    """One vLLM KVEventBatch from one (pod, data-parallel rank), or a run of consecutive ones.
+
+    A run (``last_seq`` set) holds batches ``seq`` .. ``last_seq``; their events one after the other in
+    ``events``, batch i's ending before ``ends[i]``; ``ts`` is the last batch's. Coalescing saves a
+    stream message, its headers and its ack per batch; the boundaries let an indexer that already
+    applied the first few batches (an overlap) apply only the rest."""
 
     type: Literal["batch"]
     rank: int = Field(ge=0)
@@ -78,6 +113,18 @@ class L1Batch(_Message):
     events: list[BlockEvent]
     part: int = Field(0, ge=0, description="0-based part of a batch published in several (over the message limit)")
     parts: int = Field(1, ge=1, description="how many parts the batch has; the seq is done after the last")
+    last_seq: U64 | None = Field(None, description="a run of consecutive batches: the last one's seq (a run is "
+                                                   "never in parts)")
+    ends: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="a run: per batch, the index in events after its last event (non-decreasing; the last "
+                          "is len(events))")
+
+    @model_validator(mode="after")
+    def _run_holds_together(self) -> "L1Batch":
+        error = run_error(self.model_dump())
+        if error:
+            raise ValueError(error)
+        return self
 
 
 class L1Reset(_Message):

@@ -17,6 +17,7 @@ from indexer.block_hash import BlockHasher
 from tests.conftest import VLLM_EVENTS, make_config, wait_for
 from tests.l1_stack import L1Stack
 from cache_indexer.vllm_publisher import cleared, removed, stored
+from schemas.events import last_seq
 
 H = BlockHasher("sha256_cbor", "0")
 BS = 16
@@ -335,6 +336,46 @@ async def test_a_batch_over_the_servers_max_payload_is_published_in_parts(stream
         server.close()
 
 
+async def test_a_run_over_the_servers_max_payload_goes_out_in_halves(stream_prefix):
+    """Issue 15: a backlog coalesced into a run larger than max_payload (64 KiB here; the run's own bound
+    is coalesceMaxBytes, 256 KiB) is published as halves that fit, down to single batches; nothing is
+    refused or lost."""
+    import random
+
+    from bridge.service import Bridge
+    from cache_indexer.nats_server import NatsServer
+
+    server = NatsServer(max_payload=64 << 10).start()
+    stack = await L1Stack(make_config(server.url, stream_prefix, blockKey={"pythonHashSeed": "0"})).start()
+    try:
+        eng = stack.engine(POD)
+        await stack.connect((eng, POD, 0))
+        await eng.publish([stored(CHAIN[:1])])
+        await until_ratio(stack, POD, 1 / 8)
+        await stack.bridge.stop()
+        rng = random.Random(5)
+        for _ in range(40):  # 40 x 500 hashes, about 180 KB: one run by its own bound, over max_payload
+            await eng.publish([stored([rng.getrandbits(63) for _ in range(500)], block_size=16)])
+        stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
+        await stack.bridge.start()
+        await stack.bridge.set_endpoints([eng.endpoint(POD, 0)])
+        await wait_for(lambda: stack.replica.indexer.l1.index.entries() == 1 + 40 * 500, 20, "the backlog indexed")
+        js = stack.replica.indexer.js
+        name = stack.cfg.nats.l1Stream.name
+        info = await js.stream_info(name)
+        msgs = [await js.get_msg(name, q) for q in range(1, info.state.last_seq + 1)]
+        runs = [msgpack.unpackb(m.data) for m in msgs]
+        runs = [(b["seq"], last_seq(b)) for b in runs if b["type"] == "batch" and b["seq"] > 0]
+        assert runs[0][0] == 1 and runs[-1][1] == 40 and all(b[0] == a[1] + 1 for a, b in zip(runs, runs[1:]))
+        assert 2 < len(runs) < 40, f"halves of the run, not one message, not one per batch: {runs}"
+        assert max(len(m.data) for m in msgs) <= 64 << 10
+        refused = [s for s in stack.bridge_metrics.publish_refused.collect()[0].samples if s.name.endswith("_total")]
+        assert not refused and stack.bridge_metrics.publish_retries._value.get() == 0
+    finally:
+        await stack.stop()
+        server.close()
+
+
 async def test_a_deleted_stream_is_recreated_and_rebuilt_from_the_engines(stack):
     """Issue 16 #5: a stream deleted or lost was never recreated, the bridge retried for ever and the
     replicas stayed ready with stale answers. The bridge recreates it (ERROR, counted) and starts every
@@ -432,8 +473,8 @@ async def test_nats_restart_mid_stream_loses_and_duplicates_nothing(restartable_
         seqs = []
         for s in range(1, info.state.last_seq + 1):
             m = msgpack.unpackb((await js.get_msg(name, s)).data)
-            if m["type"] == "batch":
-                seqs.append(m["seq"])
+            if m["type"] == "batch":  # one batch, or a run of them
+                seqs.extend(range(m["seq"], last_seq(m) + 1))
         assert sorted(seqs) == list(range(400)), "every vLLM batch exactly once in the stream"
     finally:
         await stack.stop()
@@ -547,3 +588,63 @@ async def test_an_engine_whose_replay_never_ends_is_asked_a_bounded_number_of_ro
         server.cancel()
         router.close(0)
         ctx.term()
+
+
+@pytest.mark.parametrize("max_batches,backlog_messages", [(256, [(1, 256), (257, 300)]),
+                                                          (1, [(s, s) for s in range(1, 301)])])
+async def test_a_backlog_goes_out_in_runs_and_a_lone_batch_at_once(nats_url, stream_prefix, max_batches,
+                                                                   backlog_messages):
+    """Issue 15: consecutive batches worked off together share a stream message (at most
+    ingest.l1.coalesceMaxBatches); a lone batch is not held back; a bridge started after a run resumes
+    after its last batch (Kv-Seq-Last), without a reset; every batch is in the stream once."""
+    from bridge.service import Bridge
+    from schemas.events import L1Envelope
+
+    cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"}, ingest={"l1": {
+        "replayCooldown": 0, "replayTimeout": "2s", "backoffInitial": "100ms", "backoffMax": "1s",
+        "coalesceMaxBatches": max_batches}})
+    stack = await L1Stack(cfg).start()
+    tokens = list(range(7000, 7000 + 303 * 4))
+    chain = H.event_hashes(tokens, 4)
+    applied = stack.replica.indexer.l1.stats
+
+    async def restart_bridge():
+        stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
+        await stack.bridge.start()
+        await stack.bridge.set_endpoints([eng.endpoint(POD, 0)])
+
+    try:
+        eng = stack.engine(POD)
+        await stack.connect((eng, POD, 0))
+        await eng.publish([stored(chain[:1], block_size=4)])
+        await wait_for(lambda: applied.block_events == 1, 10, "batch 0 indexed")
+        await stack.bridge.stop()
+        for i in range(1, 301):  # while no bridge listens: the next one finds them in the engine's buffer
+            await eng.publish([stored(chain[i:i + 1], parent=chain[i - 1], block_size=4)])
+        await restart_bridge()
+        await wait_for(lambda: applied.block_events == 301, 20, "the backlog indexed")
+        await stack.bridge.stop()
+        await eng.publish([stored(chain[301:302], parent=chain[300], block_size=4)])
+        await restart_bridge()  # resumes after the last run's last batch
+        await wait_for(lambda: applied.block_events == 302, 20, "batch 301 indexed")
+        await eng.publish([stored(chain[302:303], parent=chain[301], block_size=4)])
+        await wait_for(lambda: applied.block_events == 303, 20, "a lone live batch indexed")
+        assert (await stack.ratios([POD], tokens, 4)) == [1.0]
+
+        js = stack.replica.indexer.js
+        name = cfg.nats.l1Stream.name
+        info = await js.stream_info(name)
+        msgs = [await js.get_msg(name, q) for q in range(1, info.state.last_seq + 1)]
+        bodies = [msgpack.unpackb(m.data) for m in msgs]
+        for body in bodies:
+            L1Envelope.model_validate({"message": body})
+        assert [b["reason"] for b in bodies if b["type"] == "reset"] == ["subscribed"], "resumed, never reset"
+        ranges = [(b["seq"], last_seq(b)) for b in bodies if b["type"] == "batch"]
+        assert ranges == [(0, 0), *backlog_messages, (301, 301), (302, 302)]
+        if max_batches > 1:
+            run = next(m for m, b in zip(msgs, bodies) if b.get("last_seq") == 256)
+            gen = bodies[-1]["gen"]
+            assert run.headers["Nats-Msg-Id"] == f"{POD}:0:{gen}:1-256"
+            assert (run.headers["Kv-Seq"], run.headers["Kv-Seq-Last"], run.headers["Kv-Events"]) == ("1", "256", "256")
+    finally:
+        await stack.stop()
