@@ -8,6 +8,11 @@ Shapes accepted (see ../shared/reference/vllm-hashing-and-events.md, sections 2 
 
 The output is the normalized event dicts of ``schemas.events`` (token ids are not carried: the index
 keys on hashes).
+
+Two paths: the current shape (a batch of tagged maps, every field of the type it should be) is decoded by
+msgspec into typed structs that skip what the index does not need (token ids: most of a batch's bytes),
+about twice as fast; anything else (older shapes, unknown events, odd types) fails that strict decoder
+and takes the tolerant reference path, which has the last word. A test checks both give the same result.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgpack
+import msgspec
 
-from indexer.block_hash import normalize_event_hash
+from indexer.block_hash import _U64, normalize_event_hash
 from schemas.events import MAX_BLOCK_SIZE, MAX_GROUP_IDX
 
 # Positional field order of the array-like (<= 0.23) events, after the tag.
@@ -140,10 +146,78 @@ def normalize_event(event: object) -> dict | None:
     raise MalformedPayload("event has no type tag")
 
 
+class _Stored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None = None
+    block_size: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    group_idx: int | None = None
+
+
+class _Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _Cleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
+    medium: str | None = None
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    ts: float | None
+    events: list[_Stored | _Removed | _Cleared]
+    dp_rank: int | None = None
+
+
+_strict = msgspec.msgpack.Decoder(_Batch)
+
+
+def _fast_hashes(values: list[int | bytes]) -> list[int]:
+    return [h & _U64 if type(h) is int else int.from_bytes(h[-8:], "big") for h in values]
+
+
+def decode_current(payload: bytes) -> DecodedBatch:
+    """The current shape only, strictly (msgspec errors otherwise); the same result as the reference."""
+    batch = _strict.decode(payload)
+    events: list[dict] = []
+    for ev in batch.events:
+        medium = ev.medium.upper() if ev.medium is not None else None
+        if type(ev) is _Stored:
+            parent = ev.parent_block_hash
+            out = {"kind": "stored", "medium": medium, "hashes": _fast_hashes(ev.block_hashes),
+                   "parent": None if parent is None else _fast_hashes([parent])[0]}
+            if ev.block_size is not None and ev.block_size > 0:
+                out["block_size"] = _in_range("block_size", ev.block_size, 1, MAX_BLOCK_SIZE)
+            if ev.lora_name is not None:
+                out["lora_name"] = ev.lora_name
+        elif type(ev) is _Removed:
+            out = {"kind": "removed", "medium": medium, "hashes": _fast_hashes(ev.block_hashes)}
+        else:
+            events.append({"kind": "cleared", "medium": medium})
+            continue
+        if ev.group_idx is not None:
+            out["group_idx"] = _in_range("group_idx", ev.group_idx, 0, MAX_GROUP_IDX)
+        events.append(out)
+    ts = batch.ts
+    return DecodedBatch(ts=float(ts) if ts is not None else None, events=events, dp_rank=batch.dp_rank)
+
+
 def decode_batch(payload: bytes, want_probe: bool = False) -> DecodedBatch:
     """Decode one ZMQ payload frame. Raises MalformedPayload on anything that is not a KVEventBatch.
 
     ``want_probe``: also look for a HashProbe (only when a check is due: it costs a little per batch)."""
+    if not want_probe:
+        try:
+            return decode_current(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # not the current shape, or not strictly: the reference decides
+    return decode_reference(payload, want_probe)
+
+
+def decode_reference(payload: bytes, want_probe: bool = False) -> DecodedBatch:
+    """The tolerant decoder: every shape, odd types ignored where vLLM's meaning stays clear."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several exception types for bad input

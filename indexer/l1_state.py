@@ -172,32 +172,52 @@ class L1State:
 
     # -- block events ------------------------------------------------------------------------------
     def _apply_events(self, key: tuple[str, int], events: list[dict], batches: int = 1) -> None:
-        self.stats.batches += batches
+        """Consecutive GPU stores of group 0 are stored in one call (a run of one-block batches is mostly
+        that): storing is per hash and in order, so it is the same as one call per event."""
+        stats = self.stats
+        stats.batches += batches
         wid = None
+        plain: list[int] = []  # hashes of consecutive stores of group 0, not yet stored
+        counted = 0
         for ev in events:
             medium = ev.get("medium")
             if medium is not None and medium != "GPU":
-                self.stats.ignored_medium += 1
+                stats.ignored_medium += 1
                 continue
             kind = ev["kind"]
             group = ev.get("group_idx")
-            if group is not None and not (type(group) is int and 0 <= group <= MAX_GROUP_IDX):
-                self.stats.malformed_events += 1
+            if kind == "stored" and (group is None or (type(group) is int and group == 0)):
+                hashes = ev["hashes"]
+                plain += hashes
+                counted += len(hashes)
                 continue
+            if group is not None and not (type(group) is int and 0 <= group <= MAX_GROUP_IDX):
+                stats.malformed_events += 1
+                continue
+            if plain:
+                wid = self._store(key, wid, plain, None)
+                plain = []
             if kind == "stored":
-                if wid is None:
-                    wid = self.workers.intern(*key)
-                self.index.store(wid, ev["hashes"], ev.get("group_idx"))
-                self.stats.block_events += len(ev["hashes"])
+                wid = self._store(key, wid, ev["hashes"], group)
+                counted += len(ev["hashes"])
             elif kind == "removed":
                 w = self.workers.get(*key)
                 if w is not None:
-                    self.index.remove(w, ev["hashes"], ev.get("group_idx"))
-                self.stats.block_events += len(ev["hashes"])
+                    self.index.remove(w, ev["hashes"], group)
+                counted += len(ev["hashes"])
             elif kind == "cleared":
                 self._clear(key)
                 wid = None
-                self.stats.block_events += 1
+                counted += 1
+        if plain:
+            self._store(key, wid, plain, None)
+        stats.block_events += counted
+
+    def _store(self, key: tuple[str, int], wid: int | None, hashes: list[int], group: int | None) -> int:
+        if wid is None:
+            wid = self.workers.intern(*key)
+        self.index.store(wid, hashes, group)
+        return wid
 
     def _clear(self, key: tuple[str, int]) -> None:
         wid = self.workers.get(*key)

@@ -6,6 +6,8 @@ import json
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bridge.vllm_events import MalformedPayload, decode_batch
 from indexer.block_hash import BlockHasher, event_block_hash
@@ -146,3 +148,76 @@ def test_a_large_block_is_not_probed_on_the_event_loop():
     assert decode_batch(batch_payload([big]), want_probe=True).probe is None
     small = stored([7], block_size=16)
     assert decode_batch(batch_payload([small]), want_probe=True).probe is not None
+
+
+_value = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(allow_nan=False),
+                   st.text(max_size=4), st.binary(max_size=40), st.lists(st.integers(0, 9), max_size=3))
+_hash = st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.binary(min_size=8, max_size=32))
+_medium = st.sampled_from([None, "GPU", "cpu", "CPU"])
+_group = st.one_of(st.none(), st.integers(0, 63), st.sampled_from([-1, 64]))
+_stored_map = st.fixed_dictionaries(
+    {"type": st.just("BlockStored"), "block_hashes": st.lists(_hash, max_size=4)},
+    optional={"parent_block_hash": st.one_of(st.none(), _hash), "token_ids": st.lists(st.integers(0, 1 << 20), max_size=20),
+              "block_size": st.one_of(st.integers(-1, 70), st.just(720_720)), "lora_id": st.none(), "medium": _medium,
+              "lora_name": st.one_of(st.none(), st.text(max_size=4)), "extra_keys": st.one_of(st.none(), st.just([None])),
+              "group_idx": _group, "kv_cache_spec_kind": st.just("full_attention")})
+_removed_map = st.fixed_dictionaries({"type": st.just("BlockRemoved"), "block_hashes": st.lists(_hash, max_size=4)},
+                                     optional={"medium": _medium, "group_idx": _group})
+_cleared_map = st.fixed_dictionaries({"type": st.just("AllBlocksCleared")}, optional={"medium": _medium})
+_good_event = st.one_of(_stored_map, _removed_map, _cleared_map)
+
+
+@st.composite
+def _odd_event(draw):
+    """A current-shape event with one field of another type, an unknown type, or an older array shape."""
+    kind = draw(st.sampled_from(["field", "unknown", "array"]))
+    if kind == "unknown":
+        return {"type": "SomethingNew", "x": draw(_value)}
+    if kind == "array":
+        return ["BlockRemoved", draw(st.lists(_hash, max_size=3)), draw(_medium), draw(_group)]
+    event = draw(_good_event)
+    event[draw(st.sampled_from(sorted(event)))] = draw(_value)
+    return event
+
+
+_batch = st.tuples(st.one_of(st.floats(allow_nan=False), st.integers(0, 1 << 40), st.none(), _value),
+                   st.lists(st.one_of(_good_event, _good_event, _odd_event()), max_size=4),
+                   st.lists(st.one_of(st.integers(0, 7), _value), max_size=2)).map(lambda t: [t[0], t[1], *t[2]])
+
+
+def _outcome(decode, payload):
+    try:
+        b = decode(payload)
+    except MalformedPayload as exc:
+        return "malformed", str(exc)
+    return b.ts, b.events, b.dp_rank, b.unknown_events
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_batch)
+def test_the_fast_path_decodes_as_the_reference_wherever_it_decodes_at_all(batch):
+    """Issue 15: msgspec decodes the current shape strictly; where it does not fail, its result (or its
+    MalformedPayload) is the tolerant reference decoder's, byte for byte of what is published."""
+    import msgspec
+
+    from bridge.vllm_events import decode_current, decode_reference
+
+    payload = msgpack.packb(batch, use_bin_type=True)
+    try:
+        fast = _outcome(decode_current, payload)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        assert _outcome(decode_batch, payload) == _outcome(decode_reference, payload)
+        return
+    assert fast == _outcome(decode_reference, payload)
+    assert _outcome(decode_batch, payload) == fast
+
+
+def test_the_fast_path_takes_the_engines_payloads():
+    """The shapes vLLM >= 0.24 sends (and the fake engines) do take the fast path."""
+    from bridge.vllm_events import decode_current
+
+    current = [p for p in sorted(EVENTS.glob("*.bin")) if msgpack.unpackb(p.read_bytes())[1]
+               and all(isinstance(e, dict) for e in msgpack.unpackb(p.read_bytes())[1])]
+    assert len(current) >= 5
+    for path in current:
+        assert _outcome(decode_current, path.read_bytes()) == _outcome(decode_batch, path.read_bytes())
