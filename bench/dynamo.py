@@ -7,9 +7,10 @@ in one run, the two systems alternated.
   per second from the first publish until every engine's last chain answers as fully cached, and CPU
   seconds per 100k block events of each system's processes (ours: bridge, indexer, nats-server;
   engines excluded). Two runs each, alternated; the better one counts.
-- Query: 16 engines hold the first 1/16..16/16 of one 32k-token prompt (block size 16); both systems
-  follow the same engines at once and answer the same query, alternately: p50/p99 of sequential
-  queries, then requests per second with 16 concurrent connections. Both answers are checked exact.
+- Query, three shapes (the issue's): N engines hold the first 1/N..N/N of one prompt (32k tokens, block
+  size 16 and 128, 16 engines; 240k tokens, block size 64, 96 engines); both systems follow the same
+  engines at once and answer the same query, alternately: p50/p99 of sequential queries, then requests
+  per second with 16 concurrent connections. Both answers are checked exact.
 
 Runs in a network namespace with only loopback (`unshare -n`; Dynamo listens on all interfaces).
 """
@@ -36,7 +37,7 @@ from cache_indexer.nats_server import NatsServer
 ROOT = Path(__file__).resolve().parents[1]
 INGEST_SHAPES = [(32, 2500), (8, 5000), (1, 5000)]  # (block events per message, messages per engine)
 ENGINES = 4
-QUERY_PODS, QUERY_TOKENS = 16, 32768
+QUERY_SHAPES = [(16, 32768, 16), (16, 32768, 128), (96, 245760, 64)]  # (engines, prompt tokens, block size)
 
 
 def dynamo_python() -> str | None:
@@ -65,7 +66,8 @@ def _spawn(*args: str, **kw) -> subprocess.Popen:
 class Ours:
     name = "cache-indexer"
 
-    def __init__(self, vllm: list[tuple[str, int, int]]) -> None:
+    def __init__(self, vllm: list[tuple[str, int, int]], block: int = BLOCK) -> None:
+        self.block = block
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-side-"))
         (self.tmp / "targets.yaml").write_text("vllm:\n" + "".join(
             f"  - ip: {ip}\n    zmqPort: {pub}\n    replayPort: {rep}\n" for ip, pub, rep in vllm))
@@ -85,7 +87,7 @@ class Ours:
         return [self.nats.proc.pid, *(p.pid for p in self.procs)]
 
     def request(self, pods: list[str], tokens: list[int]) -> tuple[str, bytes]:
-        body = {"server_ip": pods, "body": {"token_ids": tokens, "block_size": BLOCK}}
+        body = {"server_ip": pods, "body": {"token_ids": tokens, "block_size": self.block}}
         return f"http://127.0.0.1:{self.port}/kv-cache/hit-rate", json.dumps(body).encode()
 
     def lengths(self, answer: dict, pods: list[str], tokens: list[int]) -> list[int]:
@@ -104,15 +106,16 @@ class Ours:
 class Dynamo:
     name = "Dynamo"
 
-    def __init__(self, vllm: list[tuple[str, int, int]]) -> None:
+    def __init__(self, vllm: list[tuple[str, int, int]], block: int = BLOCK) -> None:
         self.vllm = vllm
+        self.block = block
         self.port = free_port()
         self.proc = None
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         workers = ",".join(f"{k + 1}=tcp://{ip}:{pub}" for k, (ip, pub, _) in enumerate(self.vllm))
         self.proc = subprocess.Popen([dynamo_python(), "-m", "dynamo.indexer", "--port", str(self.port), "--block-size",
-                                      str(BLOCK), "--workers", workers], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      str(self.block), "--workers", workers], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await _until(lambda: _ok(session, "GET", f"http://127.0.0.1:{self.port}/workers"), 60)
 
     def pids(self) -> list[int]:
@@ -219,17 +222,17 @@ async def _throughput(system, pods, prompt, seconds: float = 5.0, conns: int = 1
     return done / (time.monotonic() - t)
 
 
-async def _query() -> dict:
-    engines = _spawn("-m", "bench.side_engines", "--mode", "query", "--pods", str(QUERY_PODS), "--tokens",
-                     str(QUERY_TOKENS), "--subscribers", "2", stdout=subprocess.PIPE, text=True)
+async def _query(n_pods: int, tokens: int, block: int) -> dict:
+    engines = _spawn("-m", "bench.side_engines", "--mode", "query", "--pods", str(n_pods), "--tokens",
+                     str(tokens), "--block-size", str(block), "--subscribers", "2", stdout=subprocess.PIPE, text=True)
     vllm = []
-    for _ in range(QUERY_PODS):
+    for _ in range(n_pods):
         _, ip, pub, rep = engines.stdout.readline().split()
         vllm.append((ip, int(pub), int(rep)))
     pods = [ip for ip, _, _ in vllm]
-    prompt = query_prompt(QUERY_TOKENS, BLOCK)
-    expected = [len(prompt) * (k + 1) // QUERY_PODS for k in range(QUERY_PODS)]
-    systems = [Ours(vllm), Dynamo(vllm)]
+    prompt = query_prompt(tokens, block)
+    expected = [len(prompt) // block * (k + 1) // n_pods * block for k in range(n_pods)]
+    systems = [Ours(vllm, block), Dynamo(vllm, block)]
     out: dict = {}
     try:
         async with aiohttp.ClientSession() as session:
@@ -294,8 +297,10 @@ def run(quick: bool = False) -> list[dict]:
                 if kind.name not in best or r["rate"] > best[kind.name]["rate"]:
                     best[kind.name] = r
         rows.append({"kind": "ingest", "events": events, **{f"{k}_{m}": v for k, r in best.items() for m, v in r.items()}})
-    q = asyncio.run(_query())
-    rows.append({"kind": "query", **{f"{k}_{m}": v for k, r in q.items() for m, v in r.items()}})
+    for pods, tokens, block in QUERY_SHAPES if not quick else QUERY_SHAPES[:1]:
+        q = asyncio.run(_query(pods, tokens, block))
+        rows.append({"kind": "query", "shape": f"{tokens // 1024}k tokens, bs {block}, {pods} pods",
+                     **{f"{k}_{m}": v for k, r in q.items() for m, v in r.items()}})
     return rows
 
 
@@ -311,7 +316,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| CPU per 100k block events, {r['events']} per message | {r[o + '_cpu_per_100k']:.2f} s | "
                          f"{r[d + '_cpu_per_100k']:.2f} s | {r[o + '_cpu_per_100k'] / max(r[d + '_cpu_per_100k'], 1e-9):.1f}x |")
         else:
-            shape = f"{QUERY_TOKENS // 1024}k tokens, bs {BLOCK}, {QUERY_PODS} pods"
+            shape = r["shape"]
             lines.append(f"| query {shape}: p50 / p99 | {r[o + '_p50'] * 1e3:.2f} / {r[o + '_p99'] * 1e3:.2f} ms | "
                          f"{r[d + '_p50'] * 1e3:.2f} / {r[d + '_p99'] * 1e3:.2f} ms | "
                          f"{r[o + '_p50'] / r[d + '_p50']:.2f} / {r[o + '_p99'] / r[d + '_p99']:.2f} |")
