@@ -1,5 +1,5 @@
 # cache-indexer image: the indexer (default CMD) and the bridge (args: bridge ...) share it.
-# Build stage compiles the optional C accelerator of the block hasher into a wheel.
+# Build stage compiles the optional C accelerators (block hasher, bulk ZMQ receive) into a wheel.
 FROM python:3.11.11-slim-bookworm AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -18,7 +18,7 @@ ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl \
  && rm -rf /wheels \
- && python -c "import indexer._blockhash" \
+ && python -c "import indexer._blockhash, bridge._zmq_drain" \
  && groupadd --system --gid 10001 cache-indexer \
  && useradd --system --uid 10001 --gid 10001 --no-create-home cache-indexer
 USER 10001:10001

@@ -1,13 +1,16 @@
-"""Builds the optional C accelerator of the block hasher; everything else is in pyproject.toml.
+"""Builds the optional C accelerators (the block hasher's, and the bridge's bulk ZMQ receive);
+everything else is in pyproject.toml.
 
 ``optional=True``: without a C compiler the install still succeeds and the pure-Python path is used.
-On Linux it links libdl to find libcrypto at run time (glibc >= 2.34 has dlopen in libc anyway).
+On Linux they link libdl to find libcrypto and libzmq at run time (glibc >= 2.34 has dlopen in libc anyway).
 """
 
 import sys
 
 from setuptools import Extension, setup
 
+_dl = ["dl"] if sys.platform.startswith("linux") else []
 setup(ext_modules=[Extension("indexer._blockhash", ["indexer/_blockhash.c"], optional=True,
-                             extra_compile_args=["-O3"],
-                             libraries=["dl"] if sys.platform.startswith("linux") else [])])
+                             extra_compile_args=["-O3"], libraries=_dl),
+                   Extension("bridge._zmq_drain", ["bridge/_zmq_drain.c"], optional=True,
+                             extra_compile_args=["-O3"], libraries=_dl)])

@@ -30,6 +30,7 @@ from bridge.block_key_check import BlockKeyCheck
 from bridge.l1_publisher import L1Publisher, new_generation
 from bridge.receive_budget import ReceiveBudget
 from bridge.vllm_events import MalformedPayload, decode_batch
+from bridge.zmq_drain import drainer
 from cache_indexer.metrics import Metrics
 from cache_indexer.tasks import cancel_and_wait
 from cache_indexer.throttled_log import ThrottledWarning
@@ -214,7 +215,8 @@ class VllmSubscriber:
         """Take what arrives into the queue while there is room in the budget, else drop it (counted)
         and remember to replay it.
 
-        Plain non-blocking receives on a (non-asyncio) shadow of the socket, woken by libzmq's own FD:
+        Plain non-blocking receives on a (non-asyncio) shadow of the socket (in bulk through
+        bridge/zmq_drain.py where it is built), woken by libzmq's own FD:
         an awaited receive of zmq.asyncio costs a future and poller bookkeeping per message, and mixing
         both lost wake-ups once the socket's queue had been full (rcvHwm; measured 40k instead of 129k
         block events/s). The FD is edge-triggered: it signals a change, so after reading, ZMQ_EVENTS
@@ -222,7 +224,7 @@ class VllmSubscriber:
         sock = self._sock
         assert sock is not None
         queued = zmq.Socket.shadow(sock.underlying)
-        recv = queued.recv
+        drain = drainer(queued)  # None: through pyzmq
         loop = asyncio.get_running_loop()
         signalled = asyncio.Event()
         fd = queued.get(zmq.FD)
@@ -231,16 +233,13 @@ class VllmSubscriber:
             while True:
                 try:
                     signalled.clear()
-                    for _ in range(READ_BURST):
-                        try:  # as Frames: RCVMORE through getsockopt costs an enum lookup (a third of a receive)
-                            frame = recv(_NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        frames = [frame.bytes]
-                        while frame.more:
-                            frame = recv(_NOBLOCK, copy=False)
-                            frames.append(frame.bytes)
-                        self._take(frames)
+                    if sock.closed:  # the bulk receive must never see a closed socket's address
+                        return
+                    if drain is not None:
+                        for frames in drain(READ_BURST):
+                            self._take(frames)
+                    else:
+                        self._receive_burst(queued)
                     if self._queue:
                         self._queued.set()
                     if queued.get(zmq.EVENTS) & zmq.POLLIN:
@@ -248,7 +247,7 @@ class VllmSubscriber:
                         continue
                 except asyncio.CancelledError:
                     raise
-                except zmq.ZMQError:
+                except (zmq.ZMQError, OSError):  # OSError: from the bulk receive
                     if queued.closed or sock.closed:
                         return
                     log.exception("%s rank %d: receive failed", self.ep.pod, self.ep.rank)
@@ -260,6 +259,21 @@ class VllmSubscriber:
                     pass
         finally:
             loop.remove_reader(fd)
+
+    def _receive_burst(self, queued: zmq.Socket) -> None:
+        """Without the bulk receive: through pyzmq, as Frames (RCVMORE through getsockopt costs an enum
+        lookup per frame, a third of a receive)."""
+        recv = queued.recv
+        for _ in range(READ_BURST):
+            try:
+                frame = recv(_NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            frames = [frame.bytes]
+            while frame.more:
+                frame = recv(_NOBLOCK, copy=False)
+                frames.append(frame.bytes)
+            self._take(frames)
 
     def _take(self, frames: list[bytes]) -> None:
         size = BATCH_OVERHEAD
