@@ -50,3 +50,26 @@ def test_the_bulk_receive_gives_what_pyzmq_gives_whole_messages_in_order(pair):
         push.send_multipart(m)
     assert poller.poll(5000)
     assert [pull.recv_multipart() for _ in MESSAGES] == MESSAGES
+
+
+async def test_without_the_bulk_receive_the_bridge_receives_through_pyzmq(nats_url, stream_prefix, monkeypatch):
+    """The fallback (no compiler at install, a libzmq that cannot be bound): the same batches indexed."""
+    import bridge.vllm_subscriber as subscriber
+    from cache_indexer.vllm_publisher import stored
+    from indexer.block_hash import BlockHasher
+    from tests.conftest import make_config, wait_for
+    from tests.l1_stack import L1Stack
+
+    calls = []
+    monkeypatch.setattr(subscriber, "drainer", lambda sock: calls.append(sock) and None)
+    chain = BlockHasher("sha256_cbor", "0").event_hashes(list(range(64)), 4)
+    stack = await L1Stack(make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"})).start()
+    try:
+        eng = stack.engine("127.0.0.21")
+        await stack.connect((eng, "127.0.0.21", 0))
+        for i in range(16):
+            await eng.publish([stored(chain[i:i + 1], parent=chain[i - 1] if i else None, block_size=4)])
+        await wait_for(lambda: stack.replica.indexer.l1.stats.block_events == 16, 10, "16 batches indexed")
+        assert (await stack.ratios(["127.0.0.21"], list(range(64)), 4)) == [1.0] and calls
+    finally:
+        await stack.stop()
