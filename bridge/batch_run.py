@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: msgpack's upper bound for one uint64 hash, and an allowance for an event's other fields
-HASH_BYTES = 9
+from bridge.l1_publisher import HASH_BYTES
+
+#: an allowance for an event's fields besides its hashes
 EVENT_BYTES = 48
 
 

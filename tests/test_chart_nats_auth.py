@@ -56,7 +56,7 @@ async def test_the_charts_nats_runs_the_product_with_each_role_confined(tmp_path
     bridge = replica = eng = None
     try:
         overrides = [f"nats.url={server.url}", "http.host=127.0.0.1", "http.port=0", "nats.lease.ttl=2s",
-                     "snapshot.everyMessages=5", "snapshot.interval=1s", "snapshot.purgeKeep=2",
+                     "snapshot.everyMessages=5", "snapshot.interval=1s", "snapshot.purgeKeep=1",
                      "blockKey.pythonHashSeed=0", "ingest.l1.replayTimeout=2s"]
         bridge = Bridge(load_config(env=bridge_env, overrides=overrides))
         replica = Replica(load_config(env=indexer_env, overrides=overrides))
