@@ -300,7 +300,9 @@ class VllmSubscriber:
                     if self.gen is not None and self.last is not None and upto > self.last:
                         await self._guarded(self._drain_buffer(self.last + 1, None))
                     continue
-                await self._flush_guarded()
+                if self._run_pending.batches:
+                    await self._flush_guarded()
+                    continue  # the reader may have queued (and signalled) meanwhile: look again first
                 self._queued.clear()
                 await self._queued.wait()
                 continue

@@ -60,6 +60,8 @@ class VllmPublisher:
         self.replay_cut = replay_cut
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
+        #: batches published since this object was made, across engine restarts (tests wait on it)
+        self.batches = 0
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         # every subscription reaches wait_subscribed, also one for a topic an old, still closing SUB
@@ -129,6 +131,7 @@ class VllmPublisher:
         """Buffer the batch under the next seq; send it live unless ``send`` is False (a lost message)."""
         seq = self.seq
         self.seq += 1
+        self.batches += 1
         self.buffer.append((seq, payload))
         if send:
             await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])

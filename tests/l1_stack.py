@@ -12,6 +12,7 @@ from bridge.service import Bridge
 from cache_indexer.metrics import Metrics
 from cache_indexer.replica import Replica
 from cache_indexer.vllm_publisher import VllmPublisher
+from tests.conftest import wait_for
 
 
 class L1Stack:
@@ -41,6 +42,15 @@ class L1Stack:
         await self.bridge.set_endpoints(eps)
         for eng, _, _ in engines_and_pods:
             await eng.wait_subscribed()
+
+    async def settled(self, timeout: float = 20.0) -> int:
+        """Wait until the bridge has published every batch its engines sent (handed on, possibly in runs,
+        and acked); the stream's last sequence then, which a replica must have applied to be up to date."""
+        sent = sum(e.batches for e in self.engines)
+        published = self.bridge_metrics.bridge_batches.labels("published")
+        await wait_for(lambda: published._value.get() >= sent, timeout, f"the bridge to publish all {sent} batches")
+        assert await self.bridge.publisher.flush(timeout), "the bridge's publishes acked"
+        return (await self.replica.indexer.js.stream_info(self.cfg.nats.l1Stream.name)).state.last_seq
 
     async def ratios(self, pods: list[str], tokens: list[int], block_size: int, salt: str = "") -> list[float]:
         body = {"server_ip": pods, "body": {"token_ids": tokens, "cache_salt": salt, "block_size": block_size}}

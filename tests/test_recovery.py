@@ -120,7 +120,7 @@ async def test_killed_replica_restarts_from_snapshot_and_tail_with_identical_ans
             await burst(engines, rng, 30)  # the tail after the snapshot
             replica = spawn("indexer", "--config", str(cfg_file))
             await wait_for(lambda: ready(other), 30, "restarted replica ready")
-            await s.bridge.publisher.flush(10)
+            await s.replica.indexer.wait_applied(await s.settled(), 20)
             expected = await answers(ref)
             assert any(r > 0 for row in expected for r in row)
 
@@ -150,9 +150,7 @@ async def test_three_replicas_agree_including_one_that_started_after_compaction(
         late = Indexer(s.cfg)
         await late.start()
         await burst(engines, rng, 60)
-        await s.bridge.publisher.flush(10)
-        js = s.replica.indexer.js
-        last = (await js.stream_info(s.cfg.nats.l1Stream.name)).state.last_seq
+        last = await s.settled()
         for idx in (s.replica.indexer, a, b, late):
             await idx.wait_applied(last, 20)
         ref = state_view(s.replica.indexer)
@@ -174,9 +172,8 @@ async def test_replica_behind_a_purge_reloads_from_the_snapshot(stack):
     await lag.start()
     try:
         await burst(engines, rng, 20)
-        await s.bridge.publisher.flush(10)
         name = s.cfg.nats.l1Stream.name
-        last = (await s.replica.indexer.js.stream_info(name)).state.last_seq
+        last = await s.settled()
         await lag.wait_applied(last, 20)
         await lag._sub.unsubscribe()  # this replica stalls ...
         written = s.replica.indexer.snapshots_written
@@ -189,8 +186,7 @@ async def test_replica_behind_a_purge_reloads_from_the_snapshot(stack):
         lag._sub = await lag.js.subscribe(
             f"{s.cfg.nats.l1Stream.subjectPrefix}.>", stream=name, ordered_consumer=True, cb=lag._on_msg,
             config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=lag.applied_seq + 1))
-        await s.bridge.publisher.flush(10)
-        last = (await s.replica.indexer.js.stream_info(name)).state.last_seq
+        last = await s.settled()
         await lag.wait_applied(last, 20)
         await s.replica.indexer.wait_applied(last, 20)
         assert lag.reloads == 1 and lag.history_lost == 0
