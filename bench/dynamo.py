@@ -7,6 +7,9 @@ in one run, the two systems alternated.
   per second from the first publish until every engine's last chain answers as fully cached, and CPU
   seconds per 100k block events of each system's processes (ours: bridge, indexer, nats-server;
   engines excluded). Two runs each, alternated; the better one counts.
+- Durability and memory: once more at 32 events per message, the index's process (ours: the indexer;
+  Dynamo's only process) is killed with SIGKILL once everything is in and started again; the time
+  until it answers as before. Its resident growth from ready to everything in, per entry.
 - Query, three shapes (the issue's): N engines hold the first 1/N..N/N of one prompt (32k tokens, block
   size 16 and 128, 16 engines; 240k tokens, block size 64, 96 engines); both systems follow the same
   engines at once and answer the same query, alternately: p50/p99 of sequential queries, then requests
@@ -37,6 +40,8 @@ from cache_indexer.nats_server import NatsServer
 ROOT = Path(__file__).resolve().parents[1]
 INGEST_SHAPES = [(32, 2500), (8, 5000), (1, 5000)]  # (block events per message, messages per engine)
 ENGINES = 4
+#: how long a restarted index may take to answer as before kill -9
+RECOVERY_WAIT = 30.0
 QUERY_SHAPES = [(16, 32768, 16), (16, 32768, 128), (96, 245760, 64)]  # (engines, prompt tokens, block size)
 
 
@@ -77,14 +82,24 @@ class Ours:
     async def start(self, session: aiohttp.ClientSession) -> None:
         self.nats = NatsServer().start()
         common = ["--set", f"nats.url={self.nats.url}", "--set", "log.level=warning", "--set", "http.host=127.0.0.1"]
+        self._indexer_args = ["-m", "cache_indexer.cli", "indexer", *common, "--set", f"http.port={self.port}"]
         self.procs = [
             _spawn("-m", "cache_indexer.cli", "bridge", *common, "--set", f"discovery.static.file={self.tmp / 'targets.yaml'}",
                    "--set", f"http.port={free_port()}", "--set", "ingest.l1.blockKeyCheckInterval=0"),
-            _spawn("-m", "cache_indexer.cli", "indexer", *common, "--set", f"http.port={self.port}")]
+            _spawn(*self._indexer_args)]
         await _until(lambda: _ok(session, "GET", f"http://127.0.0.1:{self.port}/readyz"), 60)
 
     def pids(self) -> list[int]:
         return [self.nats.proc.pid, *(p.pid for p in self.procs)]
+
+    def index_pid(self) -> int:
+        return self.procs[1].pid
+
+    async def kill_index_and_restart(self, session: aiohttp.ClientSession) -> None:
+        self.procs[1].kill()
+        self.procs[1].wait()
+        self.procs[1] = _spawn(*self._indexer_args)
+        await _until(lambda: _ok(session, "GET", f"http://127.0.0.1:{self.port}/readyz"), 60)
 
     def request(self, pods: list[str], tokens: list[int]) -> tuple[str, bytes]:
         body = {"server_ip": pods, "body": {"token_ids": tokens, "block_size": self.block}}
@@ -120,6 +135,14 @@ class Dynamo:
 
     def pids(self) -> list[int]:
         return [self.proc.pid]
+
+    def index_pid(self) -> int:
+        return self.proc.pid
+
+    async def kill_index_and_restart(self, session: aiohttp.ClientSession) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        await self.start(session)
 
     def request(self, pods: list[str], tokens: list[int]) -> tuple[str, bytes]:
         return f"http://127.0.0.1:{self.port}/query", json.dumps({"token_ids": tokens, "model_name": "default"}).encode()
@@ -164,7 +187,15 @@ def _read_ports(proc: subprocess.Popen) -> tuple[int, int]:
     return int(pub), int(rep)
 
 
-async def _ingest_once(kind, events: int, batches: int) -> dict:
+def _rss(pid: int) -> int:
+    """Resident bytes of a process."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def _ingest_once(kind, events: int, batches: int, recovery: bool = False) -> dict:
+    """``recovery``: also kill -9 the process holding the index once everything is in, restart it, and
+    time until it answers the same again (None: not within RECOVERY_WAIT)."""
     engines = [_spawn("-m", "bench.side_engines", "--mode", "ingest", "--host", f"127.0.2.{i + 1}", "--seed", str(i + 1),
                       "--events", str(events), "--batches", str(batches), stdout=subprocess.PIPE, text=True)
                for i in range(ENGINES)]
@@ -174,6 +205,7 @@ async def _ingest_once(kind, events: int, batches: int) -> dict:
     try:
         async with aiohttp.ClientSession() as session:
             await system.start(session)
+            rss0 = _rss(system.index_pid())
             starts = [float(p.stdout.readline().split()[1]) for p in engines]
             cpu0 = _cpu(system.pids())
 
@@ -185,13 +217,24 @@ async def _ingest_once(kind, events: int, batches: int) -> dict:
             await _until(all_in, 600, every=0.005)
             done = time.time()
             cpu = _cpu(system.pids()) - cpu0
+            rss = _rss(system.index_pid()) - rss0
+            recovered = None
+            if recovery:
+                t = time.monotonic()
+                await system.kill_index_and_restart(session)
+                try:
+                    await _until(all_in, RECOVERY_WAIT, every=0.05)
+                    recovered = time.monotonic() - t
+                except TimeoutError:
+                    pass
     finally:
         system.stop()
         for p in engines:
             p.kill()
             p.wait()
     n = ENGINES * batches * events
-    return {"rate": n / (done - min(starts)), "cpu_per_100k": cpu / n * 100_000}
+    return {"rate": n / (done - min(starts)), "cpu_per_100k": cpu / n * 100_000, "bytes_per_entry": rss / n,
+            "recovered_s": recovered}
 
 
 async def _query_latency(system, session, pods, prompt, expected, n: int) -> list[float]:
@@ -297,11 +340,19 @@ def run(quick: bool = False) -> list[dict]:
                 if kind.name not in best or r["rate"] > best[kind.name]["rate"]:
                     best[kind.name] = r
         rows.append({"kind": "ingest", "events": events, **{f"{k}_{m}": v for k, r in best.items() for m, v in r.items()}})
+    events, batches = shapes[0]
+    durable = {kind.name: asyncio.run(_ingest_once(kind, events, batches, recovery=True)) for kind in (Ours, Dynamo)}
+    rows.append({"kind": "durability", "events": events, "entries": ENGINES * events * batches,
+                 **{f"{k}_{m}": v for k, r in durable.items() for m, v in r.items()}})
     for pods, tokens, block in QUERY_SHAPES if not quick else QUERY_SHAPES[:1]:
         q = asyncio.run(_query(pods, tokens, block))
         rows.append({"kind": "query", "shape": f"{tokens // 1024}k tokens, bs {block}, {pods} pods",
                      **{f"{k}_{m}": v for k, r in q.items() for m, v in r.items()}})
     return rows
+
+
+def _recovered(seconds: float | None) -> str:
+    return f"{seconds:.1f} s" if seconds is not None else f"not within {RECOVERY_WAIT:.0f} s"
 
 
 def table(rows: list[dict]) -> str:
@@ -315,6 +366,12 @@ def table(rows: list[dict]) -> str:
                          f"{r[d + '_rate']:,.0f} ev/s | {r[o + '_rate'] / r[d + '_rate']:.2f} |")
             lines.append(f"| CPU per 100k block events, {r['events']} per message | {r[o + '_cpu_per_100k']:.2f} s | "
                          f"{r[d + '_cpu_per_100k']:.2f} s | {r[o + '_cpu_per_100k'] / max(r[d + '_cpu_per_100k'], 1e-9):.1f}x |")
+        elif r["kind"] == "durability":
+            lines.append(f"| index memory per entry (resident growth of the index's process over {r['entries']:,} "
+                         f"entries) | {r[o + '_bytes_per_entry']:.0f} B | {r[d + '_bytes_per_entry']:.0f} B | "
+                         f"{r[o + '_bytes_per_entry'] / max(r[d + '_bytes_per_entry'], 1e-9):.2f} |")
+            lines.append(f"| kill -9 of the index's process, restarted: same answers after | {_recovered(r[o + '_recovered_s'])} | "
+                         f"{_recovered(r[d + '_recovered_s'])} | |")
         else:
             shape = r["shape"]
             lines.append(f"| query {shape}: p50 / p99 | {r[o + '_p50'] * 1e3:.2f} / {r[o + '_p99'] * 1e3:.2f} ms | "
