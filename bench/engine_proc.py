@@ -17,15 +17,16 @@ def payloads(batches: int, events: int, seed: int) -> list[bytes]:
     """Each batch: one BlockStored of 3/4 of the events and one BlockRemoved of the rest (older blocks)."""
     rng = random.Random(seed)
     out, live = [], []
+    oldest = 0  # live[oldest:] are held (slicing the list's head off each batch was quadratic)
     n_store = max(1, events * 3 // 4)
     for _ in range(batches):
         hs = [rng.getrandbits(64) for _ in range(n_store)]
         evs = [stored(hs, block_size=16)]
         live.extend(hs)
         n_rm = events - n_store
-        if n_rm and len(live) > 10 * n_rm:
-            gone, live = live[:n_rm], live[n_rm:]
-            evs.append(removed(gone))
+        if n_rm and len(live) - oldest > 10 * n_rm:
+            evs.append(removed(live[oldest:oldest + n_rm]))
+            oldest += n_rm
         out.append(batch_payload(evs))
     return out
 

@@ -35,6 +35,8 @@ def _baseline(batches: int, events: int) -> float:
 
 
 async def _run(batches: int, events: int, engines: int) -> dict:
+    # counted before anything runs: computed meanwhile, it held the indexer's event loop (this process)
+    total = sum(block_events(payloads(batches // engines, events, i + 1)) for i in range(engines))
     server = NatsServer().start()
     tmp = tempfile.mkdtemp(prefix="bench-ingest-")
     procs = []
@@ -59,7 +61,6 @@ async def _run(batches: int, events: int, engines: int) -> dict:
         indexer = Indexer(cfg)
         await indexer.start()
         starts = [float(p.stdout.readline().split()[1]) for p in procs[:engines]]
-        total = sum(block_events(payloads(batches // engines, events, i + 1)) for i in range(engines))
         deadline = time.time() + float(os.environ.get("BENCH_INGEST_TIMEOUT", "300"))
         while indexer.l1.stats.block_events < total and time.time() < deadline:
             await asyncio.sleep(0.005)
