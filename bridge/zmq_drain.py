@@ -1,7 +1,8 @@
 """Receiving whole ZMQ messages in bulk from a pyzmq socket through the C helper ``bridge._zmq_drain``,
 which calls the libzmq pyzmq loaded (the same library, the same context) directly: about 1 us a vLLM
-message instead of pyzmq's 6. Without the helper (no compiler at install, not Linux, a libzmq it cannot
-bind) ``drainer`` returns None and the caller receives through pyzmq, as before.
+message instead of pyzmq's 6. Without the helper (no compiler at install, not Linux, no single libzmq
+mapped into the process, one it cannot bind) ``drainer`` returns None and the caller receives through
+pyzmq, as before.
 """
 
 from __future__ import annotations
@@ -16,17 +17,12 @@ log = logging.getLogger(__name__)
 _bound: bool | None = None
 
 
-def _loaded_libzmq() -> str | None:
-    """Path of the libzmq mapped into this process (pyzmq's bundled one, or the system's it links)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(" ", 1)[-1].strip()
-                if "/libzmq" in path:
-                    return path
-    except OSError:
-        pass
-    return None
+def loaded_libzmq(maps: list[str]) -> str | None:
+    """Path of the one libzmq mapped into this process (``maps``: lines of /proc/self/maps), pyzmq's
+    bundled one or the system's it links; None when there is none, or more than one (which of them
+    pyzmq's sockets live in cannot be told from here, and a socket handed to the other would crash)."""
+    paths = {line.rsplit(" ", 1)[-1].strip() for line in maps if "/libzmq" in line}
+    return paths.pop() if len(paths) == 1 else None
 
 
 def _bind() -> bool:
@@ -38,7 +34,11 @@ def _bind() -> bool:
         except ImportError:
             log.info("bridge._zmq_drain not built: ZMQ messages are received through pyzmq")
             return False
-        path = _loaded_libzmq()
+        try:
+            with open("/proc/self/maps") as f:
+                path = loaded_libzmq(f.readlines())
+        except OSError:  # not Linux
+            path = None
         _bound = bool(path and _zmq_drain.bind(path))
         if not _bound:
             log.info("libzmq %s cannot be bound: ZMQ messages are received through pyzmq", path)

@@ -73,3 +73,15 @@ async def test_without_the_bulk_receive_the_bridge_receives_through_pyzmq(nats_u
         assert (await stack.ratios(["127.0.0.21"], list(range(64)), 4)) == [1.0] and calls
     finally:
         await stack.stop()
+
+
+def test_only_a_single_mapped_libzmq_is_bound():
+    from bridge.zmq_drain import loaded_libzmq
+
+    lib = "/v/site-packages/pyzmq.libs/libzmq-2f02442c.so.5.2.5"
+    other = "/usr/lib/x86_64-linux-gnu/libzmq.so.5.2.4"
+    maps = [f"7f00-7f10 r--p 00000000 08:01 42  {lib}\n", f"7f10-7f20 r-xp 00010000 08:01 42  {lib}\n",
+            "7f20-7f30 r--p 00000000 08:01 43  /usr/lib/libc.so.6\n"]
+    assert loaded_libzmq(maps) == lib
+    assert loaded_libzmq(maps + [f"7f40-7f50 r-xp 00000000 08:01 44  {other}\n"]) is None, "two: not bound"
+    assert loaded_libzmq(maps[2:]) is None
