@@ -1,6 +1,6 @@
 """Receiving whole ZMQ messages in bulk from a pyzmq socket through the C helper ``bridge._zmq_drain``,
-which calls the libzmq pyzmq loaded (the same library, the same context) directly: about 1 us a vLLM
-message instead of pyzmq's 6. Without the helper (no compiler at install, not Linux, no single libzmq
+which calls the libzmq pyzmq loaded (the same library, the same context) directly: 0.3 us a vLLM
+message (three frames) instead of pyzmq's 3.5-5.5 (measured in-process, over inproc). Without the helper (no compiler at install, not Linux, no single libzmq
 mapped into the process, one it cannot bind) ``drainer`` returns None and the caller receives through
 pyzmq, as before.
 """
