@@ -298,10 +298,10 @@ class VllmSubscriber:
                 if self._dropped_upto is not None:  # the tail of a burst was dropped: replay it now
                     upto, self._dropped_upto = self._dropped_upto, None
                     if self.gen is not None and self.last is not None and upto > self.last:
-                        await self._guarded(self._drain_buffer(self.last + 1, None))
+                        await self._guarded(self._drain_buffer(self.last + 1, None), "replaying from the engine's buffer")
                     continue
                 if self._run_pending.batches:
-                    await self._flush_guarded()
+                    await self._guarded(self._flush(), "publishing batches")
                     continue  # the reader may have queued (and signalled) meanwhile: look again first
                 self._queued.clear()
                 await self._queued.wait()
@@ -314,16 +314,8 @@ class VllmSubscriber:
                     await self._on_frames(frames)
                 finally:
                     self.budget.give(size)
-            await self._flush_guarded()
+            await self._guarded(self._flush(), "publishing batches")
             await asyncio.sleep(0)
-
-    async def _flush_guarded(self) -> None:
-        try:
-            await self._flush()
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # never let one message kill the subscription
-            log.exception("%s rank %d: failed to publish batches", self.ep.pod, self.ep.rank)
 
     async def _flush(self) -> None:
         """Publish the batches handed on so far (before anything else of this worker, and before waiting)."""
@@ -334,13 +326,14 @@ class VllmSubscriber:
             self._published.inc(decoded)
             self.metrics.bridge_block_events.inc(block_events)
 
-    async def _guarded(self, work) -> None:
+    async def _guarded(self, work, what: str) -> None:
+        """Run ``work`` of the subscription's loop; a failure is logged, never the end of the loop."""
         try:
             await work
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("%s rank %d: replaying from the engine's buffer failed", self.ep.pod, self.ep.rank)
+            log.exception("%s rank %d: %s failed", self.ep.pod, self.ep.rank, what)
 
     async def _catch_up(self) -> None:
         """A resumed subscription asks the replay socket at once for what the engine published while no

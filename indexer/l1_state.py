@@ -252,5 +252,4 @@ def _check_plausible(msg: dict, stored_ns: int) -> None:
 
 def _batches(msg: dict) -> int:
     """vLLM batches a message completes (a part of a batch counts as one, as before)."""
-    last = msg.get("last_seq")
-    return 1 if last is None else last - msg["seq"] + 1
+    return last_seq(msg) - msg["seq"] + 1
