@@ -10,14 +10,16 @@ from cache_indexer.metrics import Metrics
 
 
 def add_ops_routes(app: web.Application, metrics: Metrics, ready: Callable[[], bool],
-                   not_ready_reason: str = "not ready") -> None:
+                   not_ready_reason: str | Callable[[], str] = "not ready") -> None:
+    """``not_ready_reason``: the 503's status text, or what says it when asked."""
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def readyz(request: web.Request) -> web.Response:
         if ready():
             return web.json_response({"status": "ready"})
-        return web.json_response({"status": not_ready_reason}, status=503)
+        reason = not_ready_reason() if callable(not_ready_reason) else not_ready_reason
+        return web.json_response({"status": reason}, status=503)
 
     async def metrics_handler(request: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
@@ -27,7 +29,8 @@ def add_ops_routes(app: web.Application, metrics: Metrics, ready: Callable[[], b
     app.router.add_get("/metrics", metrics_handler)
 
 
-def make_ops_app(metrics: Metrics, ready: Callable[[], bool], not_ready_reason: str = "not ready") -> web.Application:
+def make_ops_app(metrics: Metrics, ready: Callable[[], bool],
+                 not_ready_reason: str | Callable[[], str] = "not ready") -> web.Application:
     app = web.Application()
     add_ops_routes(app, metrics, ready, not_ready_reason)
     return app

@@ -38,6 +38,12 @@ from cache_indexer.throttled_log import ThrottledWarning
 log = logging.getLogger(__name__)
 
 
+#: Told when a message is stored, with its stream sequence (the ack's ``seq``).
+OnStored = Callable[[int], None]
+#: Told when a message can never be stored (refused before sending, or rejected for good by the stream).
+OnRefused = Callable[[], None]
+
+
 @dataclass(slots=True)
 class _Pending:
     subject: str
@@ -45,6 +51,8 @@ class _Pending:
     headers: dict[str, str]
     deadline: float
     token: str = ""  # of the last send; "" = not sent or failed: the watchdog re-sends
+    on_stored: OnStored | None = None
+    on_refused: OnRefused | None = None
 
 
 class JetStreamPublisher:
@@ -81,18 +89,21 @@ class JetStreamPublisher:
         await unsubscribe_quietly(self._sub)
         self._sub = None
 
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        """Queue one message; returns once it is sent (not acked). ``headers`` must hold Nats-Msg-Id."""
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str], on_stored: OnStored | None = None,
+                      on_refused: OnRefused | None = None) -> None:
+        """Queue one message; returns once it is sent (not acked). ``headers`` must hold Nats-Msg-Id.
+        ``on_stored`` / ``on_refused`` tell the caller what became of it (exactly one of them is called,
+        unless the publisher closes first); a message already in flight keeps its own."""
         msg_id = headers["Nats-Msg-Id"]
         if msg_id in self._pending:
             return  # already in flight: the same message twice is one message
         size = message_size(data, headers)
         if size > self._nc.max_payload:
             self._refuse(msg_id, subject, "too_large", f"{size} bytes with headers, over the server's "
-                                                       f"max_payload of {self._nc.max_payload}")
+                                                       f"max_payload of {self._nc.max_payload}", on_refused)
             return
         await self._window.acquire()
-        rec = _Pending(subject, data, headers, 0.0)
+        rec = _Pending(subject, data, headers, 0.0, on_stored=on_stored, on_refused=on_refused)
         self._pending[msg_id] = rec
         self._idle.clear()
         self._metrics.publish_inflight.set(len(self._pending))
@@ -116,9 +127,9 @@ class JetStreamPublisher:
         rec = self._pending.get(msg_id) if msg_id is not None else None
         if rec is None or rec.token != token:
             return  # a late ack of an earlier send: the current one decides
-        error, permanent = _ack_error(msg)
+        error, permanent, stream_seq = _ack_error(msg)
         if permanent:
-            self._refuse(msg_id, rec.subject, "rejected", error)
+            self._refuse(msg_id, rec.subject, "rejected", error, rec.on_refused)
             self._done(msg_id)
             return
         if error:
@@ -128,6 +139,8 @@ class JetStreamPublisher:
             rec.token = ""  # the watchdog re-sends
             return
         self._done(msg_id)
+        if rec.on_stored is not None:
+            _tell(rec.on_stored, stream_seq)
 
     def _done(self, msg_id: str) -> None:
         del self._pending[msg_id]
@@ -136,9 +149,11 @@ class JetStreamPublisher:
         if not self._pending:
             self._idle.set()
 
-    def _refuse(self, msg_id: str, subject: str, reason: str, why: str) -> None:
+    def _refuse(self, msg_id: str, subject: str, reason: str, why: str, on_refused: OnRefused | None) -> None:
         self._metrics.publish_refused.labels(reason).inc()
         log.error("publish %s to %s can never be stored (%s); dropped", msg_id, subject, why)
+        if on_refused is not None:
+            _tell(on_refused)
 
     async def _watch(self) -> None:
         interval = max(0.05, min(0.5, self._ack_timeout / 4))
@@ -165,22 +180,32 @@ def message_size(data: bytes, headers: dict[str, str]) -> int:
     return len(data) + 12 + sum(len(k) + len(v) + 4 for k, v in headers.items())
 
 
-def _ack_error(msg) -> tuple[str, bool]:
-    """Why a reply is not a positive JetStream ack ("" when it is one), and whether the refusal is for
-    good (a 4xx: the stream will never take this message) rather than passing (503: no stream yet)."""
+def _tell(callback, *args) -> None:
+    """A caller's callback runs inside the ack handler: its failure is logged, never the handler's end."""
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("a publish callback failed")
+
+
+def _ack_error(msg) -> tuple[str, bool, int]:
+    """Why a reply is not a positive JetStream ack ("" when it is one), whether the refusal is for good
+    (a 4xx: the stream will never take this message) rather than passing (503: no stream yet), and the
+    stream sequence a positive ack names."""
     status = (msg.headers or {}).get("Status") if msg.headers else None
     if status:  # e.g. 503 no responders: no stream (yet) for the subject
-        return f"status {status}", False
+        return f"status {status}", False, 0
     try:
         reply = json.loads(msg.data)
     except ValueError:
-        return "not JSON", False
+        return "not JSON", False, 0
     if not isinstance(reply, dict):
-        return "not an ack", False
+        return "not an ack", False, 0
     error = reply.get("error")
     if error is not None:
         code = error.get("code") if isinstance(error, dict) else None
         text = error.get("description", str(error)) if isinstance(error, dict) else str(error)
         return f"{text} (code {code}, err_code {error.get('err_code') if isinstance(error, dict) else '-'})", \
-            isinstance(code, int) and 400 <= code < 500
-    return ("", False) if "seq" in reply else ("not an ack", False)
+            isinstance(code, int) and 400 <= code < 500, 0
+    seq = reply.get("seq")
+    return ("", False, seq) if type(seq) is int else ("not an ack", False, 0)

@@ -8,19 +8,31 @@ A batch over the message limit (150k hashes is 1.35 MB) goes out in parts of the
 ``<pod>:<rank>:<gen>:<seq>:<part>``, each with ``part``/``parts``; indexers apply them in order and
 count the seq done after the last. A run of consecutive batches coalesced by the subscriber
 (bridge/batch_run.py) is one message, ``<pod>:<rank>:<gen>:<first>-<last>``, with ``Kv-Seq-Last``.
+
+What the stream acknowledges moves the worker's resume point (bridge/resume_points.py) over the
+prefix of its messages that is stored whole, in publish order: a message not acked yet (or refused)
+holds it back, so a bridge that resumes never skips a batch the stream does not have. A message the
+stream refuses for good is told to the worker's subscriber, which starts a new generation after it
+rather than leave the indexers waiting for it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgpack
 
 from bridge.jetstream_publisher import JetStreamPublisher
+from bridge.resume_points import Position, ResumePoints
 from cache_indexer.streams import l1_lifecycle_subject, l1_subject
 from schemas.events import CONTENT_TYPE_L1, SCHEMA_VERSION
+
+#: Told (gen, first seq, last seq) when the stream refused a message of the worker for good.
+OnRefusedBatch = Callable[[int, int, int], None]
 
 _gen_lock = threading.Lock()
 _last_gen = 0
@@ -88,10 +100,27 @@ def run_message(pod: str, rank: int, gen: int, batches: list[tuple[int, float | 
             "last_seq": batches[-1][0], "ends": ends, "ts": batches[-1][1], "events": events}
 
 
+@dataclass(slots=True)
+class _Sent:
+    """A message of a worker in flight: the position it completes once stored (and all before it)."""
+    gen: int
+    first: int
+    last: int
+    epoch: str
+    ts: float | None
+    complete: bool  # False: a part of a batch other than the last
+    stored_seq: int = 0  # the stream sequence, once acked
+
+
 class L1Publisher:
     def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, js=None, stream: str = "",
-                 max_payload: Callable[[], int] | None = None, bridge: str = "-") -> None:
+                 max_payload: Callable[[], int] | None = None, bridge: str = "-",
+                 resume: ResumePoints | None = None) -> None:
         self._pub = publisher
+        self.resume = resume
+        #: per worker, its messages not acked yet (or acked after one that is not), in publish order
+        self._in_flight: dict[tuple[str, int], deque[_Sent]] = {}
+        self._refusal_watchers: dict[tuple[str, int], OnRefusedBatch] = {}
         #: which bridge published (the Kv-Bridge header): who relayed a pod when, for operators and tests
         self._bridge = bridge
         self._prefix = subject_prefix
@@ -101,38 +130,86 @@ class L1Publisher:
         #: maxMsgSize); a batch over it is published in parts
         self._max = max_payload or (lambda: 1 << 62)
 
-    async def last_position(self, pod: str, rank: int) -> tuple[int, int, str, float | None] | None:
-        """(gen, last published vLLM seq, epoch, vLLM's timestamp of that batch) of a (pod, rank) from the
-        stream's last message on its subject, so a restarted bridge continues where the previous one
-        stopped (and can tell whether the engine still holds that batch); None when unknown, and when a
-        ``pod_removed`` came after it (a readiness flap: the indexers retired that generation, so the
-        pod that came back starts a new one rather than publish batches they drop as stale)."""
-        if self._js is None:
-            return None
-        try:
-            msg = await self._js.get_last_msg(self._stream, l1_subject(self._prefix, pod, rank))
-        except Exception:  # no message on the subject (or the stream is unreachable): start fresh
-            return None
+    async def last_position(self, pod: str, rank: int) -> Position | None:
+        """Where a bridge resumes (pod, rank): the newer (by stream sequence) of the resume record and
+        the stream's last message on its subject, the seq before a batch whose parts are not all in; None
+        when unknown, and when a ``pod_removed`` came after it (a readiness flap: the indexers retired
+        that generation, so the pod that came back starts a new one rather than publish batches they
+        drop as stale)."""
+        best = await self.resume.load(pod, rank) if self.resume is not None else None
+        from_stream = await self._stream_position(pod, rank)
+        if from_stream is not None and (best is None or from_stream.stream_seq > best.stream_seq):
+            best = from_stream
+        if best is None or self._js is None:
+            return best
         try:
             removed = await self._js.get_last_msg(self._stream, l1_lifecycle_subject(self._prefix, pod))
         except Exception:  # never removed
             removed = None
-        if removed is not None and removed.seq > msg.seq:
+        if removed is not None and removed.seq > best.stream_seq:
             return None  # the pod left discovery after that batch: indexers retired its generation
+        return best
+
+    async def _stream_position(self, pod: str, rank: int) -> Position | None:
+        """From the stream's last message on the worker's subject (None: none, or unreadable)."""
+        if self._js is None:
+            return None
+        try:
+            msg = await self._js.get_last_msg(self._stream, l1_subject(self._prefix, pod, rank))
+        except Exception:  # no message on the subject (or the stream is unreachable)
+            return None
         h = msg.headers or {}
         try:
             gen, seq = int(h["Kv-Gen"]), int(h.get("Kv-Seq-Last") or h["Kv-Seq"])
+            part, parts = (int(x) for x in h.get("Kv-Part", "1/1").split("/"))
         except (KeyError, ValueError):
             return None
         ts = None
         if h.get("Kv-Type") == "reset":
             seq -= 1  # a reset names the next seq
+        elif part < parts:
+            seq -= 1  # a batch whose later parts never made it: it is published again, whole
         else:
             try:
                 ts = msgpack.unpackb(msg.data).get("ts")
             except Exception:  # an undecodable message: resume without the incarnation check
                 ts = None
-        return gen, seq, h.get("Kv-Epoch", ""), ts if isinstance(ts, float) else None
+        return Position(gen, seq, h.get("Kv-Epoch", "-"), ts if isinstance(ts, float) else None, msg.seq)
+
+    def watch_refusals(self, pod: str, rank: int, callback: OnRefusedBatch | None) -> None:
+        """``callback`` is told of the worker's messages the stream refused for good (None: no longer)."""
+        if callback is None:
+            self._refusal_watchers.pop((pod, rank), None)
+        else:
+            self._refusal_watchers[(pod, rank)] = callback
+
+    def _track(self, pod: str, rank: int, sent: _Sent):
+        """Callbacks for one message of a worker: its ack moves the resume point over what is stored whole."""
+        key = (pod, rank)
+        queue = self._in_flight.get(key)
+        if queue is None:
+            queue = self._in_flight[key] = deque()
+        while queue and queue[0].gen < sent.gen:  # a new generation supersedes what the old one still awaits
+            queue.popleft()
+        queue.append(sent)
+
+        def stored(stream_seq: int) -> None:
+            sent.stored_seq = stream_seq
+            pos = None
+            while queue and queue[0].stored_seq:
+                done = queue.popleft()
+                if done.complete:
+                    pos = done
+            if pos is not None and self.resume is not None:
+                self.resume.update(pod, rank, Position(pos.gen, pos.last, pos.epoch, pos.ts, pos.stored_seq))
+            if not queue:
+                self._in_flight.pop(key, None)
+
+        def refused() -> None:  # stays in the queue: the position never passes it
+            watcher = self._refusal_watchers.get(key)
+            if watcher is not None:
+                watcher(sent.gen, sent.first, sent.last)
+        return stored, refused
 
     async def batch(self, pod: str, rank: int, gen: int, seq: int, ts: float | None, events: list[dict],
                     epoch: str = "") -> None:
@@ -147,7 +224,8 @@ class L1Publisher:
                 payload = msgpack.packb({**msg, "events": part, "part": i, "parts": len(parts)})
                 extra["Kv-Part"] = f"{i + 1}/{len(parts)}"
             msg_id = f"{pod}:{rank}:{gen}:{seq}" + (f":{i}" if len(parts) > 1 else "")
-            await self._publish_batch(pod, rank, gen, seq, epoch, part, msg_id, payload, extra)
+            sent = _Sent(gen, seq, seq, epoch or "-", ts, i == len(parts) - 1)
+            await self._publish_batch(pod, rank, gen, seq, epoch, part, msg_id, payload, extra, sent)
 
     async def run(self, pod: str, rank: int, gen: int, batches: list[tuple[int, float | None, list[dict]]],
                   epoch: str = "") -> None:
@@ -167,14 +245,16 @@ class L1Publisher:
             await self.run(pod, rank, gen, batches[half:], epoch)
             return
         await self._publish_batch(pod, rank, gen, first, epoch, events, f"{pod}:{rank}:{gen}:{first}-{last}", payload,
-                                  {"Kv-Seq-Last": str(last)})
+                                  {"Kv-Seq-Last": str(last)}, _Sent(gen, first, last, epoch or "-", msg["ts"], True))
 
     async def _publish_batch(self, pod: str, rank: int, gen: int, seq: int, epoch: str, events: list[dict],
-                             msg_id: str, payload: bytes, extra: dict[str, str]) -> None:
+                             msg_id: str, payload: bytes, extra: dict[str, str], sent: _Sent) -> None:
         kinds = ",".join(sorted({e["kind"] for e in events}))
         extra.update({"Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(seq), "Kv-Epoch": epoch or "-",
                       "Kv-Events": str(len(events)), "Kv-Kinds": kinds or "-", "Kv-Bridge": self._bridge})
-        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, _headers(pod, msg_id, "batch", **extra))
+        stored, refused = self._track(pod, rank, sent)
+        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, _headers(pod, msg_id, "batch", **extra),
+                                stored, refused)
 
     async def reset(self, pod: str, rank: int, gen: int, next_seq: int, reason: str, epoch: str = "") -> None:
         payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "reset", "pod": pod, "rank": rank, "gen": gen,
@@ -182,9 +262,16 @@ class L1Publisher:
         headers = _headers(pod, f"{pod}:{rank}:{gen}:reset", "reset", **{
             "Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(next_seq), "Kv-Epoch": epoch or "-",
             "Kv-Reason": reason, "Kv-Bridge": self._bridge})
-        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers)
+        stored, refused = self._track(pod, rank, _Sent(gen, next_seq - 1, next_seq - 1, epoch or "-", None, True))
+        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers, stored, refused)
 
     async def pod_removed(self, pod: str, reason: str) -> None:
+        """The pod left: its resume record goes first (so no bridge resumes the retired generation), then
+        the message that retires it in every indexer."""
+        for key in [k for k in self._in_flight if k[0] == pod]:
+            del self._in_flight[key]
+        if self.resume is not None:
+            await self.resume.forget(pod)
         payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "pod_removed", "pod": pod, "reason": reason})
         headers = _headers(pod, f"{pod}:removed:{new_generation()}", "pod_removed",
                            **{"Kv-Reason": reason, "Kv-Bridge": self._bridge})

@@ -31,13 +31,14 @@ from bridge.l1_publisher import L1Publisher
 from bridge.l3_publisher import L3Publisher
 from bridge.mooncake_poller import MasterTarget, MooncakePoller
 from bridge.receive_budget import ReceiveBudget
+from bridge.resume_points import ResumePoints
 from bridge.shard_leases import ShardLeases
 from bridge.static_targets import StaticTargets
 from bridge.targets_record import TargetsRecord
 from bridge.vllm_subscriber import Endpoint, VllmSubscriber
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
-from cache_indexer.streams import connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently
+from cache_indexer.streams import connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, stream_id
 from cache_indexer.tasks import cancel_and_wait
 from schemas.config import Config
 
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 _RESTORE_EVERY = 2.0
 #: Bytes of a message's limit kept for its headers (ours take about 300).
 _HEADER_ROOM = 1024
+#: A subscription without a connection to its engine for longer makes the bridge not ready: a pod that
+#: discovery lists as ready but whose events cannot be received is a blind spot to see, not to guess.
+DISCONNECTED_UNREADY_AFTER = 60.0
 #: Shard targets: a vLLM pod (its IP) or a Mooncake master (its name).
 POD, MASTER = "pod:", "master:"
 
@@ -86,6 +90,7 @@ class Bridge:
         self.lease: Lease | None = None
         self._lease_task: asyncio.Task | None = None
         self.targets_record: TargetsRecord | None = None
+        self.resume_points: ResumePoints | None = None
         # what the previous leader (or this bridge before a restart) published for and discovery may no
         # longer list: removed on the first discovery result, as if they had left while we watched
         self._inherited_pods: set[str] = set()
@@ -94,15 +99,19 @@ class Bridge:
     async def start(self) -> None:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge")
         js = self.nc.jetstream()
-        await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
+        l1_info = await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
         await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
+        self.resume_points = ResumePoints(js, self.cfg.snapshot.metaBucket, self.cfg.nats.replicas)
+        self.resume_points.stream_id = stream_id(l1_info)
+        self.resume_points.start()
         self.publisher = JetStreamPublisher(self.nc, self.metrics, self.cfg.nats.publish.window,
                                             self.cfg.nats.publish.ackTimeout, on_no_stream=self._stream_missing)
         await self.publisher.start()
         nc, nats = self.nc, self.cfg.nats
         holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.l1 = L1Publisher(self.publisher, nats.l1Stream.subjectPrefix, js, nats.l1Stream.name,
-                              lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM, holder)
+                              lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM, holder,
+                              self.resume_points)
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
                               lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics)
         self.targets_record = TargetsRecord(js, self.cfg.snapshot.metaBucket, self.cfg.nats.replicas)
@@ -167,7 +176,20 @@ class Bridge:
         self.pollers.clear()
 
     def is_ready(self) -> bool:
-        return self.publisher is not None and self.nc is not None and self.nc.is_connected
+        return self.publisher is not None and self.nc is not None and self.nc.is_connected and not self._cut_off()
+
+    def _cut_off(self) -> list[Endpoint]:
+        """Subscriptions that have had no connection to their engine for DISCONNECTED_UNREADY_AFTER."""
+        limit = time.monotonic() - DISCONNECTED_UNREADY_AFTER
+        return [ep for ep, sub in self.subscribers.items()
+                if sub.disconnected_since is not None and sub.disconnected_since < limit]
+
+    def not_ready_reason(self) -> str:
+        cut = self._cut_off()
+        if self.nc is None or not self.nc.is_connected or not cut:
+            return "not connected to NATS"
+        names = ", ".join(f"{ep.pod} rank {ep.rank} ({ep.pub})" for ep in cut[:5])
+        return f"no connection to {len(cut)} vLLM endpoint(s) for over {DISCONNECTED_UNREADY_AFTER:.0f}s: {names}"
 
     async def _watch_static(self) -> None:
         targets = StaticTargets(self.cfg.discovery.static.file, *self.cfg.discovery.static.extraFiles)
@@ -249,8 +271,11 @@ class Bridge:
         js = self.nc.jetstream()
         for tier, name in (("l1", self.cfg.nats.l1Stream.name), ("l3", self.cfg.nats.l3Stream.name)):
             try:
-                if not (await ensure_again(js, self.cfg.nats, tier))[1]:
+                info, recreated = await ensure_again(js, self.cfg.nats, tier)
+                if not recreated:
                     continue
+                if tier == "l1":  # positions on the lost stream mean nothing on the new one
+                    self.resume_points.stream_id = stream_id(info)
                 self.metrics.streams_recreated.labels(name).inc()
                 for source in (self.subscribers if tier == "l1" else self.pollers).values():
                     source.start_over()
@@ -307,6 +332,8 @@ class Bridge:
         if self.publisher:
             await self.publisher.flush(5.0)
             await self.publisher.close()
+        if self.resume_points is not None:
+            await self.resume_points.stop()
         if self._http is not None:
             await self._http.close()
         if self.nc:

@@ -6,8 +6,12 @@ engine process. Per (pod, rank) this subscriber:
   asks the replay socket for everything from seq 0, publishes a reset, then the replayed batches;
 - on a gap asks the replay socket (a DEALER; ROUTER replies with or without the topic frame, ended by
   seq -1) for the missing range; what the buffer no longer holds becomes a reset;
-- publishes every seq, an empty batch for a malformed payload, so the stream stays contiguous; the
-  consecutive batches worked off in one go share a message (bridge/batch_run.py);
+- publishes every seq; the consecutive batches worked off in one go share a message
+  (bridge/batch_run.py). A payload that cannot be decoded may have removed blocks, so it is never
+  passed over: the generation ends there and a new one starts after it (reset ``malformed``). A
+  message the stream refuses for good ends the generation the same way (reset ``refused``), and what
+  the engine's buffer holds after it is published again in the new one: a hole is never left for the
+  indexers to wait on;
 - reads its socket ahead into a queue bounded in bytes (bridge/receive_budget.py): a batch that does
   not fit is dropped and replayed once the queue has drained, and replays too come in chunks that fit.
 libzmq reconnects by itself with exponential backoff (``backoffInitial`` .. ``backoffMax``).
@@ -117,6 +121,8 @@ class VllmSubscriber:
         self._queued = asyncio.Event()
         #: the highest seq dropped for want of room and not yet replayed
         self._dropped_upto: int | None = None
+        #: the last seq of a message the stream refused for good (of generation ``gen``), not yet handled
+        self._refused_upto: int | None = None
         self._overflow_log = ThrottledWarning(log, every=10.0)
         self._reader: asyncio.Task | None = None
         self.gen: int | None = None
@@ -131,6 +137,8 @@ class VllmSubscriber:
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._monitor_task: asyncio.Task | None = None
+        #: since when the SUB socket has had no connection to the engine (None: connected)
+        self.disconnected_since: float | None = None
         #: the SUB socket connected again (the engine's process may be another one): the next batch that
         #: looks like a continuation is checked against the engine's replay buffer first
         self._reconnected = False
@@ -145,12 +153,11 @@ class VllmSubscriber:
         pos = await self.sink.last_position(self.ep.pod, self.ep.rank)
         if pos is None:
             return
-        gen, last, epoch, ts = pos
-        if epoch != (self.ep.epoch or "-"):
+        if pos.epoch != (self.ep.epoch or "-"):
             log.info("%s rank %d: engine epoch changed since the last bridge; starting fresh", self.ep.pod, self.ep.rank)
             return
-        self.gen, self.last, self.last_live, self.last_ts = gen, last, None, ts
-        log.info("%s rank %d: resuming generation %d after seq %d", self.ep.pod, self.ep.rank, gen, last)
+        self.gen, self.last, self.last_live, self.last_ts = pos.gen, pos.seq, None, pos.ts
+        log.info("%s rank %d: resuming generation %d after seq %d", self.ep.pod, self.ep.rank, pos.gen, pos.seq)
 
     def start_over(self) -> None:
         """The stream lost what was published: the next batch starts a new generation (a reset, then
@@ -159,6 +166,16 @@ class VllmSubscriber:
         self._run_pending.take()  # of the lost generation
 
     def start(self) -> None:
+        self.sink.watch_refusals(self.ep.pod, self.ep.rank, self._on_refused)
+        self.disconnected_since = time.monotonic()
+        self.metrics.subscriptions_disconnected.inc()  # until its first connection
+        self._open()
+        self._task = asyncio.create_task(self._run(), name=f"vllm-sub-{self.ep.pod}-{self.ep.rank}")
+        self._monitor_task = asyncio.create_task(self._watch_connection(), name=f"vllm-mon-{self.ep.pod}-{self.ep.rank}")
+        self.metrics.subscriptions.inc()
+
+    def _open(self) -> None:
+        """The SUB socket (with its monitor) and the task reading it ahead into the queue."""
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.cfg.rcvHwm)
@@ -166,19 +183,44 @@ class VllmSubscriber:
         sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.cfg.backoffInitial * 1000)))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.cfg.backoffMax * 1000)))
         sock.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                                | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED)
         sock.connect(self.ep.pub)
         self._sock = sock
-        self._task = asyncio.create_task(self._run(), name=f"vllm-sub-{self.ep.pod}-{self.ep.rank}")
         self._reader = asyncio.create_task(self._read(), name=f"vllm-read-{self.ep.pod}-{self.ep.rank}")
-        self._monitor_task = asyncio.create_task(self._watch_connects(), name=f"vllm-mon-{self.ep.pod}-{self.ep.rank}")
-        self.metrics.subscriptions.inc()
 
-    async def _watch_connects(self) -> None:
+    async def _close_socket(self) -> None:
+        await cancel_and_wait(self._reader)  # first: it reads the socket
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._sock.close(0)
+            self._sock = None
+        if self._monitor is not None:
+            self._monitor.close(0)
+            self._monitor = None
+
+    async def _watch_connection(self) -> None:
+        """Follows the SUB socket's connection. libzmq reconnects by itself after a connection drops, and
+        says so (a retry, a delayed connect) within its reconnect interval; after a protocol error, a
+        message over ``maxBatchBytes`` among them, it gives the connection up without a word, and the
+        engine's batches would never arrive again. Such a socket is made anew (counted in
+        ``cache_indexer_bridge_resubscribes_total``); the batches missed meanwhile are a gap like any."""
         connects = 0
+        given_up_after = max(1.0, 3 * self.cfg.backoffInitial)
+        dropped_at: float | None = None  # a disconnection libzmq has shown no sign of repairing yet
         while True:
+            wait = None if dropped_at is None else max(0.0, dropped_at + given_up_after - time.monotonic())
             try:
-                event = parse_monitor_message(await self._monitor.recv_multipart())
+                event = parse_monitor_message(await asyncio.wait_for(self._monitor.recv_multipart(), wait))
+            except asyncio.TimeoutError:
+                self.metrics.bridge_resubscribes.inc()
+                log.warning("%s rank %d: the connection to %s dropped and libzmq does not reconnect (a message over "
+                            "ingest.l1.maxBatchBytes=%d, or another protocol error): subscribing again", self.ep.pod,
+                            self.ep.rank, self.ep.pub, self.cfg.maxBatchBytes)
+                await self._close_socket()
+                self._open()
+                dropped_at = None
+                continue
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError:
@@ -186,30 +228,41 @@ class VllmSubscriber:
             except Exception:
                 log.exception("%s rank %d: unreadable socket monitor event", self.ep.pod, self.ep.rank)
                 continue
-            if event["event"] == zmq.EVENT_CONNECTED:
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                dropped_at = None
                 connects += 1
+                if self.disconnected_since is not None:
+                    self.disconnected_since = None
+                    self.metrics.subscriptions_disconnected.dec()
                 if connects > 1:
                     self._reconnected = True
                     log.info("%s rank %d: reconnected to %s", self.ep.pod, self.ep.rank, self.ep.pub)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                dropped_at = time.monotonic()
+                if self.disconnected_since is None:
+                    self.disconnected_since = dropped_at
+                    self.metrics.subscriptions_disconnected.inc()
+            else:  # a retry or a delayed connect: libzmq is at it
+                dropped_at = None
 
     async def stop(self) -> None:
         """Also when the caller is cancelled meanwhile (a bridge stopping while a pod is being removed):
         the socket is closed in any case, or the bridge's ``ctx.term()`` would wait for it for ever."""
         try:
+            self.sink.watch_refusals(self.ep.pod, self.ep.rank, None)
             if self._task:
                 task, self._task = self._task, None
                 self.metrics.subscriptions.dec()
-                await cancel_and_wait(task, self._reader, self._monitor_task)
+                if self.disconnected_since is not None:
+                    self.disconnected_since = None
+                    self.metrics.subscriptions_disconnected.dec()
+                await cancel_and_wait(self._monitor_task)  # first: it may open a new socket
+                await cancel_and_wait(task, self._reader)
         finally:
             while self._queue:
                 self.budget.give(self._queue.popleft()[1])
-            if self._sock is not None:
-                self._sock.disable_monitor()
-                self._sock.close(0)
-                self._sock = None
-            if self._monitor is not None:
-                self._monitor.close(0)
-                self._monitor = None
+            await self._close_socket()
 
     async def _read(self) -> None:
         """Take what arrives into the queue while there is room in the budget, else drop it (counted)
@@ -291,9 +344,28 @@ class VllmSubscriber:
                            "batches dropped, to be replayed", self.ep.pod, self.ep.rank, self.budget.held,
                            self.budget.limit)
 
+    def _on_refused(self, gen: int, first: int, last: int) -> None:
+        """The stream refused batches first..last of generation ``gen`` for good (told by the publisher)."""
+        if gen == self.gen and (self._refused_upto is None or last > self._refused_upto):
+            self._refused_upto = last
+            self._queued.set()  # handled by the loop, between two bursts
+
+    async def _after_refusal(self) -> None:
+        """A new generation after the refused batches, filled from the engine's buffer (reset ``refused``):
+        the indexers would otherwise hold every later batch of this worker waiting for them."""
+        upto, self._refused_upto = self._refused_upto, None
+        log.error("%s rank %d: the stream refused batches up to seq %d for good; starting a new generation "
+                  "after them", self.ep.pod, self.ep.rank, upto)
+        await self._reset(upto + 1, "refused")
+        self.last = upto
+        await self._drain_buffer(upto + 1, None)
+
     async def _run(self) -> None:
         await self._catch_up()
         while True:
+            if self._refused_upto is not None:
+                await self._guarded(self._after_refusal(), "starting over after a refused publish")
+                continue
             if not self._queue:
                 if self._dropped_upto is not None:  # the tail of a burst was dropped: replay it now
                     upto, self._dropped_upto = self._dropped_upto, None
@@ -634,8 +706,12 @@ class VllmSubscriber:
         except MalformedPayload as exc:
             self.metrics.bridge_malformed.inc()
             self.metrics.bridge_batches.labels("malformed").inc()
-            self._malformed_log("%s rank %d seq %d: malformed payload: %s", self.ep.pod, self.ep.rank, seq, exc)
-            events, ts, decoded = [], None, False
+            self._malformed_log("%s rank %d seq %d: malformed payload (%s): a new generation starts after it",
+                                self.ep.pod, self.ep.rank, seq, exc)
+            # its events (removals, a clear) are unknown: the index cannot vouch for this worker any more
+            await self._reset(seq + 1, "malformed")
+            self.last_ts = None
+            return
         self.last_ts = ts
         n, size = events_size(events)
         run = self._run_pending

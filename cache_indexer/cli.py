@@ -135,7 +135,7 @@ async def run_bridge(cfg: Config) -> int:
     from bridge.service import Bridge
 
     bridge = Bridge(cfg)
-    http = HttpServer(make_ops_app(bridge.metrics, bridge.is_ready, "not connected to NATS"), cfg.http, bridge.metrics)
+    http = HttpServer(make_ops_app(bridge.metrics, bridge.is_ready, bridge.not_ready_reason), cfg.http, bridge.metrics)
     return await serve([http.start, bridge.start], [http.stop, bridge.stop], cfg.http.shutdownTimeout)
 
 

@@ -72,6 +72,12 @@ class Metrics:
         self.publish_retries = Counter(p + "bridge_publish_retries_total", "JetStream publishes re-sent.", registry=r)
         self.publish_inflight = Gauge(p + "bridge_publish_inflight", "Unacknowledged JetStream publishes.", registry=r)
         self.subscriptions = Gauge(p + "bridge_subscriptions", "Active vLLM ZMQ subscriptions.", registry=r)
+        self.subscriptions_disconnected = Gauge(
+            p + "bridge_subscriptions_disconnected", "vLLM ZMQ subscriptions without a connection to their engine now.",
+            registry=r)
+        self.bridge_resubscribes = Counter(
+            p + "bridge_resubscribes_total", "SUB sockets made anew after libzmq gave a connection up (a message over "
+            "ingest.l1.maxBatchBytes, or another protocol error).", registry=r)
         self.bridge_buffered_bytes = Gauge(p + "bridge_buffered_bytes", "Bytes of vLLM batches received and not "
                                            "yet published (bounded by ingest.l1.maxBufferedBytes).", registry=r)
         self.l3_poll_errors = Counter(p + "l3_poll_errors_total",

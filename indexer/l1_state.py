@@ -5,10 +5,17 @@ so replicas agree. The rules make the index robust to what a retrying publisher 
 - a batch carries (gen, seq); per worker only ``seq == next`` is applied, lower seqs are duplicates;
   a run of coalesced batches (seq .. last_seq) that overlaps what was applied applies only the rest;
 - a batch that arrives early (seq > next) is held until the missing ones arrive; if more than
-  ``max_held`` pile up the missing ones are declared lost: the worker is cleared and resumes at the
-  first held seq;
+  ``max_held`` pile up, or the first was stored by the stream more than HOLD_TIMEOUT_NS before the
+  message being applied (any worker's: the stream's own clock, so every replica decides alike), the
+  missing ones are declared lost: the worker is cleared and resumes at the first held seq. A worker is
+  never frozen by one message that does not come;
 - a ``reset`` (or a batch of a newer generation) clears the worker and starts the new generation;
   anything of an older generation is stale and dropped;
+- a generation whose batches arrive before its reset (the reset's publish was lost and re-sent after the
+  ack timeout, while later batches were stored) is applied from its first batch provisionally, and the
+  messages applied are kept (a journal, at most ``max_held``): when the reset then names an earlier
+  first seq, the worker is cleared and rebuilt in seq order from there, the journal going back to the
+  held messages, so the late batches before it are not taken for duplicates;
 - ``pod_removed`` clears every rank of the pod; later batches of the same generations are dropped;
 - a generation far ahead of the time the stream stored the message, or a seq no vLLM can reach, is
   refused (ImplausibleMessage): the stream is not trusted blindly, one forged message must not blind
@@ -25,6 +32,9 @@ from schemas.events import GEN_MAX_AHEAD_NS, MAX_GROUP_IDX, MAX_SEQ, last_seq, r
 
 _DEAD = (1 << 64) - 1  # next_seq of a removed pod: every batch of its generation is stale (a uint64,
 #                       so snapshots can encode it)
+#: How long (stream time) held batches wait for a missing one before it is declared lost. Publishes are
+#: re-sent every ack timeout (5 s) until stored; this leaves room for several rounds of it.
+HOLD_TIMEOUT_NS = 30 * 10**9
 
 
 @dataclass(slots=True)
@@ -35,6 +45,11 @@ class _Cursor:
     #: early arrivals by (seq, part): a batch over the message limit comes in parts of one seq
     held: dict[tuple[int, int], dict] = field(default_factory=dict)
     next_part: int = 0
+    #: messages applied since this generation began without its reset (None: the reset came first, or
+    #: the journal outgrew max_held): what a late reset naming an earlier first seq rebuilds from
+    journal: list[dict] | None = None
+    #: when the stream stored the message that made ``held`` non-empty (0: not known)
+    held_since: int = 0
 
     def advance(self, msg: dict) -> None:
         part = msg.get("part", 0)
@@ -82,13 +97,21 @@ class L1State:
         self.cursors: dict[tuple[str, int], _Cursor] = {}
         self.max_held = max_held
         self.stats = ApplyStats()
+        #: workers with held batches -> when the first was stored (for HOLD_TIMEOUT_NS)
+        self._holding: dict[tuple[str, int], int] = {}
+        self._now = 0  # stored time of the message being applied (0: unknown)
 
     # -- stream messages ---------------------------------------------------------------------------
     def apply(self, msg: dict, stored_ns: int | None = None) -> None:
-        """``stored_ns``: when the stream stored the message (None: not checked, as in benchmarks)."""
+        """``stored_ns``: when the stream stored the message (None: not checked, as in benchmarks; held
+        batches then wait only for the count bound)."""
         kind = msg.get("type")
-        if stored_ns is not None and kind in ("batch", "reset"):
-            _check_plausible(msg, stored_ns)
+        if stored_ns is not None:
+            if kind in ("batch", "reset"):
+                _check_plausible(msg, stored_ns)
+            self._now = stored_ns
+            if self._holding:
+                self._expire(stored_ns)
         if kind == "batch":
             self._on_batch(msg)
         elif kind == "reset":
@@ -105,10 +128,12 @@ class L1State:
         gen, seq, part = msg["gen"], msg["seq"], msg.get("part", 0)
         cur = self.cursors.get(key)
         if cur is None or gen > cur.gen:
-            # First sight of this worker, or a newer generation whose reset has not arrived (yet).
+            # First sight of this worker, or a newer generation whose reset has not arrived (yet): applied
+            # from here, provisionally (journaled) until the reset says where the generation starts.
             if cur is not None:
                 self._clear(key)
-            cur = self.cursors[key] = _Cursor(gen=gen, next_seq=seq, next_part=part)
+                self._holding.pop(key, None)
+            cur = self.cursors[key] = _Cursor(gen=gen, next_seq=seq, next_part=part, journal=[])
         elif gen < cur.gen:
             self.stats.stale += 1
             return
@@ -124,29 +149,70 @@ class L1State:
             if cur.next_seq == _DEAD:
                 self.stats.stale += 1
                 return
-            other = cur.held.get(pos)
-            if other is None or last_seq(msg) > last_seq(other):  # of two from one seq, the one reaching further
-                cur.held[pos] = msg
-            self.stats.held += 1
+            self._hold(key, cur, pos, msg)
             if len(cur.held) > self.max_held:
-                self.stats.lost_gaps += 1
-                self._clear(key)
-                cur.next_seq, cur.next_part = min(cur.held)
-                self._drain(key, cur)
+                self._lose_gap(key, cur)
             return
+        self._journal(cur, msg)
         cur.advance(msg)  # first: a batch that cannot be applied whole must not hold up the ones after it
         self._apply_events(key, msg["events"][skip:] if skip else msg["events"], _batches(msg))
         if cur.held:
             self._drain(key, cur)
 
+    def _hold(self, key: tuple[str, int], cur: _Cursor, pos: tuple[int, int], msg: dict) -> None:
+        other = cur.held.get(pos)
+        if other is None or last_seq(msg) > last_seq(other):  # of two from one seq, the one reaching further
+            cur.held[pos] = msg
+        self.stats.held += 1
+        if key not in self._holding:
+            self._wait_from(key, cur, cur.held_since or self._now)
+
+    def _wait_from(self, key: tuple[str, int], cur: _Cursor, since: int) -> None:
+        """Held batches of ``key`` wait from stream time ``since`` (not timed where times are unknown)."""
+        cur.held_since = since
+        if since:
+            self._holding[key] = since
+
+    def _journal(self, cur: _Cursor, msg: dict) -> None:
+        if cur.journal is not None:
+            if len(cur.journal) >= self.max_held:
+                cur.journal = None  # no reset is coming (it was purged), or not soon: stop keeping them
+            else:
+                cur.journal.append(msg)
+
+    def _lose_gap(self, key: tuple[str, int], cur: _Cursor) -> None:
+        """The missing batches are not coming: forget the worker and go on from the first held one."""
+        self.stats.lost_gaps += 1
+        self._clear(key)
+        cur.next_seq, cur.next_part = min(cur.held)
+        cur.journal = None
+        self._drain(key, cur)
+        if cur.held:  # another gap further on: it gets its own time
+            self._wait_from(key, cur, self._now)
+
+    def _expire(self, now: int) -> None:
+        """Held batches that waited longer than HOLD_TIMEOUT_NS (stream time) for a missing one."""
+        if min(self._holding.values()) > now - HOLD_TIMEOUT_NS:
+            return
+        for key in [k for k, since in self._holding.items() if since <= now - HOLD_TIMEOUT_NS]:
+            cur = self.cursors.get(key)
+            if cur is not None and cur.held and cur.next_seq != _DEAD:
+                self._lose_gap(key, cur)
+            else:
+                self._holding.pop(key, None)
+
     def _drain(self, key: tuple[str, int], cur: _Cursor) -> None:
         while (nxt := cur.take_held()) is not None:
             msg, skip = nxt
+            self._journal(cur, msg)
             cur.advance(msg)
             self._apply_events(key, msg["events"][skip:] if skip else msg["events"], _batches(msg))
         held = cur.held
         for pos in [pos for pos, msg in held.items() if (last_seq(msg), pos[1]) < (cur.next_seq, cur.next_part)]:
             del held[pos]
+        if not held:
+            cur.held_since = 0
+            self._holding.pop(key, None)
 
     def _on_reset(self, msg: dict) -> None:
         key = (msg["pod"], msg["rank"])
@@ -158,8 +224,18 @@ class L1State:
         self.stats.resets += 1
         if cur is not None and gen == cur.gen:
             cur.reset_seen = True  # its batches already started this generation
+            journal, cur.journal = cur.journal, None
+            start = msg["next_seq"]
+            if journal and start < journal[0]["seq"]:  # it starts before what was applied: rebuild from there
+                self._clear(key)
+                for m in journal:
+                    cur.held.setdefault((m["seq"], m.get("part", 0)), m)
+                cur.next_seq, cur.next_part = start, 0
+                self._wait_from(key, cur, cur.held_since or self._now)
+                self._drain(key, cur)
             return
         self._clear(key)
+        self._holding.pop(key, None)
         self.cursors[key] = _Cursor(gen=gen, next_seq=msg["next_seq"], reset_seen=True)
 
     def _on_pod_removed(self, pod: str) -> None:
@@ -169,6 +245,8 @@ class L1State:
             if key[0] == pod:
                 cur.next_seq, cur.next_part = _DEAD, 0
                 cur.held.clear()
+                cur.journal, cur.held_since = None, 0
+                self._holding.pop(key, None)
 
     # -- block events ------------------------------------------------------------------------------
     def _apply_events(self, key: tuple[str, int], events: list[dict], batches: int = 1) -> None:
@@ -224,6 +302,21 @@ class L1State:
         if wid is not None:
             self.index.clear(wid)
             self.workers.release(*key)
+
+    # -- snapshots ---------------------------------------------------------------------------------
+    def cursor_rows(self) -> list[list]:
+        """Every worker's position, as snapshots store it (indexer/snapshot.py)."""
+        return [[pod, rank, c.gen, c.next_seq, c.reset_seen, list(c.held.values()), c.next_part, c.journal,
+                 c.held_since] for (pod, rank), c in self.cursors.items()]
+
+    def restore_cursor(self, pod: str, rank: int, gen: int, next_seq: int, reset_seen: bool, held: list[dict],
+                       next_part: int = 0, journal: list[dict] | None = None, held_since: int = 0) -> None:
+        """A position from ``cursor_rows`` (the last fields are absent from older snapshots)."""
+        cur = self.cursors[(pod, rank)] = _Cursor(gen=gen, next_seq=next_seq, reset_seen=reset_seen,
+                                                  held={(m["seq"], m.get("part", 0)): m for m in held},
+                                                  next_part=next_part, journal=journal)
+        if cur.held:
+            self._wait_from((pod, rank), cur, held_since)
 
     # -- queries -----------------------------------------------------------------------------------
     @property

@@ -33,7 +33,7 @@ from nats.js.errors import (KeyNotFoundError, KeyWrongLastSequenceError, NotFoun
                             ObjectNotFoundError)
 
 from cache_indexer.streams import kv_bucket, object_store, unsubscribe_quietly
-from indexer.l1_state import L1State, _Cursor
+from indexer.l1_state import L1State
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,7 @@ def encode_l1(state: L1State, stream_seq: int) -> bytes:
         "format": FORMAT, "stream_seq": stream_seq, "count": len(keys),
         "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
         "worker_blocks": list(state.index.worker_blocks.items()),
-        "cursors": [[pod, rank, c.gen, c.next_seq, c.reset_seen, list(c.held.values()), c.next_part]
-                    for (pod, rank), c in state.cursors.items()],
+        "cursors": state.cursor_rows(),
         "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in wide.items()},
         "groups": [[wid, list(held_by.items())] for wid, held_by in state.index.groups.items()],
         "copies": [[wid, list(extra.items())] for wid, extra in state.index.copies.items()],
@@ -104,10 +103,8 @@ def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     copies = {wid: {tuple(k) if isinstance(k, list) else k: n for k, n in pairs}  # absent before copies
               for wid, pairs in header.get("copies", ())}
     state.index.restore(keys.tolist(), mask_list, dict(header["worker_blocks"]), groups, copies)
-    for pod, rank, gen, next_seq, reset_seen, held, *next_part in header["cursors"]:  # next_part: parts
-        state.cursors[(pod, rank)] = _Cursor(gen=gen, next_seq=next_seq, reset_seen=reset_seen,
-                                             held={(m["seq"], m.get("part", 0)): m for m in held},
-                                             next_part=next_part[0] if next_part else 0)
+    for row in header["cursors"]:  # older snapshots lack the last fields (parts, journal, held_since)
+        state.restore_cursor(*row)
     return state, header["stream_seq"]
 
 

@@ -33,10 +33,11 @@ async def stack(nats_url, stream_prefix):
     await s.stop()
 
 
-async def until_ratio(stack, pod, expected, tokens=TOKENS, what="", bs=BS):
+async def until_ratio(stack, pod, expected, tokens=TOKENS, what="", bs=BS, timeout=10.0):
     async def check():
         return (await stack.ratios([pod], tokens, bs))[0] == expected
-    await wait_for(check, 10, what or f"{pod} ratio {expected}")
+    await wait_for(check, timeout, what or f"{pod} ratio {expected}")
+    return True
 
 
 async def test_stored_removed_cleared(stack):
@@ -174,7 +175,8 @@ async def test_a_gap_longer_than_the_engines_send_high_water_mark_is_filled_in_r
         await eng.publish([stored(hashes)], send=False)  # lost live: only the replay buffer has them
     await eng.publish([stored(CHAIN[1:2], parent=CHAIN[0])])
     await wait_for(lambda: stack.bridge_metrics.bridge_replays.labels("ok")._value.get() >= 1, 30, "the replay")
-    await until_ratio(stack, POD, 2 / 8, what="the batch after the gap applied on top of the history")
+    await until_ratio(stack, POD, 2 / 8, timeout=30,  # 300k entries: seconds on 2 busy cores
+                      what="the batch after the gap applied on top of the history")
     state = stack.replica.indexer.l1
     await wait_for(lambda: state.index.entries() == 3000 * 100 + 2, 30, "every batch of the gap in the index")
     resets = {s.labels["reason"] for s in stack.bridge_metrics.bridge_resets.collect()[0].samples

@@ -323,3 +323,60 @@ def test_runs_cut_anyhow_overlapping_repeated_and_reordered_index_as_the_batches
     assert held(s) == held(ref)
     assert s.index.copies == ref.index.copies
     assert s.cursors[("127.0.1.1", 0)].next_seq == len(batches) and not s.cursors[("127.0.1.1", 0)].held
+
+
+def reset(next_seq, gen, pod="127.0.1.1", rank=0):
+    return {"type": "reset", "pod": pod, "rank": rank, "gen": gen, "next_seq": next_seq, "reason": "engine-restart"}
+
+
+def test_a_generations_batch_stored_before_its_reset_does_not_drop_the_earlier_ones():
+    """Issue 24 #2: batch 3, then the reset, then batches 0-2 (the reset's publish was lost and re-sent
+    after the ack timeout while later batches were stored): every block is indexed, none taken for a
+    duplicate; the same for a known worker whose new generation begins that way, and across a snapshot."""
+    from indexer.snapshot import decode_l1, encode_l1
+
+    s = L1State()
+    s.apply(batch(3, [stored(13)], gen=5))
+    s.apply(reset(0, gen=5))
+    for seq in range(3):
+        s.apply(batch(seq, [stored(10 + seq)], gen=5))
+    assert held(s) == {10, 11, 12, 13} and s.stats.duplicates == 0
+    assert s.cursors[("127.0.1.1", 0)].next_seq == 4
+
+    s.apply(batch(4, [stored(14)], gen=5))
+    s.apply(batch(40, [stored(140), removed(1)], gen=9))  # the engine restarted: generation 9 from seq 0
+    s, _ = decode_l1(encode_l1(s, 1))  # a snapshot while the generation is provisional
+    s.apply(run(41, [[stored(141)], [removed(140)]], gen=9))
+    s.apply(reset(0, gen=9))
+    assert held(s) == set(), "rebuilt from seq 0: batches 40.. wait for 0..39"
+    s.apply(run(0, [[stored(1)]] + [[] for _ in range(39)], gen=9))
+    assert held(s) == {141}, "seq 0 stores 1, 40 removes it and stores 140, 42 removes 140"
+    assert s.stats.duplicates == 0
+
+
+def test_a_reset_after_the_batches_it_starts_changes_nothing():
+    s = L1State()
+    s.apply(batch(0, [stored(1)], gen=2))
+    s.apply(batch(1, [stored(2)], gen=2))
+    s.apply(reset(0, gen=2))
+    assert held(s) == {1, 2} and s.cursors[("127.0.1.1", 0)].journal is None
+
+
+def test_a_missing_batch_is_declared_lost_after_the_hold_timeout_of_stream_time():
+    """Issue 24 #3: one message that never arrives must not freeze a worker: once the first held batch
+    waited HOLD_TIMEOUT_NS of stream time (any worker's message tells the time), the gap is lost."""
+    from indexer.l1_state import HOLD_TIMEOUT_NS
+    from indexer.snapshot import decode_l1, encode_l1
+
+    t0 = 10**18
+    s = L1State()
+    s.apply(batch(0, [stored(1)]), t0)
+    s.apply(batch(2, [stored(3)]), t0 + 1)  # seq 1 never comes
+    s.apply(batch(3, [stored(4)]), t0 + 2)
+    s, _ = decode_l1(encode_l1(s, 1))  # the wait survives a snapshot: replicas decide alike
+    s.apply(batch(0, [stored(9)], pod="127.0.1.2"), t0 + HOLD_TIMEOUT_NS - 1)
+    assert held(s) == {1} and s.stats.lost_gaps == 0
+    s.apply(batch(1, [stored(10)], pod="127.0.1.2"), t0 + HOLD_TIMEOUT_NS + 1)
+    assert held(s) == {3, 4} and s.stats.lost_gaps == 1
+    s.apply(batch(4, [stored(5)]), t0 + HOLD_TIMEOUT_NS + 2)
+    assert held(s) == {3, 4, 5}

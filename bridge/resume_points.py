@@ -1,0 +1,156 @@
+"""Where each (pod, rank) stands in the L1 stream, kept where the snapshot writer's purges cannot reach.
+
+A restarted, killed or standby bridge continues an engine's generation from the last batch the stream
+stored for it. The stream's last message on the worker's subject says so while it exists, but the
+snapshot writer purges the stream behind each snapshot (keeping the newest ``purgeKeep`` messages of
+all subjects together), so an engine that went idle loses its last message long before its blocks
+leave its cache. Without a resume point the next bridge started a new generation, whose reset wiped
+what only the purged history held (vLLM's replay buffer keeps 10,000 batches; a system prompt cached
+hours ago is far older).
+
+So the bridge also keeps, per pod, a record in the KV bucket ``snapshot.metaBucket`` (key
+``bridge.resume.<pod>``): per rank the generation, the last vLLM seq the stream stored whole (acked, and
+every message before it of that worker acked too: a resume point never passes a hole), the engine's
+epoch, vLLM's timestamp of that batch and the stream sequence that stored it. Records are written at
+most every ``interval`` seconds, only for pods whose position moved; the newest of record and stream
+(by stream sequence) is where a bridge resumes. A record of another incarnation of the stream (one
+recreated since) is ignored, and a pod's record is deleted when its ``pod_removed`` is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import msgpack
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from cache_indexer.streams import kv_bucket, subject_token
+from cache_indexer.tasks import cancel_and_wait
+from cache_indexer.throttled_log import ThrottledWarning
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "bridge.resume."
+#: How often moved positions are written (a bridge killed in between resumes from the stream's last
+#: message, which a purge reaches only after ``purgeKeep`` newer messages).
+WRITE_EVERY = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """The last vLLM batch of a worker that the stream holds whole."""
+    gen: int
+    seq: int  # vLLM's seq of that batch (next_seq - 1 after a reset)
+    epoch: str  # the engine's epoch when it was published ("-": none)
+    ts: float | None  # vLLM's timestamp of that batch (None: not known; no incarnation check then)
+    stream_seq: int  # the stream sequence that stored it: which of two positions is newer
+
+
+def record_key(pod: str) -> str:
+    return KEY_PREFIX + subject_token(pod)
+
+
+class ResumePoints:
+    def __init__(self, js, bucket: str, replicas: int = 1, interval: float = WRITE_EVERY) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.replicas = replicas
+        self.interval = interval
+        #: the stream incarnation (streams.stream_id) the positions refer to
+        self.stream_id = ""
+        self._kv = None
+        self._positions: dict[str, dict[int, Position]] = {}
+        self._dirty: set[str] = set()
+        #: pods whose record was deleted -> the newest generation then: later acks of those are ignored
+        self._forgotten: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+        self._warn = ThrottledWarning(log)
+
+    async def _store(self):
+        if self._kv is None:
+            self._kv = await kv_bucket(self.js, self.bucket, self.replicas, history=5)
+        return self._kv
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._write_loop(), name="bridge-resume-points")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
+        await self.write()
+
+    def update(self, pod: str, rank: int, pos: Position) -> None:
+        """A position the stream acknowledged (called from the publisher's ack handler)."""
+        if pos.gen <= self._forgotten.get(pod, -1):
+            return  # a late ack of a pod since removed
+        ranks = self._positions.setdefault(pod, {})
+        old = ranks.get(rank)
+        if old is None or pos.stream_seq > old.stream_seq:
+            ranks[rank] = pos
+            self._dirty.add(pod)
+
+    async def load(self, pod: str, rank: int) -> Position | None:
+        """The position last recorded for (pod, rank) on this stream; None when unknown or unreadable."""
+        try:
+            entry = await (await self._store()).get(record_key(pod))
+            record = msgpack.unpackb(entry.value, strict_map_key=False) if entry.value else {}
+        except (KeyNotFoundError, NotFoundError):
+            return None
+        except Exception as exc:  # unreadable: the stream's last message alone decides, as before records
+            self._warn("resume record of %s unreadable (%s)", pod, exc)
+            return None
+        if not isinstance(record, dict) or record.get("stream") != self.stream_id or record.get("pod") != pod:
+            return None
+        row = (record.get("ranks") or {}).get(rank)
+        try:
+            gen, seq, epoch, ts, stream_seq = row
+            return Position(int(gen), int(seq), str(epoch), float(ts) if ts is not None else None, int(stream_seq))
+        except (TypeError, ValueError):
+            return None
+
+    async def forget(self, pod: str) -> None:
+        """The pod left: its record goes, and acks still in flight for it are ignored."""
+        ranks = self._positions.pop(pod, {})
+        self._dirty.discard(pod)
+        self._forgotten[pod] = max([p.gen for p in ranks.values()] + [self._forgotten.get(pod, -1)])
+        try:
+            await (await self._store()).delete(record_key(pod))
+        except Exception as exc:
+            self._warn("resume record of %s not deleted (%s)", pod, exc)
+
+    async def write(self) -> None:
+        """Write the records of the pods whose position moved; what fails stays to be written next time."""
+        if not self._dirty:
+            return
+        pods, self._dirty = self._dirty, set()
+        try:
+            kv = await self._store()
+        except Exception as exc:
+            self._dirty |= pods
+            self._warn("resume records not written (%s)", exc)
+            return
+        for pod in pods:
+            ranks = self._positions.get(pod)
+            if not ranks:
+                continue
+            value = msgpack.packb({"pod": pod, "stream": self.stream_id, "ranks": {
+                rank: [p.gen, p.seq, p.epoch, p.ts, p.stream_seq] for rank, p in ranks.items()}})
+            try:
+                await kv.put(record_key(pod), value)
+            except Exception as exc:
+                self._dirty.add(pod)
+                self._warn("resume record of %s not written (%s)", pod, exc)
+
+    async def _write_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.write()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never the end of the loop: the records would silently stop moving
+                log.exception("writing resume records failed")

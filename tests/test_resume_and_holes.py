@@ -1,0 +1,268 @@
+"""Issue 24: nothing lost when a bridge restarts after the stream has moved on, and no silent holes.
+
+Real bridge processes (SIGTERM, kill -9, a standby taking over), a real nats-server whose stream the
+snapshot writer purges, engines in vLLM's frames whose replay buffer is far smaller than their history;
+a batch cut off half-way through its parts, a publish the stream refuses, a payload that cannot be
+decoded, a frame over ``maxBatchBytes``: each ends in an index equal to what the engine holds (or, where
+the engine's events are unknown, a new generation), never in a worker frozen or silently wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import msgpack
+import pytest
+
+from bridge.resume_points import record_key
+from cache_indexer.vllm_publisher import batch_payload, stored
+from indexer.block_hash import BlockHasher
+from indexer.service import Indexer
+from tests.conftest import make_config, wait_for
+from tests.l1_stack import L1Stack
+from tests.test_local_mode import free_port
+from tests.test_recovery import spawn, write_config
+
+H = BlockHasher("sha256_cbor", "0")
+BS = 4
+PODS = ["127.0.0.91", "127.0.0.92", "127.0.0.93", "127.0.0.94"]
+
+
+def chain(n: int, start: int) -> list[int]:
+    return H.event_hashes(list(range(start, start + BS * n)), BS)
+
+
+def worker_blocks(indexer: Indexer, pod: str, rank: int = 0) -> set[int]:
+    l1 = indexer.l1
+    wid = l1.workers.get(pod, rank)
+    return set() if wid is None else {h for h, m in l1.blocks.items() if m >> wid & 1}
+
+
+def targets_file(path, engines) -> None:
+    path.write_text("vllm:\n" + "".join(f"  - ip: {e.host}\n    zmqPort: {e.pub_port}\n    replayPort: {e.replay_port}\n"
+                                        for e in engines))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("restart", ["sigterm", "kill", "standby"])
+async def test_a_bridge_restarted_after_a_purge_resumes_an_idle_engine(nats_url, stream_prefix, tmp_path, restart):
+    """Issue 24 #1: engine X publishes 600 batches and goes idle, the others 600 more; a snapshot purges
+    the stream (keep 100), so X's last message is gone; the bridge restarts (SIGTERM, kill -9, or its
+    standby takes over); X publishes one more batch. Its engine keeps 100 batches: a new generation could
+    bring back only those. Every replica must hold all 601 of X's blocks."""
+    cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"},
+                      snapshot={"everyMessages": 10**9, "interval": "1h", "purgeKeep": 100},
+                      ingest={"l1": {"coalesceMaxBatches": 1, "replayCooldown": 0, "replayTimeout": "2s",
+                                     "backoffInitial": "100ms", "backoffMax": "1s"}})
+    stack = L1Stack(cfg)
+    await stack.replica.start()
+    engines = [stack.engine(pod, buffer_steps=100) for pod in PODS]
+    x = engines[0]
+    targets = tmp_path / "targets.yaml"
+    targets_file(targets, engines)
+    files = [write_config(cfg, tmp_path / f"bridge{i}.yaml", **{"discovery.static.file": str(targets),
+                                                                "http.port": free_port()}) for i in range(2)]
+    bridges = [spawn("bridge", "--config", str(files[0]))]
+    late = None
+    try:
+        for e in engines:
+            await e.wait_subscribed(30)
+        if restart == "standby":
+            bridges.append(spawn("bridge", "--config", str(files[1])))
+        xs = chain(601, 1000)
+        for i in range(600):
+            await x.publish([stored(xs[i:i + 1], parent=xs[i - 1] if i else None, block_size=BS)])
+        indexer = stack.replica.indexer
+        await wait_for(lambda: len(worker_blocks(indexer, PODS[0])) == 600, 30, "X's 600 blocks indexed")
+        records = await indexer.js.key_value(cfg.snapshot.metaBucket)
+
+        async def x_recorded() -> bool:  # X is idle now: its resume point is written within a second
+            try:
+                row = msgpack.unpackb((await records.get(record_key(PODS[0]))).value, strict_map_key=False)
+            except Exception:
+                return False
+            return row["ranks"][0][1] == 599
+        await wait_for(x_recorded, 10, "X's resume point recorded")
+        others = [chain(200, 100000 * (k + 2)) for k in range(3)]
+        for i in range(200):
+            for e, hs in zip(engines[1:], others):
+                await e.publish([stored(hs[i:i + 1], block_size=BS)])
+        name = cfg.nats.l1Stream.name
+
+        async def all_applied():
+            info = await indexer.js.stream_info(name)
+            return indexer.applied_seq == info.state.last_seq and info.state.messages >= 1200
+        await wait_for(all_applied, 30, "the others' batches applied")
+        assert await indexer.snapshot_now()
+        with pytest.raises(Exception):  # X's last message went with the purge
+            await indexer.js.get_last_msg(name, f"{cfg.nats.l1Stream.subjectPrefix}.127_0_0_91.0")
+
+        victim = bridges.pop(0)
+        victim.send_signal(signal.SIGTERM if restart == "sigterm" else signal.SIGKILL)
+        victim.wait(20)
+        if restart != "standby":
+            bridges.append(spawn("bridge", "--config", str(files[0])))
+        for e in engines:
+            await e.wait_subscribed(30)
+        await x.publish([stored(xs[600:601], parent=xs[599], block_size=BS)])
+        await wait_for(lambda: len(worker_blocks(indexer, PODS[0])) == 601, 30,
+                       f"all of X's blocks after the {restart}")
+        late = Indexer(cfg)  # a replica started now: the snapshot, then the tail
+        await late.start()
+        await wait_for(lambda: worker_blocks(late, PODS[0]) == set(xs), 30, "a new replica holds them too")
+        info = await indexer.js.stream_info(name)
+        resets = [msgpack.unpackb((await indexer.js.get_msg(name, q)).data) for q in
+                  range(info.state.first_seq, info.state.last_seq + 1)]
+        assert not [m for m in resets if m["type"] == "reset" and m["pod"] == PODS[0]], "X resumed, no new generation"
+    finally:
+        for b in bridges:
+            b.kill()
+            b.wait(10)
+        if late is not None:
+            await late.stop()
+        await stack.stop()
+
+
+@pytest.fixture
+async def stack(nats_url, stream_prefix):
+    s = await L1Stack(make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"},
+                                  ingest={"l1": {"replayCooldown": 0, "replayTimeout": "1s", "backoffInitial": "100ms",
+                                                 "backoffMax": "1s", "maxBatchBytes": "1MiB"}})).start()
+    yield s
+    await s.stop()
+
+
+async def held_by(stack, pod: str) -> set[int]:
+    return worker_blocks(stack.replica.indexer, pod)
+
+
+async def test_a_bridge_killed_half_way_through_a_batchs_parts_resumes_at_that_batch(nats_url, stream_prefix):
+    """Issue 24 #3: a bridge died after 4 of a large batch's parts (the stream takes 4 KiB messages);
+    the next bridge resumed after that seq, the indexers waited for part 5 for ever and held every later
+    batch. It must publish that batch again, whole, and the engine's index must converge."""
+    from bridge.jetstream_publisher import JetStreamPublisher
+    from bridge.l1_publisher import L1Publisher
+    from bridge.service import Bridge
+    from bridge.vllm_events import decode_batch
+
+    cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"},
+                      nats={"l1Stream": {"name": f"{stream_prefix}_L1", "subjectPrefix": f"t.{stream_prefix}.l1",
+                                         "maxMsgSize": "4KiB", "maxBytes": "256MiB"}, "publish": {"window": 2}})
+    stack = await L1Stack(cfg).start()
+    try:
+        pod = PODS[1]
+        eng = stack.engine(pod)
+        await stack.connect((eng, pod, 0))
+        small = chain(10, 50)
+        for i in range(10):
+            await eng.publish([stored(small[i:i + 1], block_size=BS)])
+        await wait_for(lambda: len(worker_blocks(stack.replica.indexer, pod)) == 10, 20, "the first batches")
+        await stack.bridge.stop()
+        big = chain(3000, 7000)
+        seq = await eng.publish([stored(big, block_size=BS)])  # no bridge listens: the dying bridge had it
+        # the dying bridge: its publisher got 4 of the batch's parts out, then the process was gone
+        js = stack.replica.indexer.js
+        pub = JetStreamPublisher(stack.replica.indexer.nc, stack.bridge_metrics, window=2, ack_timeout=1.0)
+        await pub.start()
+        sent = []
+        real_publish = pub.publish
+
+        async def dies_after_four(subject, data, headers, *callbacks):
+            if len(sent) == 4:
+                raise asyncio.CancelledError  # kill -9: nothing more leaves
+            sent.append(headers["Nats-Msg-Id"])
+            await real_publish(subject, data, headers, *callbacks)
+        pub.publish = dies_after_four
+        subject = f"{cfg.nats.l1Stream.subjectPrefix}.127_0_0_92.0"
+        gen = int((await js.get_last_msg(cfg.nats.l1Stream.name, subject)).headers["Kv-Gen"])
+        dying = L1Publisher(pub, cfg.nats.l1Stream.subjectPrefix, js, cfg.nats.l1Stream.name, lambda: 4096 - 1024)
+        payload = eng.buffer[-1][1]
+        with pytest.raises(asyncio.CancelledError):
+            await dying.batch(pod, 0, gen, seq, decode_batch(payload).ts, decode_batch(payload).events)
+        assert await pub.flush(10) and len(sent) == 4
+        await pub.close()
+        last = await js.get_last_msg(cfg.nats.l1Stream.name, subject)
+        assert last.headers["Kv-Part"].startswith("4/"), "the stream ends with part 4 of the big batch"
+
+        stack.bridge = Bridge(cfg, stack.bridge_metrics)
+        await stack.bridge.start()
+        await wait_for(lambda: stack.bridge.lease.is_leader, 10, "the new bridge to lead")
+        await stack.connect((eng, pod, 0))
+        after = chain(5, 90000)
+        for i in range(5):
+            await eng.publish([stored(after[i:i + 1], block_size=BS)])
+        await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(small) | set(big) | set(after), 30,
+                       "the engine's index whole again")
+        assert stack.replica.indexer.l1.stats.lost_gaps == 0
+    finally:
+        await stack.stop()
+
+
+async def test_a_publish_the_stream_refuses_starts_a_new_generation_after_it(stack):
+    """Issue 24 #3 (a refused publish): the stream's own limit is smaller than the bridge knows (an
+    operator changed it); the batch over it can never be stored. It was dropped, and the indexers held
+    every later batch of that worker. The bridge must start a new generation after it, from the engine's
+    buffer, and the worker goes on."""
+    pod = PODS[2]
+    eng = stack.engine(pod)
+    await stack.connect((eng, pod, 0))
+    first = chain(4, 300)
+    await eng.publish([stored(first, block_size=BS)])
+    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(first), 20, "the first batch")
+    js = stack.replica.indexer.js
+    info = await js.stream_info(stack.cfg.nats.l1Stream.name)
+    info.config.max_msg_size = 2048
+    await js.update_stream(info.config)
+    await eng.publish([stored(chain(400, 5000), block_size=BS)])  # 3.6 KB: refused for good
+    refused = stack.bridge_metrics.publish_refused.labels("rejected")
+    await wait_for(lambda: refused._value.get() == 1, 20, "the stream to refuse it")
+    info.config.max_msg_size = -1  # the operator puts it back; the refused batch stays lost
+    await js.update_stream(info.config)
+    then = chain(3, 900000)
+    for i in range(3):
+        await eng.publish([stored(then[i:i + 1], block_size=BS)])
+    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(then), 20,
+                   "a new generation with what followed the refused batch")
+    assert stack.bridge_metrics.bridge_resets.labels("refused")._value.get() == 1
+    assert stack.bridge_metrics.publish_refused.labels("rejected")._value.get() == 1
+
+
+async def test_a_payload_that_cannot_be_decoded_starts_a_new_generation(stack):
+    """Issue 24 #4: a malformed payload was published as an empty batch; what it removed stayed indexed
+    (ratios too high). Its events are unknown: the worker starts over after it."""
+    pod = PODS[3]
+    eng = stack.engine(pod)
+    await stack.connect((eng, pod, 0))
+    hs = chain(4, 600)
+    await eng.publish([stored(hs, block_size=BS)])
+    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(hs), 20, "stored")
+    await eng.publish_payload(b"\xc1 it removed them, in truth")
+    await eng.publish([stored(hs[:1], block_size=BS)])
+    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(hs[:1]), 20,
+                   "only what came after the undecodable batch")
+    assert stack.bridge_metrics.bridge_resets.labels("malformed")._value.get() == 1
+    assert stack.bridge_metrics.bridge_malformed._value.get() == 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_frame_over_max_batch_bytes_is_a_gap_and_the_subscription_comes_back(stack):
+    """Issue 24 #6: libzmq drops the connection on a message over MAXMSGSIZE and, a protocol error, never
+    reconnects: the engine's later batches never arrived, nothing was logged or counted. The socket must
+    be made anew, the lost batch handled as a gap, and a socket without a connection shown."""
+    pod = PODS[0]
+    eng = stack.engine(pod, buffer_steps=10000)
+    await stack.connect((eng, pod, 0))
+    hs = chain(12, 1200)
+    await eng.publish([stored(hs[:2], block_size=BS)])
+    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(hs[:2]), 20, "before")
+    await eng.publish_payload(batch_payload([stored(hs[2:3], block_size=BS)]) + b"\x00" * (2 << 20))
+    await eng.wait_subscribed(10)  # subscribed again
+    for i in range(3, 12):
+        await eng.publish([stored(hs[i:i + 1], parent=hs[i - 1], block_size=BS)])
+    await wait_for(lambda: set(hs[3:]) <= worker_blocks(stack.replica.indexer, pod), 20,
+                   "the batches after the oversized one indexed")
+    m = stack.bridge_metrics
+    assert m.bridge_resubscribes._value.get() == 1 and m.bridge_gaps._value.get() >= 1
+    assert m.subscriptions_disconnected._value.get() == 0 and m.subscriptions._value.get() == 1
+    assert stack.bridge.is_ready()
