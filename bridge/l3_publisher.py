@@ -6,6 +6,11 @@ pair to one transition, so their order does not matter). A full state's parts sh
 ``gen`` and carry ``part``/``parts``; the first carries ``Nats-Rollup: sub``, which leaves just this
 full state (and what follows it) on the subject, and the indexer replaces the master's state only when
 the last part is in: readers never see half a state.
+
+Every message carries this publisher's ``origin`` (a generation number, new with each bridge) and a
+per-master ``seq``, one more for each diff part and one for a whole full state, so that indexers apply
+a master's diffs in order and refuse a repeat (indexer/l3_state.py). A message the stream refuses for
+good is told to ``on_refused`` with the master's name: the poller then publishes the full state.
 """
 
 from __future__ import annotations
@@ -53,8 +58,11 @@ def split_pods(pods: dict[str, list[int]], budget: int) -> list[dict[str, list[i
 
 class L3Publisher:
     def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, max_payload: Callable[[], int],
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, on_refused: Callable[[str], None] | None = None) -> None:
         self._pub = publisher
+        self.origin = new_generation()
+        self._seq: dict[str, int] = {}  # master -> the last seq published
+        self._on_refused = on_refused or (lambda master: None)
         self._prefix = subject_prefix
         self._max = max_payload  # the payload limit less what the headers take (the connected server's)
         self._metrics = metrics
@@ -62,9 +70,13 @@ class L3Publisher:
     def _budget(self, master: str) -> int:
         return self._max() - _ENVELOPE_BYTES - len(master.encode())
 
-    def _headers(self, master: str, kind: str, msg_id: str) -> dict[str, str]:
+    def _next_seq(self, master: str) -> int:
+        seq = self._seq[master] = self._seq.get(master, -1) + 1
+        return seq
+
+    def _headers(self, master: str, kind: str, msg_id: str, seq: int) -> dict[str, str]:
         return {"Nats-Msg-Id": msg_id, "Content-Type": CONTENT_TYPE_L3, "Kv-Schema": str(SCHEMA_VERSION),
-                "Kv-Type": kind, "Kv-Master": master}
+                "Kv-Type": kind, "Kv-Master": master, "Kv-Origin": str(self.origin), "Kv-Seq": str(seq)}
 
     async def diff(self, master: str, added: dict[str, list[int]], removed: dict[str, list[int]]) -> None:
         gen = new_generation()
@@ -72,10 +84,11 @@ class L3Publisher:
         parts = [("removed", p) for p in split_pods(removed, budget) if p] + \
                 [("added", p) for p in split_pods(added, budget) if p]
         for i, (kind, pods) in enumerate(parts):
+            seq = self._next_seq(master)
             payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "l3_diff", "master": master,
                                      "added": pods if kind == "added" else {},
-                                     "removed": pods if kind == "removed" else {}})
-            headers = self._headers(master, "l3_diff", f"{master}:diff:{gen}:{i}")
+                                     "removed": pods if kind == "removed" else {}, "origin": self.origin, "seq": seq})
+            headers = self._headers(master, "l3_diff", f"{master}:diff:{gen}:{i}", seq)
             if len(parts) > 1:
                 headers["Kv-Part"] = f"{i + 1}/{len(parts)}"
             await self._publish(master, payload, headers, "l3_diff")
@@ -83,10 +96,11 @@ class L3Publisher:
     async def full(self, master: str, pods: dict[str, list[int]]) -> bool:
         gen = new_generation()
         parts = split_pods(pods, self._budget(master))
+        seq = self._next_seq(master)
         for i, chunk in enumerate(parts):
             payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "l3_full", "master": master, "pods": chunk,
-                                     "gen": gen, "part": i, "parts": len(parts)})
-            headers = self._headers(master, "l3_full", f"{master}:full:{gen}:{i}")
+                                     "gen": gen, "part": i, "parts": len(parts), "origin": self.origin, "seq": seq})
+            headers = self._headers(master, "l3_full", f"{master}:full:{gen}:{i}", seq)
             headers["Kv-Part"] = f"{i + 1}/{len(parts)}"
             if i == 0:
                 headers["Nats-Rollup"] = "sub"
@@ -100,4 +114,5 @@ class L3Publisher:
         if len(payload) > self._max():  # the estimate above is an upper bound: this is a bug, not input
             raise RuntimeError(f"L3 message of {len(payload)} bytes over the limit of {self._max()}")
         self._metrics.l3_message_parts.labels(kind).inc()
-        await self._pub.publish(l3_subject(self._prefix, master), payload, headers)
+        await self._pub.publish(l3_subject(self._prefix, master), payload, headers,
+                                on_refused=lambda: self._on_refused(master))

@@ -113,7 +113,8 @@ class Bridge:
                               lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM, holder,
                               self.resume_points)
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
-                              lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics)
+                              lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics,
+                              on_refused=self._l3_refused)
         self.targets_record = TargetsRecord(js, self.cfg.snapshot.metaBucket, self.cfg.nats.replicas)
         if self.cfg.ingest.sharded:
             self.shards = ShardLeases(js, self.cfg.nats.lease.bucket, holder, self.cfg.nats.lease.ttl,
@@ -281,6 +282,13 @@ class Bridge:
                     source.start_over()
             except Exception:
                 log.exception("stream %s: cannot check or recreate it", name)
+
+    def _l3_refused(self, master: str) -> None:
+        """The stream refused a message of ``master`` for good: indexers would wait on its seq, so the
+        master's next poll publishes its full state, which sets the order anew."""
+        for target, poller in self.pollers.items():
+            if target.name == master:
+                poller.start_over()
 
     async def set_masters(self, masters: list[MasterTarget]) -> None:
         """Discovery's Mooncake masters: poll what this bridge polls (all, or its share); a master that is

@@ -101,6 +101,9 @@ class Metrics:
         self.publish_refused = Counter(p + "bridge_publish_refused_total", "JetStream publishes that can never be "
                                        "stored (over the payload limit, refused by the stream): dropped, not "
                                        "retried, by reason.", ["reason"], registry=r)
+        self.l3_out_of_order = Counter(p + "l3_diffs_refused_total", "L3 diffs refused by the indexer: a repeat, of an "
+                                       "older bridge, or held too long for a missing one (the next full state "
+                                       "puts the master right).", registry=r)
         self.l3_incomplete_states = Counter(p + "l3_incomplete_full_states_total", "L3 full states whose parts did "
                                             "not all arrive in order (dropped; the next full state repairs).",
                                             registry=r)

@@ -10,6 +10,13 @@ only the changes touch the index), so a periodic full state
 that changes nothing costs little, and dropping a worker never walks the whole index. A full state
 in several parts is collected and applied when its last part arrives; parts that arrive out of order
 or incomplete are dropped (counted) and the master's state stays as it was until the next full state.
+
+Diffs are applied in their master's order: each L3 message carries the publishing bridge's ``origin``
+and a ``seq`` (a full state's parts share one). A full state sets the order; a diff of that origin is
+applied when its seq is the next one, held while an earlier one is missing (a publish re-sent after the
+ack timeout arrives after later ones), and refused (counted in ``out_of_order``) when it is a repeat, of
+an older origin, or held past MAX_HELD_DIFFS: applied late, it would undo a newer change and stand
+until the next full state. Messages without ``seq`` (older bridges) are applied as they come.
 """
 
 from __future__ import annotations
@@ -17,9 +24,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from cache_indexer.throttled_log import ThrottledWarning
 from indexer.l1_index import BlockIndex, WorkerTable
 
 log = logging.getLogger(__name__)
+
+#: Diffs of one master held while an earlier one is missing; past it they wait for the next full state.
+MAX_HELD_DIFFS = 256
+
+
+@dataclass(slots=True)
+class _Order:
+    """Where a master's diffs stand: the origin of its last full state and the next diff seq wanted."""
+    origin: int
+    next_seq: int
+    held: dict[int, dict] = field(default_factory=dict)  # early diffs by seq
 
 
 @dataclass(slots=True)
@@ -39,8 +58,11 @@ class L3State:
         #: a set would be traversed, 100k entries a worker, by every full collection)
         self._held: dict[int, dict[int, None]] = {}
         self._assembling: dict[str, _Parts] = {}
+        self._order: dict[str, _Order] = {}
         self.messages = 0
         self.incomplete = 0  # full states dropped because a part was missing
+        self.out_of_order = 0  # diffs refused: repeated, of an older origin, or held too long
+        self._refused_log = ThrottledWarning(log, every=10.0)
 
     @property
     def blocks(self) -> dict[int, int]:
@@ -63,26 +85,79 @@ class L3State:
             pods = self._collect(master, msg)
             if pods is not None:
                 self._replace(m, pods)
+                self._ordered_from(master, msg)
         elif kind == "l3_diff":
-            for pod, hashes in msg["removed"].items():
-                wid = self.workers.get(pod, m)
-                if wid is not None:
-                    held = self._held.get(wid, {})
-                    gone = [h for h in hashes if h in held]
-                    self.index.remove(wid, gone)
-                    for h in gone:
-                        del held[h]
-                    self._release_if_empty(pod, m, wid)
-            for pod, hashes in msg["added"].items():
-                wid = self.workers.intern(pod, m)
-                held = self._held.setdefault(wid, {})
-                came = [h for h in hashes if h not in held]
-                self.index.store(wid, came)
-                held.update(dict.fromkeys(came))
-                self._release_if_empty(pod, m, wid)
+            self._on_diff(master, m, msg)
         else:
             raise ValueError(f"unknown L3 message type {kind!r}")
         self.messages += 1
+
+    def _ordered_from(self, master: str, full: dict) -> None:
+        """A whole full state: its master's diffs go on after its seq (held ones that follow it apply)."""
+        origin, seq = full.get("origin"), full.get("seq")
+        if not (type(origin) is int and type(seq) is int):
+            self._order.pop(master, None)  # an older bridge: diffs in arrival order
+            return
+        old = self._order.get(master)
+        order = self._order[master] = _Order(origin, seq + 1)
+        if old is not None and old.origin == origin:
+            order.held = {s: d for s, d in old.held.items() if s > seq}
+        self._drain(master, order)
+
+    def _on_diff(self, master: str, m: int, msg: dict) -> None:
+        origin, seq = msg.get("origin"), msg.get("seq")
+        order = self._order.get(master)
+        if order is None or not (type(origin) is int and type(seq) is int):
+            self._apply_diff(m, msg)  # no order known yet (or an older bridge): as it comes
+            return
+        if origin != order.origin or seq < order.next_seq:
+            if origin > order.origin:  # a newer bridge whose full state is still on its way: it resets the order
+                order.held.clear()
+                self._order[master] = order = _Order(origin, -1)
+                order.held[seq] = msg
+                return
+            self._refuse(master, msg, "a repeat" if origin == order.origin else "of an older bridge")
+            return
+        if seq > order.next_seq:
+            if len(order.held) < MAX_HELD_DIFFS:
+                order.held[seq] = msg
+            else:
+                self._refuse(master, msg, "too far ahead: the full state puts it right")
+            return
+        self._apply_diff(m, msg)
+        order.next_seq += 1
+        self._drain(master, order)
+
+    def _drain(self, master: str, order: _Order) -> None:
+        m = self._master(master)
+        for seq in [s for s in order.held if s < order.next_seq]:
+            del order.held[seq]
+        while (msg := order.held.pop(order.next_seq, None)) is not None:
+            self._apply_diff(m, msg)
+            order.next_seq += 1
+
+    def _refuse(self, master: str, msg: dict, why: str) -> None:
+        self.out_of_order += 1
+        self._refused_log("L3 diff %s of master %s refused (%s): applied now, it would undo a newer change",
+                          msg.get("seq"), master, why)
+
+    def _apply_diff(self, m: int, msg: dict) -> None:
+        for pod, hashes in msg["removed"].items():
+            wid = self.workers.get(pod, m)
+            if wid is not None:
+                held = self._held.get(wid, {})
+                gone = [h for h in hashes if h in held]
+                self.index.remove(wid, gone)
+                for h in gone:
+                    del held[h]
+                self._release_if_empty(pod, m, wid)
+        for pod, hashes in msg["added"].items():
+            wid = self.workers.intern(pod, m)
+            held = self._held.setdefault(wid, {})
+            came = [h for h in hashes if h not in held]
+            self.index.store(wid, came)
+            held.update(dict.fromkeys(came))
+            self._release_if_empty(pod, m, wid)
 
     def _collect(self, master: str, msg: dict) -> dict[str, list[int]] | None:
         """The whole full state once its last part is in; None while parts are missing."""

@@ -165,10 +165,12 @@ class Indexer:
         if seq <= self.l3_applied_seq:
             return
         try:  # rollups leave gaps on purpose: a full state replaces what it rolled up
-            incomplete = self.l3.incomplete
+            incomplete, refused = self.l3.incomplete, self.l3.out_of_order
             self.l3.apply(msgpack.unpackb(msg.data, raw=False, strict_map_key=False))
             if self.l3.incomplete != incomplete:
                 self.metrics.l3_incomplete_states.inc(self.l3.incomplete - incomplete)
+            if self.l3.out_of_order != refused:
+                self.metrics.l3_out_of_order.inc(self.l3.out_of_order - refused)
         except Exception as exc:
             self.metrics.ingest_errors.labels(self.cfg.nats.l3Stream.name).inc()
             log.warning("stream %s seq %d: cannot apply message: %s", self.cfg.nats.l3Stream.name, seq, exc)

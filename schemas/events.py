@@ -162,6 +162,9 @@ class L3Diff(BaseModel):
     master: str
     added: dict[str, list[U64]] = Field(description="pod IP -> block hashes now held")
     removed: dict[str, list[U64]] = Field(description="pod IP -> block hashes no longer held")
+    origin: U64 | None = Field(None, description="the publishing bridge's generation; with seq, the master's order")
+    seq: U64 | None = Field(None, description="per master and origin: one more per diff part and per full state; "
+                                              "indexers apply diffs in this order and refuse repeats")
 
 
 class L3Full(BaseModel):
@@ -176,6 +179,9 @@ class L3Full(BaseModel):
     gen: U64 | None = Field(None, description="one full state's parts share it")
     part: int = Field(0, ge=0, description="0-based index of this part")
     parts: int = Field(1, ge=1, description="how many parts the full state has")
+    origin: U64 | None = Field(None, description="the publishing bridge's generation")
+    seq: U64 | None = Field(None, description="the master's seq of this full state (all its parts share it): its "
+                                              "diffs go on from the next one")
 
 
 L3Message = Annotated[Union[L3Diff, L3Full], Field(discriminator="type")]

@@ -594,3 +594,75 @@ def test_real_mooncake_master_end_to_end():
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, f"scenario failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     assert "SCENARIO OK" in r.stdout
+
+
+def l3_diff(seq, added=None, removed=None, origin=7):
+    return {"type": "l3_diff", "master": "m", "added": added or {}, "removed": removed or {}, "origin": origin,
+            "seq": seq}
+
+
+def test_l3_diffs_apply_in_their_masters_order_and_a_repeat_is_refused():
+    """Issue 24 #5: an older diff re-sent after newer ones was applied, and the wrong attribution stood
+    until the next full state. Diffs carry (origin, seq): a repeat is refused, an early one waits for
+    the one missing, a newer bridge's full state sets the order anew and an older bridge's diff is refused."""
+    s = L3State()
+    s.apply({"type": "l3_full", "master": "m", "pods": {"p": [1]}, "origin": 7, "seq": 0})
+    s.apply(l3_diff(1, added={"p": [2]}))
+    s.apply(l3_diff(2, removed={"p": [2]}))
+    s.apply(l3_diff(1, added={"p": [2]}))  # re-sent after the newer one
+    assert l3_held(s, "p") == {1} and s.out_of_order == 1
+    s.apply(l3_diff(4, removed={"p": [1]}))  # early: 3 is missing
+    assert l3_held(s, "p") == {1}
+    s.apply(l3_diff(3, added={"p": [5]}))
+    assert l3_held(s, "p") == {5}
+    s.apply(l3_diff(1, added={"p": [9]}, origin=8))  # a new bridge's diff before its full state: held
+    assert l3_held(s, "p") == {5}
+    s.apply({"type": "l3_full", "master": "m", "pods": {"p": [6]}, "origin": 8, "seq": 0})
+    assert l3_held(s, "p") == {6, 9}
+    s.apply(l3_diff(5, added={"p": [1]}, origin=7))  # the old bridge's, late
+    assert l3_held(s, "p") == {6, 9} and s.out_of_order == 2
+    s.apply({"type": "l3_diff", "master": "m", "added": {"p": [3]}, "removed": {}})  # a bridge without seqs
+    assert l3_held(s, "p") == {3, 6, 9}
+
+
+async def test_a_late_l3_diff_through_the_stream_is_refused_and_a_refused_one_brings_a_full_state(nats_url,
+                                                                                               stream_prefix):
+    """Issue 24 #5 through a real stream: the bridge's publisher numbers the master's messages; the same
+    diff stored again after newer ones (a retry past the duplicate window) changes nothing in a replica;
+    a diff the stream refuses for good is told to the bridge (which then publishes the full state)."""
+    import nats
+
+    from bridge.jetstream_publisher import JetStreamPublisher
+    from bridge.l3_publisher import L3Publisher
+    from cache_indexer.streams import l3_subject
+    from indexer.service import Indexer
+
+    cfg = make_config(nats_url, stream_prefix)
+    indexer = Indexer(cfg)
+    await indexer.start()
+    nc = await nats.connect(nats_url)
+    refused: list[str] = []
+    try:
+        pub = JetStreamPublisher(nc, Metrics(), ack_timeout=1.0)
+        await pub.start()
+        l3 = L3Publisher(pub, cfg.nats.l3Stream.subjectPrefix, lambda: 64 << 10, Metrics(), on_refused=refused.append)
+        await l3.full("m", {"127.0.0.2": [1]})
+        await l3.diff("m", {"127.0.0.2": [2]}, {})
+        await l3.diff("m", {}, {"127.0.0.2": [2]})
+        assert await pub.flush(10)
+        js = nc.jetstream()
+        subject = l3_subject(cfg.nats.l3Stream.subjectPrefix, "m")
+        first_diff = await js.get_msg(cfg.nats.l3Stream.name, 2)
+        await js.publish(subject, first_diff.data, headers={"Nats-Msg-Id": "the same diff, re-sent"})
+        await l3.diff("m", {"127.0.0.3": [7]}, {})
+        assert await pub.flush(10)
+        await wait_for(lambda: l3_held(indexer.l3, "127.0.0.3") == {7}, 10, "the last diff applied")
+        assert l3_held(indexer.l3, "127.0.0.2") == {1} and indexer.l3.out_of_order == 1
+        info = await js.stream_info(cfg.nats.l3Stream.name)
+        info.config.max_msg_size = 64
+        await js.update_stream(info.config)
+        await l3.diff("m", {"127.0.0.3": list(range(100))}, {})
+        await wait_for(lambda: refused == ["m"], 10, "the refusal told")
+    finally:
+        await nc.close()
+        await indexer.stop()
