@@ -36,10 +36,8 @@ class BatchRun:
     #: (seq, vLLM timestamp, events) of each batch, consecutive seqs
     batches: list[tuple[int, float | None, list[dict]]] = field(default_factory=list)
     size: int = 0
-    #: for the bridge's metrics, counted when the run is published: block events, and the batches that
-    #: decoded (the others are counted malformed at once)
+    #: for the bridge's metrics, counted when the run is published
     block_events: int = 0
-    decoded: int = 0
 
     def takes(self, gen: int, seq: int, size: int) -> bool:
         """Whether a batch can join: same generation, the next seq, and room left (an empty run takes any)."""
@@ -48,18 +46,16 @@ class BatchRun:
         return (gen == self.gen and seq == self.batches[-1][0] + 1 and len(self.batches) < self.max_batches
                 and self.size + size <= self.max_bytes)
 
-    def add(self, gen: int, seq: int, ts: float | None, events: list[dict], size: int, block_events: int,
-            decoded: bool) -> None:
+    def add(self, gen: int, seq: int, ts: float | None, events: list[dict], size: int, block_events: int) -> None:
         if not self.batches:
             self.gen = gen
         self.batches.append((seq, ts, events))
         self.size += size
         self.block_events += block_events
-        self.decoded += decoded
 
     def full(self) -> bool:
         return len(self.batches) >= self.max_batches or self.size >= self.max_bytes
 
     def take(self) -> list[tuple[int, float | None, list[dict]]]:
-        out, self.batches, self.size, self.block_events, self.decoded = self.batches, [], 0, 0, 0
+        out, self.batches, self.size, self.block_events = self.batches, [], 0, 0
         return out

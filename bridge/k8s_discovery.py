@@ -20,7 +20,7 @@ from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from bridge.mooncake_poller import MasterTarget
-from bridge.vllm_subscriber import Endpoint
+from bridge.endpoint import Endpoint
 from cache_indexer.tasks import cancel_and_wait
 from schemas.config import DiscoveryConfig, MooncakeDiscoveryConfig, VllmDiscoveryConfig
 

@@ -12,9 +12,14 @@ So the bridge also keeps, per pod, a record in the KV bucket ``snapshot.metaBuck
 ``bridge.resume.<pod>``): per rank the generation, the last vLLM seq the stream stored whole (acked, and
 every message before it of that worker acked too: a resume point never passes a hole), the engine's
 epoch, vLLM's timestamp of that batch and the stream sequence that stored it. Records are written at
-most every ``interval`` seconds, only for pods whose position moved; the newest of record and stream
-(by stream sequence) is where a bridge resumes. A record of another incarnation of the stream (one
-recreated since) is ignored, and a pod's record is deleted when its ``pod_removed`` is published.
+most every ``interval`` seconds, only for pods whose position moved. A bridge resumes from the record:
+the stream's last message may lie past one that never made it (stored late, or lost with a killed
+bridge), the record never does; what followed it is published again from the engine's buffer and
+deduplicated. Where the stream holds a generation newer than the record (younger than a record write),
+a new generation starts, which loses nothing so young; where the pod has no record at all (the first
+start after an upgrade), the stream's last message is the position. A record of another
+incarnation of the stream (one recreated since) is ignored, and a pod's record is deleted when its
+``pod_removed`` is published.
 """
 
 from __future__ import annotations
@@ -111,6 +116,15 @@ class ResumePoints:
             return Position(int(gen), int(seq), str(epoch), float(ts) if ts is not None else None, int(stream_seq))
         except (TypeError, ValueError):
             return None
+
+    async def known(self, pod: str) -> bool:
+        """Whether the pod has a record on this stream (of any rank); unreadable counts as unknown."""
+        try:
+            entry = await (await self._store()).get(record_key(pod))
+            record = msgpack.unpackb(entry.value, strict_map_key=False) if entry.value else {}
+        except Exception:
+            return False
+        return isinstance(record, dict) and record.get("stream") == self.stream_id
 
     async def forget(self, pod: str) -> None:
         """The pod left: its record goes, and acks still in flight for it are ignored."""

@@ -35,7 +35,8 @@ from bridge.resume_points import ResumePoints
 from bridge.shard_leases import ShardLeases
 from bridge.static_targets import StaticTargets
 from bridge.targets_record import TargetsRecord
-from bridge.vllm_subscriber import Endpoint, VllmSubscriber
+from bridge.endpoint import Endpoint
+from bridge.vllm_subscriber import VllmSubscriber
 from cache_indexer.lease import Lease
 from cache_indexer.metrics import Metrics
 from cache_indexer.streams import connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, stream_id

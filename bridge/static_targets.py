@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bridge.mooncake_poller import MasterTarget
-from bridge.vllm_subscriber import Endpoint
+from bridge.endpoint import Endpoint
 
 
 class VllmTarget(BaseModel):

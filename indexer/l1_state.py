@@ -25,10 +25,14 @@ Only GPU events (medium GPU or absent) change L1; other media stay in the stream
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+from cache_indexer.throttled_log import ThrottledWarning
 from indexer.l1_index import BlockIndex, WorkerTable
 from schemas.events import GEN_MAX_AHEAD_NS, MAX_GROUP_IDX, MAX_SEQ, last_seq, run_error
+
+log = logging.getLogger(__name__)
 
 _DEAD = (1 << 64) - 1  # next_seq of a removed pod: every batch of its generation is stale (a uint64,
 #                       so snapshots can encode it)
@@ -100,6 +104,7 @@ class L1State:
         #: workers with held batches -> when the first was stored (for HOLD_TIMEOUT_NS)
         self._holding: dict[tuple[str, int], int] = {}
         self._now = 0  # stored time of the message being applied (0: unknown)
+        self._lost_log = ThrottledWarning(log, every=10.0)
 
     # -- stream messages ---------------------------------------------------------------------------
     def apply(self, msg: dict, stored_ns: int | None = None) -> None:
@@ -141,6 +146,8 @@ class L1State:
         skip = 0
         if pos < want:
             if cur.next_part or last_seq(msg) < cur.next_seq:
+                if cur.journal is not None and pos < (cur.journal[0]["seq"], cur.journal[0].get("part", 0)):
+                    self._journal(cur, msg)  # before where the provisional generation began: kept for its reset
                 self.stats.duplicates += 1
                 return
             skip = msg["ends"][cur.next_seq - seq - 1]  # a run overlapping what was applied: the rest of it
@@ -183,6 +190,8 @@ class L1State:
     def _lose_gap(self, key: tuple[str, int], cur: _Cursor) -> None:
         """The missing batches are not coming: forget the worker and go on from the first held one."""
         self.stats.lost_gaps += 1
+        self._lost_log("%s rank %d: batches %d..%d never arrived (%d later ones held): the worker starts again from "
+                       "seq %d", key[0], key[1], cur.next_seq, min(cur.held)[0] - 1, len(cur.held), min(cur.held)[0])
         self._clear(key)
         cur.next_seq, cur.next_part = min(cur.held)
         cur.journal = None

@@ -207,11 +207,14 @@ class Indexer:
                 self._reloading = True
                 self._tasks.append(asyncio.create_task(self._reload(), name="indexer-reload"))
                 return
+        lost = self.l1.stats.lost_gaps
         try:
             self.l1.apply(msgpack.unpackb(msg.data, raw=False), _stored_ns(msg))
         except Exception as exc:  # a bad message is counted and skipped, never fatal
             self.metrics.ingest_errors.labels(self._stream).inc()
             log.warning("stream %s seq %d: cannot apply message: %s", self._stream, seq, exc)
+        if self.l1.stats.lost_gaps != lost:
+            self.metrics.ingest_lost_gaps.inc(self.l1.stats.lost_gaps - lost)
         self.applied_seq = seq
         self.metrics.ingest_applied.labels(self._stream).inc()
         if not self.ready.is_set():

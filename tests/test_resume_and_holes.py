@@ -133,8 +133,13 @@ async def stack(nats_url, stream_prefix):
     await s.stop()
 
 
-async def held_by(stack, pod: str) -> set[int]:
-    return worker_blocks(stack.replica.indexer, pod)
+async def engine_holding(stack, pod: str, hashes: list[int]):
+    """An engine subscribed to, whose first batch (a store of ``hashes``) is indexed."""
+    eng = stack.engine(pod)
+    await stack.connect((eng, pod, 0))
+    await eng.publish([stored(hashes, block_size=BS)])
+    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(hashes), 20, "the first batch indexed")
+    return eng
 
 
 async def test_a_bridge_killed_half_way_through_a_batchs_parts_resumes_at_that_batch(nats_url, stream_prefix):
@@ -205,11 +210,7 @@ async def test_a_publish_the_stream_refuses_starts_a_new_generation_after_it(sta
     every later batch of that worker. The bridge must start a new generation after it, from the engine's
     buffer, and the worker goes on."""
     pod = PODS[2]
-    eng = stack.engine(pod)
-    await stack.connect((eng, pod, 0))
-    first = chain(4, 300)
-    await eng.publish([stored(first, block_size=BS)])
-    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(first), 20, "the first batch")
+    eng = await engine_holding(stack, pod, chain(4, 300))
     js = stack.replica.indexer.js
     info = await js.stream_info(stack.cfg.nats.l1Stream.name)
     info.config.max_msg_size = 2048
@@ -232,11 +233,8 @@ async def test_a_payload_that_cannot_be_decoded_starts_a_new_generation(stack):
     """Issue 24 #4: a malformed payload was published as an empty batch; what it removed stayed indexed
     (ratios too high). Its events are unknown: the worker starts over after it."""
     pod = PODS[3]
-    eng = stack.engine(pod)
-    await stack.connect((eng, pod, 0))
     hs = chain(4, 600)
-    await eng.publish([stored(hs, block_size=BS)])
-    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(hs), 20, "stored")
+    eng = await engine_holding(stack, pod, hs)
     await eng.publish_payload(b"\xc1 it removed them, in truth")
     await eng.publish([stored(hs[:1], block_size=BS)])
     await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(hs[:1]), 20,

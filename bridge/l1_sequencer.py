@@ -1,0 +1,380 @@
+"""The sequence decisions of one vLLM endpoint, without sockets.
+
+vLLM numbers its batches per engine process from 0 and keeps the last ones in a replay buffer. From the
+live batches, what the replay buffer answers and what the stream acknowledged, this decides per (pod,
+rank) what the stream gets:
+- on first contact and on an engine restart (live seq going backwards, or another batch than ours at
+  the seq published last) a new generation: a reset, then what the engine's buffer holds from seq 0;
+- on a gap, the missing batches from the replay buffer; what it no longer holds becomes a reset
+  (``gap-beyond-replay``);
+- a resumed generation (a restarted or standby bridge, bridge/resume_points.py) goes on where the
+  stream stands, catching up at once from the buffer; an engine whose buffer no longer holds the batch
+  published last cannot be told from a restarted one, and is never continued (reset ``unverified``);
+- every seq is published; consecutive batches worked off in one go share a message (bridge/batch_run.py).
+  A payload that cannot be decoded may have removed blocks, so it is never passed over: the generation
+  ends there and a new one starts after it (reset ``malformed``). A message the stream refuses for good
+  ends the generation the same way (reset ``refused``), and what the engine's buffer holds after it is
+  published again in the new one: a hole is never left for the indexers to wait on.
+The subscriber (bridge/vllm_subscriber.py) does the I/O: it reads the socket, asks the replay socket
+(the ``replay`` port) and hands each batch here; the sink is the L1 publisher. So the decisions can be
+driven alone, against a model of the engines and the stream (tests/test_sequencing_model.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from bridge.batch_run import BatchRun, events_size
+from bridge.block_key_check import BlockKeyCheck
+from bridge.endpoint import Endpoint
+from bridge.l1_publisher import L1Publisher, new_generation
+from bridge.receive_budget import ReceiveBudget
+from bridge.resume_points import Position
+from bridge.vllm_events import MalformedPayload, decode_batch
+from cache_indexer.metrics import Metrics
+from cache_indexer.throttled_log import ThrottledWarning
+from schemas.events import MAX_SEQ
+
+log = logging.getLogger(__name__)
+
+PUBLISH_BURST = 256  # replayed batches published without yielding to the event loop
+#: vLLM numbers batches with an int64 counter from 0, one a batch: a seq past MAX_SEQ, or more than 2^32
+#: ahead of the last one (years of batches), is garbage, not a gap to replay or a reason to reset.
+MAX_SEQ_JUMP = 1 << 32
+#: What the engine's buffer says when it holds later batches but not the one published last: which
+#: engine process it is cannot be told, so a continuation is never assumed (a new generation starts).
+MOVED_ON = "moved-on"
+
+
+@dataclass(slots=True)
+class Replayed:
+    """What one replay brought: contiguous batches, the budget bytes they hold until ``release``, and
+    whether the replay stopped for want of room (the engine may hold more after the last)."""
+    budget: ReceiveBudget
+    batches: list[tuple[int, bytes]] = field(default_factory=list)
+    held: int = 0
+    cut: bool = False
+
+    def release(self) -> None:
+        self.budget.give(self.held)
+        self.held = 0
+
+    def after(self, seq: int) -> list[tuple[int, bytes]]:
+        return [b for b in self.batches if b[0] > seq]
+
+
+#: The engine's replay buffer: (start seq, whether an empty answer is a failure) -> what it holds from there.
+ReplaySource = Callable[[int, bool], Awaitable[Replayed]]
+
+
+class L1Sequencer:
+    def __init__(self, endpoint: Endpoint, sink: L1Publisher, metrics: Metrics, replay: ReplaySource,
+                 max_batches: int, max_bytes: int, block_key_check: BlockKeyCheck | None = None) -> None:
+        self.ep = endpoint
+        self.sink = sink
+        self.metrics = metrics
+        self._ask = replay
+        self.block_key_check = block_key_check
+        self.gen: int | None = None
+        self.last: int | None = None  # last seq published
+        #: vLLM's timestamp of the batch published last: what tells this engine incarnation's batch at that
+        #: seq from a restarted engine's (whose seq may have overtaken ours while the socket reconnected)
+        self.last_ts: float | None = None
+        self.last_live: int | None = None  # last seq received on the live socket
+        #: the SUB socket connected again (the engine's process may be another one): the next batch that
+        #: looks like a continuation is checked against the engine's replay buffer first
+        self.reconnected = False
+        #: the last seq of a message the stream refused for good (of generation ``gen``), not yet handled
+        self.refused_upto: int | None = None
+        self._malformed_log = ThrottledWarning(log, every=10.0)
+        #: batches handed on (``last`` counts them) and not yet published: sent before anything waits
+        self.pending = BatchRun(max_batches, max_bytes)
+        self._published = metrics.bridge_batches.labels("published")
+
+    def resume(self, pos: Position | None) -> None:
+        """Continue the generation a previous bridge published for this (pod, rank), if the engine is
+        the same one (same epoch): the first live message then fills the gap by replay, no reset."""
+        if pos is None:
+            return
+        if pos.epoch != (self.ep.epoch or "-"):
+            log.info("%s rank %d: engine epoch changed since the last bridge; starting fresh", self.ep.pod, self.ep.rank)
+            return
+        if pos.ts is None:  # a reset, or a batch cut off in parts: which engine process it was cannot be checked
+            log.info("%s rank %d: the stream's position (generation %d, seq %d) carries no vLLM timestamp to check the "
+                     "engine against; starting a new generation from its buffer", self.ep.pod, self.ep.rank, pos.gen,
+                     pos.seq)
+            return
+        self.gen, self.last, self.last_live, self.last_ts = pos.gen, pos.seq, None, pos.ts
+        log.info("%s rank %d: resuming generation %d after seq %d", self.ep.pod, self.ep.rank, pos.gen, pos.seq)
+
+    def start_over(self) -> None:
+        """The stream lost what was published: the next batch starts a new generation (a reset, then
+        what the engine's replay buffer holds from seq 0)."""
+        self.gen = self.last = self.last_live = self.last_ts = None
+        self.pending.take()  # of the lost generation
+
+    def refused(self, gen: int, first: int, last: int) -> bool:
+        """The stream refused batches first..last of generation ``gen`` for good (told by the publisher);
+        True when the subscriber is to call ``after_refusal``."""
+        if gen == self.gen and (self.refused_upto is None or last > self.refused_upto):
+            self.refused_upto = last
+            return True
+        return False
+
+    async def after_refusal(self) -> None:
+        """A new generation after the refused batches, filled from the engine's buffer (reset ``refused``):
+        the indexers would otherwise hold every later batch of this worker waiting for them."""
+        upto, self.refused_upto = self.refused_upto, None
+        log.error("%s rank %d: the stream refused batches up to seq %d for good; starting a new generation "
+                  "after them", self.ep.pod, self.ep.rank, upto)
+        await self._reset(upto + 1, "refused")
+        self.last = upto
+        await self.drain_buffer(upto + 1, None)
+
+    async def flush(self) -> None:
+        """Publish the batches handed on so far (before anything else of this worker, and before waiting)."""
+        run = self.pending
+        if run.batches:
+            batches, block_events = len(run.batches), run.block_events
+            await self.sink.run(self.ep.pod, self.ep.rank, run.gen, run.take(), self.ep.epoch)
+            self._published.inc(batches)
+            self.metrics.bridge_block_events.inc(block_events)
+
+    async def catch_up(self) -> None:
+        """A resumed subscription asks the replay socket at once for what the engine published while no
+        bridge listened: an engine that has gone quiet would otherwise stay behind until its next batch.
+        Live batches queue meanwhile; those already replayed are dropped as duplicates."""
+        if self.gen is None or self.last is None or not self.ep.replay:
+            return
+        before = self.last
+        try:
+            same, replayed = await self._same_incarnation(empty_is_failure=False)
+            if same is False:  # restarted while no bridge listened: start over from what it holds
+                replayed.release()
+                await self._restart_from_buffer()
+                return
+            if same == MOVED_ON:
+                await self._start_at_buffer(replayed, self._moved_on_reason(replayed))
+                return
+            if same is None:  # not told (a restarted engine may hold nothing yet): the next batch is checked
+                self.reconnected = True
+            await self.drain_buffer(self.last + 1, replayed)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s rank %d: catching up from the replay socket failed", self.ep.pod, self.ep.rank)
+            return
+        if self.last != before:
+            # live batches queued meanwhile up to the new last are the same ones again, not a restart
+            self.last_live = before
+            log.info("%s rank %d: caught up %d batches published while no bridge listened", self.ep.pod,
+                     self.ep.rank, self.last - before)
+
+    async def _restart_from_buffer(self) -> None:
+        """A new generation from what the engine's buffer holds (no live batch to start from)."""
+        first = await self._replay(0, empty_is_failure=False)
+        if not first.batches:
+            first.release()
+            return
+        self._log_new_incarnation()
+        await self._start_at_buffer(first, "engine-restart")
+
+    async def _start_at_buffer(self, replayed: Replayed, reason: str) -> None:
+        """A new generation from the first batch ``replayed`` holds, then the rest of the buffer. Live batches
+        queued meanwhile up to the new last are the same ones again, not a restart."""
+        start = replayed.batches[0][0]
+        await self._reset(start, reason)
+        self.last = self.last_live = start - 1
+        await self.drain_buffer(start, replayed)
+
+    def _moved_on_reason(self, replayed: Replayed) -> str:
+        """Why a buffer without the batch published last starts a generation: batches missing in between
+        (``gap-beyond-replay``), or none missing but the engine process not told (``unverified``)."""
+        return "unverified" if replayed.batches[0][0] == self.last + 1 else "gap-beyond-replay"
+
+    async def drain_buffer(self, want: int, replayed: Replayed | None) -> None:
+        """Publish what the engine's buffer holds from ``want`` on, chunk by chunk within the budget,
+        up to its first hole (a live batch after it resolves that gap)."""
+        while True:
+            if replayed is None:
+                replayed = await self._replay(want, empty_is_failure=False)
+            try:
+                run = replayed.after(want - 1)
+                if not run or run[0][0] != want:
+                    return
+                await self._publish_run(run)
+                want = self.last + 1
+                if not replayed.cut:
+                    return
+                self.metrics.bridge_replays.labels("chunk").inc()
+            finally:
+                replayed.release()
+            replayed = None
+
+    async def on_message(self, seq: int, payload: bytes) -> None:
+        """A live batch as it came off the socket: a seq no vLLM can have is garbage (counted, dropped),
+        never a gap to replay or a reason to reset."""
+        if seq > MAX_SEQ or (self.last is not None and seq > self.last + MAX_SEQ_JUMP):
+            self.metrics.bridge_malformed.inc()
+            self._malformed_log("%s rank %d: impossible seq %d after %s; batch dropped", self.ep.pod,
+                                self.ep.rank, seq, self.last)
+            return
+        await self.on_live(seq, payload)
+
+    # -- sequence handling ---------------------------------------------------------------------------
+    async def on_live(self, seq: int, payload: bytes) -> None:
+        if self.gen is None:
+            await self._resync(seq, payload, want_from=0, new_gen=True, reason="subscribed")
+        elif seq == self.last + 1:
+            if self.reconnected:  # a continuation, or a restarted engine that reached exactly this seq
+                self.reconnected = False
+                same, replayed = await self._same_incarnation()
+                if replayed is not None:
+                    replayed.release()
+                if same is False:
+                    await self._new_incarnation(seq, payload)
+                    return
+                if same == MOVED_ON:  # nothing missing, but whose batch this is cannot be told
+                    await self._resync(seq, payload, want_from=seq, new_gen=True, reason="unverified")
+                    return
+            await self._publish(seq, payload)
+            self.last = self.last_live = seq
+        elif seq <= self.last:
+            reconnected, self.reconnected = self.reconnected, False
+            if self.last_live is None or seq <= self.last_live:
+                log.info("%s rank %d: seq went back %s -> %d: engine restarted", self.ep.pod, self.ep.rank,
+                         self.last_live, seq)
+                await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
+                return
+            if reconnected:  # a batch published from a replay already, or a restarted engine's
+                same, replayed = await self._same_incarnation()
+                if replayed is not None:
+                    replayed.release()
+                if same is False or same == MOVED_ON:  # the same process would still hold up to this one
+                    await self._new_incarnation(seq, payload)
+                    return
+            self.metrics.bridge_batches.labels("duplicate").inc()  # already published from a replay
+            self.last_live = seq
+        else:
+            self.reconnected = False
+            self.metrics.bridge_gaps.inc()
+            log.info("%s rank %d: gap %d..%d", self.ep.pod, self.ep.rank, self.last + 1, seq - 1)
+            same, replayed = await self._same_incarnation()
+            if same is False:
+                replayed.release()
+                await self._new_incarnation(seq, payload)
+            elif same == MOVED_ON and self._moved_on_reason(replayed) == "unverified":
+                await self._resync(seq, payload, want_from=self.last + 1, new_gen=True, reason="unverified",
+                                   replayed=replayed)
+            else:  # a buffer that moved on further: the gap cannot be filled (gap-beyond-replay)
+                await self._resync(seq, payload, want_from=self.last + 1, new_gen=False, reason="gap",
+                                   replayed=replayed)
+
+    async def _same_incarnation(self, empty_is_failure: bool = True) -> tuple[bool | str | None, Replayed | None]:
+        """Does the engine still hold the batch published last, with the same vLLM timestamp? Asks the
+        replay socket from that seq and returns what it holds from there on too (to be released).
+        False: a new engine incarnation (another batch at that seq); MOVED_ON: its buffer holds only later
+        batches (the same process after a long while, or a restarted one: not told, never continued);
+        None: cannot tell (no replay socket or timestamp: nothing asked, None; no answer)."""
+        if self.last is None or self.last_ts is None or not self.ep.replay:
+            return None, None
+        replayed = await self._replay(self.last, empty_is_failure)
+        if not replayed.batches:
+            return None, replayed
+        if replayed.batches[0][0] > self.last:
+            return MOVED_ON, replayed
+        if replayed.batches[0][0] != self.last:
+            return None, replayed
+        try:
+            return decode_batch(replayed.batches[0][1]).ts == self.last_ts, replayed
+        except MalformedPayload:
+            return None, replayed
+
+    async def _new_incarnation(self, seq: int, payload: bytes) -> None:
+        self._log_new_incarnation()
+        await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
+
+    def _log_new_incarnation(self) -> None:
+        log.warning("%s rank %d: the engine holds another batch at the seq published last (%d): a new engine "
+                    "incarnation; starting a new generation from what its replay buffer holds", self.ep.pod,
+                    self.ep.rank, self.last)
+
+    async def _resync(self, live_seq: int, live_payload: bytes, want_from: int, new_gen: bool, reason: str,
+                      replayed: Replayed | None = None) -> None:
+        """Publish the batches from ``want_from`` up to the live one from the engine's buffer (chunk by
+        chunk within the budget), then the live one. A new generation (reset) first when ``new_gen``, or
+        where the buffer no longer holds the next seq wanted (``gap-beyond-replay``)."""
+        want = want_from
+        while want < live_seq:
+            if replayed is None:
+                replayed = await self._replay(want)
+            try:
+                run = [b for b in replayed.batches if want <= b[0] < live_seq]
+                cut = replayed.cut and (not run or run[-1][0] < live_seq - 1)
+                if not run or (not cut and run[-1][0] != live_seq - 1):
+                    break  # the buffer does not hold the run up to the live batch: reset at the live one
+                if new_gen or run[0][0] != want:
+                    await self._reset(run[0][0], reason if new_gen else "gap-beyond-replay")
+                    new_gen = False
+                await self._publish_run(run)
+                want = self.last + 1
+                if cut:
+                    self.metrics.bridge_replays.labels("chunk").inc()
+            finally:
+                replayed.release()
+            replayed = None
+        if replayed is not None:
+            replayed.release()
+        if want != live_seq or new_gen:
+            await self._reset(live_seq, reason if new_gen else "gap-beyond-replay")
+        await self._publish(live_seq, live_payload)
+        self.last = self.last_live = live_seq
+
+    async def _publish_run(self, run: list[tuple[int, bytes]]) -> None:
+        """Replayed batches in order, yielding now and then so live batches keep being read meanwhile."""
+        for i, (seq, payload) in enumerate(run, 1):
+            await self._publish(seq, payload)
+            self.last = seq
+            if i % PUBLISH_BURST == 0:
+                await asyncio.sleep(0)
+
+    async def _reset(self, start: int, reason: str) -> None:
+        await self.flush()
+        self.gen = new_generation()
+        await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason, self.ep.epoch)
+        self.metrics.bridge_resets.labels(reason).inc()
+
+    async def _replay(self, start: int, empty_is_failure: bool = True) -> Replayed:
+        """What the engine's buffer holds from ``start`` on (to be released); what was handed on goes out
+        before waiting on the engine."""
+        await self.flush()
+        return await self._ask(start, empty_is_failure)
+
+    async def _publish(self, seq: int, payload: bytes) -> None:
+        """Hand a batch on: it joins the pending run (published when full, or before anything waits)."""
+        try:
+            check = self.block_key_check
+            batch = decode_batch(payload, want_probe=check is not None and check.due(self.ep.pod))
+            events, ts = batch.events, batch.ts
+            if batch.probe is not None:
+                check.offer(self.ep.pod, batch.probe)
+        except MalformedPayload as exc:
+            self.metrics.bridge_malformed.inc()
+            self.metrics.bridge_batches.labels("malformed").inc()
+            self._malformed_log("%s rank %d seq %d: malformed payload (%s): a new generation starts after it",
+                                self.ep.pod, self.ep.rank, seq, exc)
+            # its events (removals, a clear) are unknown: the index cannot vouch for this worker any more
+            await self._reset(seq + 1, "malformed")
+            self.last_ts = None
+            return
+        self.last_ts = ts
+        n, size = events_size(events)
+        run = self.pending
+        if not run.takes(self.gen, seq, size):
+            await self.flush()
+        run.add(self.gen, seq, ts, events, size, n)
+        if run.full():
+            await self.flush()
