@@ -133,11 +133,10 @@ class L1Publisher:
     async def last_position(self, pod: str, rank: int) -> Position | None:
         """Where a bridge resumes (pod, rank): the resume record (within a generation, what followed it comes
         again from the engine's buffer, deduplicated); where the pod has no record at all, the stream's last
-        message on its subject (the seq before a batch whose parts are not all in); None when the stream
-        has a generation newer than the record, when nothing is known, and
-        when unknown, and when a ``pod_removed`` came after it (a readiness flap: the indexers retired
-        that generation, so the pod that came back starts a new one rather than publish batches they
-        drop as stale)."""
+        message on its subject (the seq before a batch whose parts are not all in). None when the stream
+        holds a generation newer than the record, when nothing is known, and when a ``pod_removed`` came
+        after it (a readiness flap: the indexers retired that generation, so the pod that came back starts
+        a new one rather than publish batches they drop as stale)."""
         best = await self.resume.load(pod, rank) if self.resume is not None else None
         from_stream = await self._stream_position(pod, rank)
         if from_stream is not None and best is None and (self.resume is None or not await self.resume.known(pod)):

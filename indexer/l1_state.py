@@ -13,7 +13,8 @@ so replicas agree. The rules make the index robust to what a retrying publisher 
   anything of an older generation is stale and dropped;
 - a generation whose batches arrive before its reset (the reset's publish was lost and re-sent after the
   ack timeout, while later batches were stored) is applied from its first batch provisionally, and the
-  messages applied are kept (a journal, at most ``max_held``): when the reset then names an earlier
+  messages applied are kept (a journal, at most ``max_held`` of them and HOLD_TIMEOUT_NS of stream time;
+  none where stored times are unknown, as in benchmarks): when the reset then names an earlier
   first seq, the worker is cleared and rebuilt in seq order from there, the journal going back to the
   held messages, so the late batches before it are not taken for duplicates;
 - ``pod_removed`` clears every rank of the pod; later batches of the same generations are dropped;
@@ -54,6 +55,8 @@ class _Cursor:
     journal: list[dict] | None = None
     #: when the stream stored the message that made ``held`` non-empty (0: not known)
     held_since: int = 0
+    #: when the stream stored the generation's first message (the journal is kept HOLD_TIMEOUT_NS at most)
+    journal_since: int = 0
 
     def advance(self, msg: dict) -> None:
         part = msg.get("part", 0)
@@ -138,7 +141,8 @@ class L1State:
             if cur is not None:
                 self._clear(key)
                 self._holding.pop(key, None)
-            cur = self.cursors[key] = _Cursor(gen=gen, next_seq=seq, next_part=part, journal=[])
+            cur = self.cursors[key] = _Cursor(gen=gen, next_seq=seq, next_part=part,
+                                              journal=[] if self._now else None, journal_since=self._now)
         elif gen < cur.gen:
             self.stats.stale += 1
             return
@@ -182,7 +186,7 @@ class L1State:
 
     def _journal(self, cur: _Cursor, msg: dict) -> None:
         if cur.journal is not None:
-            if len(cur.journal) >= self.max_held:
+            if len(cur.journal) >= self.max_held or self._now - cur.journal_since > HOLD_TIMEOUT_NS:
                 cur.journal = None  # no reset is coming (it was purged), or not soon: stop keeping them
             else:
                 cur.journal.append(msg)
@@ -316,14 +320,15 @@ class L1State:
     def cursor_rows(self) -> list[list]:
         """Every worker's position, as snapshots store it (indexer/snapshot.py)."""
         return [[pod, rank, c.gen, c.next_seq, c.reset_seen, list(c.held.values()), c.next_part, c.journal,
-                 c.held_since] for (pod, rank), c in self.cursors.items()]
+                 c.held_since, c.journal_since] for (pod, rank), c in self.cursors.items()]
 
     def restore_cursor(self, pod: str, rank: int, gen: int, next_seq: int, reset_seen: bool, held: list[dict],
-                       next_part: int = 0, journal: list[dict] | None = None, held_since: int = 0) -> None:
+                       next_part: int = 0, journal: list[dict] | None = None, held_since: int = 0,
+                       journal_since: int = 0) -> None:
         """A position from ``cursor_rows`` (the last fields are absent from older snapshots)."""
         cur = self.cursors[(pod, rank)] = _Cursor(gen=gen, next_seq=next_seq, reset_seen=reset_seen,
                                                   held={(m["seq"], m.get("part", 0)): m for m in held},
-                                                  next_part=next_part, journal=journal)
+                                                  next_part=next_part, journal=journal, journal_since=journal_since)
         if cur.held:
             self._wait_from((pod, rank), cur, held_since)
 

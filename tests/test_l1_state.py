@@ -335,23 +335,38 @@ def test_a_generations_batch_stored_before_its_reset_does_not_drop_the_earlier_o
     duplicate; the same for a known worker whose new generation begins that way, and across a snapshot."""
     from indexer.snapshot import decode_l1, encode_l1
 
+    t = 10**18  # when the stream stored them (a journal is kept only where that is known)
     s = L1State()
-    s.apply(batch(3, [stored(13)], gen=5))
-    s.apply(reset(0, gen=5))
+    s.apply(batch(3, [stored(13)], gen=5), t)
+    s.apply(reset(0, gen=5), t)
     for seq in range(3):
-        s.apply(batch(seq, [stored(10 + seq)], gen=5))
+        s.apply(batch(seq, [stored(10 + seq)], gen=5), t)
     assert held(s) == {10, 11, 12, 13} and s.stats.duplicates == 0
     assert s.cursors[("127.0.1.1", 0)].next_seq == 4
 
-    s.apply(batch(4, [stored(14)], gen=5))
-    s.apply(batch(40, [stored(140), removed(1)], gen=9))  # the engine restarted: generation 9 from seq 0
+    s.apply(batch(4, [stored(14)], gen=5), t)
+    s.apply(batch(40, [stored(140), removed(1)], gen=9), t)  # the engine restarted: generation 9 from seq 0
     s, _ = decode_l1(encode_l1(s, 1))  # a snapshot while the generation is provisional
-    s.apply(run(41, [[stored(141)], [removed(140)]], gen=9))
-    s.apply(reset(0, gen=9))
+    s.apply(run(41, [[stored(141)], [removed(140)]], gen=9), t + 1)
+    s.apply(reset(0, gen=9), t + 2)
     assert held(s) == set(), "rebuilt from seq 0: batches 40.. wait for 0..39"
-    s.apply(run(0, [[stored(1)]] + [[] for _ in range(39)], gen=9))
+    s.apply(run(0, [[stored(1)]] + [[] for _ in range(39)], gen=9), t + 3)
     assert held(s) == {141}, "seq 0 stores 1, 40 removes it and stores 140, 42 removes 140"
     assert s.stats.duplicates == 0
+
+
+def test_a_reset_later_than_the_hold_timeout_is_not_waited_for_and_benchmarks_keep_no_journal():
+    from indexer.l1_state import HOLD_TIMEOUT_NS
+
+    t = 10**18
+    s = L1State()
+    s.apply(batch(3, [stored(13)], gen=5), t)
+    s.apply(batch(4, [stored(14)], gen=5), t + HOLD_TIMEOUT_NS + 1)  # the journal is given up
+    s.apply(reset(0, gen=5), t + HOLD_TIMEOUT_NS + 2)
+    assert held(s) == {13, 14} and s.cursors[("127.0.1.1", 0)].next_seq == 5
+    b = L1State()
+    b.apply(batch(0, [stored(1)]))  # no stored time: nothing journaled (memory figures stay what they were)
+    assert b.cursors[("127.0.1.1", 0)].journal is None
 
 
 def test_a_reset_after_the_batches_it_starts_changes_nothing():
