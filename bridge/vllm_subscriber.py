@@ -89,8 +89,8 @@ class VllmSubscriber:
         self._last_failed_replay = float("-inf")
         self._malformed_log = ThrottledWarning(log, every=10.0)
         #: what to publish for each batch
-        self.seq = L1Sequencer(endpoint, sink, metrics, self._replay, cfg.coalesceMaxBatches, cfg.coalesceMaxBytes,
-                               block_key_check)
+        self.sequencer = L1Sequencer(endpoint, sink, metrics, self._replay, cfg.coalesceMaxBatches,
+                                     cfg.coalesceMaxBytes, block_key_check)
         self._task: asyncio.Task | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -101,11 +101,11 @@ class VllmSubscriber:
     # -- lifecycle ---------------------------------------------------------------------------------
     async def resume_from_stream(self) -> None:
         """Continue where the stream stands for this (pod, rank) (bridge/resume_points.py)."""
-        self.seq.resume(await self.sink.last_position(self.ep.pod, self.ep.rank))
+        self.sequencer.resume(await self.sink.last_position(self.ep.pod, self.ep.rank))
 
     def start_over(self) -> None:
         """The stream lost what was published: the next batch starts a new generation."""
-        self.seq.start_over()
+        self.sequencer.start_over()
 
     def start(self) -> None:
         self.sink.watch_refusals(self.ep.pod, self.ep.rank, self._on_refused)
@@ -178,7 +178,7 @@ class VllmSubscriber:
                     self.disconnected_since = None
                     self.metrics.subscriptions_disconnected.dec()
                 if connects > 1:
-                    self.seq.reconnected = True
+                    self.sequencer.reconnected = True
                     log.info("%s rank %d: reconnected to %s", self.ep.pod, self.ep.rank, self.ep.pub)
             elif kind == zmq.EVENT_DISCONNECTED:
                 dropped_at = time.monotonic()
@@ -287,24 +287,25 @@ class VllmSubscriber:
                            self.budget.limit)
 
     def _on_refused(self, gen: int, first: int, last: int) -> None:
-        if self.seq.refused(gen, first, last):
+        if self.sequencer.refused(gen, first, last):
             self._queued.set()  # handled by the loop, between two bursts
 
     async def _run(self) -> None:
-        await self.seq.catch_up()
+        await self.sequencer.catch_up()
         while True:
-            if self.seq.refused_upto is not None:
-                await self._guarded(self.seq.after_refusal(), "starting over after a refused publish")
+            if self.sequencer.refused_upto is not None:
+                await self._guarded(self.sequencer.after_refusal(), "starting over after a refused publish")
                 continue
             if not self._queue:
                 if self._dropped_upto is not None:  # the tail of a burst was dropped: replay it now
                     upto, self._dropped_upto = self._dropped_upto, None
-                    seq = self.seq
-                    if seq.gen is not None and seq.last is not None and upto > seq.last:
-                        await self._guarded(seq.drain_buffer(seq.last + 1, None), "replaying from the engine's buffer")
+                    sequencer = self.sequencer
+                    if sequencer.gen is not None and sequencer.last is not None and upto > sequencer.last:
+                        await self._guarded(sequencer.drain_buffer(sequencer.last + 1, None),
+                                            "replaying from the engine's buffer")
                     continue
-                if self.seq.pending.batches:
-                    await self._guarded(self.seq.flush(), "publishing batches")
+                if self.sequencer.pending.batches:
+                    await self._guarded(self.sequencer.flush(), "publishing batches")
                     continue  # the reader may have queued (and signalled) meanwhile: look again first
                 self._queued.clear()
                 await self._queued.wait()
@@ -317,7 +318,7 @@ class VllmSubscriber:
                     await self._on_frames(frames)
                 finally:
                     self.budget.give(size)
-            await self._guarded(self.seq.flush(), "publishing batches")
+            await self._guarded(self.sequencer.flush(), "publishing batches")
             await asyncio.sleep(0)
 
     async def _guarded(self, work, what: str) -> None:
@@ -336,7 +337,7 @@ class VllmSubscriber:
                 self._malformed_log("%s rank %d: unexpected frame layout (%d frames)", self.ep.pod,
                                     self.ep.rank, len(frames))
                 return
-            await self.seq.on_message(int.from_bytes(frames[1], "big"), frames[2])
+            await self.sequencer.on_message(int.from_bytes(frames[1], "big"), frames[2])
         except asyncio.CancelledError:
             raise
         except Exception:  # never let one message kill the subscription
@@ -344,8 +345,8 @@ class VllmSubscriber:
 
     async def _replay(self, start: int, empty_is_failure: bool = True) -> Replayed:
         """What vLLM's replay buffer holds from ``start`` on, as far as the budget has room (to be
-        released); empty when unavailable (the sequencer's ``replay`` port). An empty answer starts the cooldown, except for a catch-up,
-        where nothing new is the usual answer.
+        released); empty when unavailable (the sequencer's ``replay`` port). An empty answer starts the
+        cooldown, except for a catch-up, where nothing new is the usual answer.
 
         In rounds: the engine's ROUTER drops what exceeds its send high-water mark (1,000 messages before
         vLLM 0.33) without a word, so a long answer arrives with holes (measured: 2,451 of 3,000, end

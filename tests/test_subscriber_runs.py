@@ -37,11 +37,11 @@ async def test_a_batch_queued_while_the_pending_run_is_published_is_handled():
     sink = GatedSink()
     sub = VllmSubscriber(ctx, Endpoint("127.0.0.1", 0, "tcp://127.0.0.1:1", None), cfg, sink, Metrics(),
                          asyncio.Semaphore(1))
-    sub.seq.gen, sub.seq.last = 7, 4
-    sub.seq.pending.add(7, 4, 1.0, [], 0, 0)  # handed on after a replay, not yet published
+    sub.sequencer.gen, sub.sequencer.last = 7, 4
+    sub.sequencer.pending.add(7, 4, 1.0, [], 0, 0)  # handed on after a replay, not yet published
     task = asyncio.create_task(sub._run())
     try:
-        await wait_for(lambda: not sink.gate.is_set() and sub.seq.pending.batches == [], 5, "the run being published")
+        await wait_for(lambda: not sink.gate.is_set() and sub.sequencer.pending.batches == [], 5, "the run being published")
         sub._take([b"", (5).to_bytes(8, "big"), batch_payload([stored([11], block_size=4)])])  # as the reader does
         sub._queued.set()
         sink.gate.set()  # the publish completes
