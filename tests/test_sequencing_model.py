@@ -17,7 +17,8 @@ the run, the index equals what each engine holds, and no generation was started 
 restart; with small buffers (history truly lost), the index never holds a block the engine does not
 (ratios may be low, never too high).
 
-Hypothesis prints the failing steps; ``HYPOTHESIS_SEED`` (or ``--hypothesis-seed``) replays a run.
+A failure prints its steps and a ``@reproduce_failure`` blob that replays it exactly;
+``pytest --hypothesis-seed=N`` replays a whole run.
 """
 
 from __future__ import annotations
@@ -382,7 +383,7 @@ class Sequencing(RuleBasedStateMachine):
             assert resets["subscribed"] <= self.fresh_starts, "a bridge started over where it could resume"
 
 
-#: runs of 40 steps each (``SEQUENCING_EXAMPLES`` for a longer hunt)
+#: runs of 40 steps each (``SEQUENCING_EXAMPLES=2000 pytest --timeout=0 ...`` for a longer hunt)
 EXAMPLES = int(os.environ.get("SEQUENCING_EXAMPLES", "60"))
 Sequencing.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None, print_blob=True,
                                         suppress_health_check=list(HealthCheck))
