@@ -395,3 +395,27 @@ def test_a_missing_batch_is_declared_lost_after_the_hold_timeout_of_stream_time(
     assert held(s) == {3, 4} and s.stats.lost_gaps == 1
     s.apply(batch(4, [stored(5)]), t0 + HOLD_TIMEOUT_NS + 2)
     assert held(s) == {3, 4, 5}
+
+
+def test_a_snapshot_written_before_journals_loads_and_an_older_reader_skips_the_new_fields():
+    """Cursor rows grew (parts, then journal, held_since, journal_since): both directions still read."""
+    import msgpack
+
+    from indexer.snapshot import decode_l1, encode_l1
+
+    s = L1State()
+    s.apply(batch(0, [stored(1)]), 10**18)
+    s.apply(batch(2, [stored(3)]), 10**18)  # held: seq 1 is missing
+    blob = encode_l1(s, 5)
+    n = int.from_bytes(blob[:8], "little")
+    header = msgpack.unpackb(blob[8:8 + n], raw=False, strict_map_key=False)
+    assert len(header["cursors"][0]) == 10
+    for row in header["cursors"]:  # as the previous version read them
+        pod, rank, gen, next_seq, reset_seen, held_msgs, *next_part = row
+        assert (pod, next_seq, [m["seq"] for m in held_msgs], next_part[0]) == ("127.0.1.1", 1, [2], 0)
+    header["cursors"] = [row[:6] for row in header["cursors"]]  # as the version before parts wrote them
+    head = msgpack.packb(header)
+    old, seq = decode_l1(len(head).to_bytes(8, "little") + head + blob[8 + n:])
+    assert seq == 5 and held(old) == {1}
+    old.apply(batch(1, [stored(2)]))
+    assert held(old) == {1, 2, 3}
