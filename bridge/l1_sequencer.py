@@ -51,12 +51,14 @@ MOVED_ON = "moved-on"
 
 @dataclass(slots=True)
 class Replayed:
-    """What one replay brought: contiguous batches, the budget bytes they hold until ``release``, and
-    whether the replay stopped for want of room (the engine may hold more after the last)."""
+    """What one replay brought: contiguous batches, the budget bytes they hold until ``release``, whether
+    the replay stopped for want of room (the engine may hold more after the last), and whether the engine
+    answered whole, up to its end marker (an empty answer then means it holds nothing from there on)."""
     budget: ReceiveBudget
     batches: list[tuple[int, bytes]] = field(default_factory=list)
     held: int = 0
     cut: bool = False
+    complete: bool = False
 
     def release(self) -> None:
         self.budget.give(self.held)
@@ -276,14 +278,15 @@ class L1Sequencer:
     async def _same_incarnation(self, empty_is_failure: bool = True) -> tuple[bool | str | None, Replayed | None]:
         """Does the engine still hold the batch published last, with the same vLLM timestamp? Asks the
         replay socket from that seq and returns what it holds from there on too (to be released).
-        False: a new engine incarnation (another batch at that seq); MOVED_ON: its buffer holds only later
-        batches (the same process after a long while, or a restarted one: not told, never continued);
-        None: cannot tell (no replay socket or timestamp: nothing asked, None; no answer)."""
+        False: a new engine incarnation (another batch at that seq, or a whole answer holding nothing from
+        it on); MOVED_ON: its buffer holds only later batches (the same process after a long while, or a
+        restarted one: not told, never continued); None: cannot tell (no replay socket or timestamp: nothing
+        asked, None; no answer)."""
         if self.last is None or self.last_ts is None or not self.ep.replay:
             return None, None
         replayed = await self._replay(self.last, empty_is_failure)
-        if not replayed.batches:
-            return None, replayed
+        if not replayed.batches:  # holding nothing from the seq it published: another process (if it answered)
+            return (False if replayed.complete else None), replayed
         if replayed.batches[0][0] > self.last:
             return MOVED_ON, replayed
         if replayed.batches[0][0] != self.last:

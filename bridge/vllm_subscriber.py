@@ -394,6 +394,7 @@ class VllmSubscriber:
                     out.cut = bool(out.batches)
                     break
                 if (complete and len(run) == len(got)) or not run:
+                    out.complete = complete and len(run) == len(got)
                     break  # whole, or nothing new (the buffer moved on meanwhile: what is missing is gone)
                 if rounds >= REPLAY_MAX_ROUNDS:  # an engine that never finishes: what is missing resets
                     log.warning("%s rank %d: replay from %d still incomplete after %d rounds (%d batches)",

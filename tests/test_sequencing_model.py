@@ -152,7 +152,7 @@ class Bridge:
         self.seqs: dict[str, L1Sequencer] = {}
         for e in engines:
             async def replay(start: int, empty_is_failure: bool, e=e) -> Replayed:
-                return Replayed(budget, [b for b in e.buffer if b[0] >= start])
+                return Replayed(budget, [b for b in e.buffer if b[0] >= start], complete=True)
             ep = Endpoint(e.pod, 0, f"tcp://{e.pod}:5557", f"tcp://{e.pod}:5567")
             seq = self.seqs[e.pod] = L1Sequencer(ep, self.l1, self.metrics, replay, max_batches, 1 << 20)
             self.l1.watch_refusals(e.pod, 0, seq.refused)
