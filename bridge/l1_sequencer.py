@@ -176,12 +176,16 @@ class L1Sequencer:
                      self.ep.rank, self.last - before)
 
     async def _restart_from_buffer(self) -> None:
-        """A new generation from what the engine's buffer holds (no live batch to start from)."""
+        """A new generation from what the restarted engine's buffer holds (no live batch to start from);
+        one that holds nothing yet gets its reset now, its cache being empty, and seq 0 next."""
         first = await self._replay(0, empty_is_failure=False)
+        self._log_new_incarnation()
         if not first.batches:
             first.release()
+            await self._reset(0, "engine-restart")
+            self.last = self.last_live = -1
+            self.last_ts = None
             return
-        self._log_new_incarnation()
         await self._start_at_buffer(first, "engine-restart")
 
     async def _start_at_buffer(self, replayed: Replayed, reason: str) -> None:
