@@ -275,7 +275,7 @@ class Sequencing(RuleBasedStateMachine):
         write of them), or SIGTERM or a standby taking over after a clean stop."""
         if records_first:
             self.run(self.bridge.resume.write())
-        else:
+        if not graceful:
             # The one window left open (README, recovery): a bridge killed before the first resume record
             # of a pod that began publishing less than a record interval (a second) ago, with that pod's
             # messages stored out of order, can resume past a hole. The model kills bridges after it: such
