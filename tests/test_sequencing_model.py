@@ -384,7 +384,7 @@ class Sequencing(RuleBasedStateMachine):
 
 
 #: runs of 40 steps each (``SEQUENCING_EXAMPLES=2000 pytest --timeout=0 ...`` for a longer hunt)
-EXAMPLES = int(os.environ.get("SEQUENCING_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("SEQUENCING_EXAMPLES", "300"))
 Sequencing.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None, print_blob=True,
                                         suppress_health_check=list(HealthCheck))
 test_the_sequencing_keeps_the_index_equal_to_the_engines = Sequencing.TestCase
