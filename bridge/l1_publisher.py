@@ -137,9 +137,10 @@ class L1Publisher:
         holds a generation newer than the record, when nothing is known, and when a ``pod_removed`` came
         after it (a readiness flap: the indexers retired that generation, so the pod that came back starts
         a new one rather than publish batches they drop as stale)."""
-        best = await self.resume.load(pod, rank) if self.resume is not None else None
+        recorded = await self.resume.load(pod) if self.resume is not None else None
+        best = recorded.get(rank) if recorded is not None else None
         from_stream = await self._stream_position(pod, rank)
-        if from_stream is not None and best is None and (self.resume is None or not await self.resume.known(pod)):
+        if from_stream is not None and recorded is None:
             best = from_stream  # no record of the pod at all (the first start after an upgrade)
         elif from_stream is not None and best is not None and from_stream.gen > best.gen:
             # a generation younger than the record's last write (a second): the stream's last message may lie

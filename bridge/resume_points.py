@@ -98,8 +98,9 @@ class ResumePoints:
             ranks[rank] = pos
             self._dirty.add(pod)
 
-    async def load(self, pod: str, rank: int) -> Position | None:
-        """The position last recorded for (pod, rank) on this stream; None when unknown or unreadable."""
+    async def load(self, pod: str) -> dict[int, Position] | None:
+        """The positions last recorded for the pod's ranks on this stream (a rank without one is absent);
+        None when the pod has no record here, or it cannot be read."""
         try:
             entry = await (await self._store()).get(record_key(pod))
             record = msgpack.unpackb(entry.value, strict_map_key=False) if entry.value else {}
@@ -110,21 +111,15 @@ class ResumePoints:
             return None
         if not isinstance(record, dict) or record.get("stream") != self.stream_id or record.get("pod") != pod:
             return None
-        row = (record.get("ranks") or {}).get(rank)
-        try:
-            gen, seq, epoch, ts, stream_seq = row
-            return Position(int(gen), int(seq), str(epoch), float(ts) if ts is not None else None, int(stream_seq))
-        except (TypeError, ValueError):
-            return None
-
-    async def known(self, pod: str) -> bool:
-        """Whether the pod has a record on this stream (of any rank); unreadable counts as unknown."""
-        try:
-            entry = await (await self._store()).get(record_key(pod))
-            record = msgpack.unpackb(entry.value, strict_map_key=False) if entry.value else {}
-        except Exception:
-            return False
-        return isinstance(record, dict) and record.get("stream") == self.stream_id
+        positions = {}
+        for rank, row in (record.get("ranks") or {}).items():
+            try:
+                gen, seq, epoch, ts, stream_seq = row
+                positions[rank] = Position(int(gen), int(seq), str(epoch), float(ts) if ts is not None else None,
+                                           int(stream_seq))
+            except (TypeError, ValueError):
+                continue
+        return positions
 
     async def forget(self, pod: str) -> None:
         """The pod left: its record goes, and acks still in flight for it are ignored."""
