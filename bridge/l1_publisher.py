@@ -132,16 +132,16 @@ class L1Publisher:
 
     async def last_position(self, pod: str, rank: int) -> Position | None:
         """Where a bridge resumes (pod, rank): the resume record (within a generation, what followed it comes
-        again from the engine's buffer, deduplicated); where the pod has no record at all, the stream's last
-        message on its subject (the seq before a batch whose parts are not all in). None when the stream
+        again from the engine's buffer, deduplicated); where the worker has no record, the stream's last
+        message on its subject (recorded from then on) (the seq before a batch whose parts are not all in). None when the stream
         holds a generation newer than the record, when nothing is known, and when a ``pod_removed`` came
         after it (a readiness flap: the indexers retired that generation, so the pod that came back starts
         a new one rather than publish batches they drop as stale)."""
         recorded = await self.resume.load(pod) if self.resume is not None else None
         best = recorded.get(rank) if recorded is not None else None
         from_stream = await self._stream_position(pod, rank)
-        if from_stream is not None and recorded is None:
-            best = from_stream  # no record of the pod at all (the first start after an upgrade)
+        if from_stream is not None and best is None:
+            best = from_stream  # no record of the worker (the first start after an upgrade)
         elif from_stream is not None and best is not None and from_stream.gen > best.gen:
             # a generation younger than the record's last write (a second): the stream's last message may lie
             # past one that never made it, the record never does. Starting anew loses nothing so young
@@ -154,6 +154,10 @@ class L1Publisher:
             removed = None
         if removed is not None and removed.seq > best.stream_seq:
             return None  # the pod left discovery after that batch: indexers retired its generation
+        if best is from_stream and self.resume is not None:
+            # recorded now (also after a bridge killed before its first write): the engine may never publish
+            # again, and a purge would take the stream's message with it
+            self.resume.update(pod, rank, best)
         return best
 
     async def _stream_position(self, pod: str, rank: int) -> Position | None:

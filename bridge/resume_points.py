@@ -16,8 +16,10 @@ most every ``interval`` seconds, only for pods whose position moved. A bridge re
 the stream's last message may lie past one that never made it (stored late, or lost with a killed
 bridge), the record never does; what followed it is published again from the engine's buffer and
 deduplicated. Where the stream holds a generation newer than the record (younger than a record write),
-a new generation starts, which loses nothing so young; where the pod has no record at all (the first
-start after an upgrade), the stream's last message is the position. A record of another
+a new generation starts, which loses nothing so young; where the worker has no record (the first
+start after an upgrade, or a bridge killed before its first write), the stream's last message is the
+position, and it is recorded at once: an idle engine's position would otherwise never be written, and
+the next bridge after a purge would start it anew. A record of another
 incarnation of the stream (one recreated since) is ignored, and a pod's record is deleted when its
 ``pod_removed`` is published.
 """

@@ -41,7 +41,7 @@ from bridge.endpoint import Endpoint
 from bridge.l1_publisher import L1Publisher
 from bridge.l1_sequencer import L1Sequencer, Replayed
 from bridge.receive_budget import ReceiveBudget
-from bridge.resume_points import ResumePoints, record_key
+from bridge.resume_points import KEY_PREFIX, ResumePoints, record_key
 from cache_indexer.metrics import Metrics
 from cache_indexer.vllm_publisher import batch_payload, cleared, removed, stored
 from indexer.l1_state import L1State
@@ -193,6 +193,13 @@ class Sequencing(RuleBasedStateMachine):
         #: subscriptions that may start a generation: the first, and a new bridge's where neither a resume
         #: record nor the stream still says where the engine stands (records not written yet, purged)
         self.fresh_starts = len(PODS)
+        #: pods the current bridge resumed from a position it could check, and a records write since: a new
+        #: bridge can resume them even once the stream's messages are purged (judged by the model, as the
+        #: code's own records are what is tested); both forget a pod when its engine publishes or restarts.
+        #: A pod whose engine restarted since it last published is not resumed but started anew.
+        self.resumed: set[str] = set()
+        self.recorded: set[str] = set()
+        self.restarted: set[str] = set()
         self.chains = itertools.count(1)
         self.quiet_points = 0
 
@@ -220,6 +227,10 @@ class Sequencing(RuleBasedStateMachine):
             e.held.clear()
         if not events:
             return
+        self.resumed.discard(e.pod)
+        self.recorded.discard(e.pod)
+        if live:  # the bridge sees the restart (a new generation) only in a batch of the new process
+            self.restarted.discard(e.pod)
         seq, payload = e.publish(events)
         if live:  # else lost on the way (a ZMQ drop): a gap the next live batch shows
             self.run(self.bridge.seqs[e.pod].on_message(seq, payload))
@@ -236,6 +247,9 @@ class Sequencing(RuleBasedStateMachine):
         """A new engine process: seq from 0, an empty buffer and cache, and a new TCP connection, which
         the subscriber's socket monitor reports (the sequencer then checks the next batch's incarnation)."""
         self.engines[i].restart()
+        self.resumed.discard(self.engines[i].pod)
+        self.recorded.discard(self.engines[i].pod)
+        self.restarted.add(self.engines[i].pod)
         self.bridge.seqs[self.engines[i].pod].reconnected = True
 
     # -- the stream ----------------------------------------------------------------------------------
@@ -268,13 +282,18 @@ class Sequencing(RuleBasedStateMachine):
     @rule()
     def records_written(self):
         self.run(self.bridge.resume.write())
+        self.recorded |= self.resumed
 
-    @rule(graceful=st.booleans(), records_first=st.booleans())
-    def bridge_replaced(self, graceful, records_first):
+    @rule(graceful=st.booleans(), records_first=st.booleans(), upgrade=st.booleans())
+    def bridge_replaced(self, graceful, records_first, upgrade):
         """kill -9 (what is in flight, and resume points not written yet, are lost; maybe right after a
-        write of them), or SIGTERM or a standby taking over after a clean stop."""
+        write of them), or SIGTERM or a standby taking over after a clean stop. ``upgrade``: the bridge
+        replaced is a version from before the resume records (it kept none), stopped by the rolling update
+        (a kill -9 of such a version can leave the stream's last message past a hole, which is why the
+        records exist), so the new one resumes every pod from the stream's last message."""
+        graceful = graceful or upgrade
         if records_first:
-            self.run(self.bridge.resume.write())
+            self.records_written()
         if not graceful:
             # The one window left open (README, recovery): a bridge killed before the first resume record
             # of a pod that began publishing less than a record interval (a second) ago, with that pod's
@@ -295,13 +314,18 @@ class Sequencing(RuleBasedStateMachine):
         if graceful:
             self.run(self.bridge.quiet())
             self.store_all()
-            self.run(self.bridge.resume.write())
+            self.records_written()
+        if upgrade:
+            self.kv.data = {k: v for k, v in self.kv.data.items() if not k.startswith(KEY_PREFIX)}
+            self.recorded.clear()
         self.resets.update(self.bridge.resets())
         old = self.bridge
         self.bridge = Bridge(self.stream, self.kv, self.engines, old.seqs[PODS[0]].pending.max_batches)
         for pod, seq in old.seqs.items():  # judged from the model's own KV and stream, not the code's
-            if seq.gen is not None and not self.checkable_position(pod):
+            if seq.gen is not None and not self.checkable_position(pod) and pod not in self.recorded:
                 self.fresh_starts += 1
+        self.resumed = {pod for pod in PODS if (self.checkable_position(pod) or pod in self.recorded)
+                        and pod not in self.restarted}
         self.run(self.bridge.resume_all())
         self.run(self.bridge.quiet())
 
