@@ -6,10 +6,11 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
+COPY schemas ./schemas
+COPY infra ./infra
 COPY bridge ./bridge
 COPY indexer ./indexer
 COPY api ./api
-COPY schemas ./schemas
 COPY cache_indexer ./cache_indexer
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
@@ -18,7 +19,7 @@ ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl \
  && rm -rf /wheels \
- && python -c "import indexer._blockhash, bridge._zmq_drain" \
+ && python -c "import schemas._blockhash, indexer._prefix_walk, bridge._zmq_drain" \
  && groupadd --system --gid 10001 cache-indexer \
  && useradd --system --uid 10001 --gid 10001 --no-create-home cache-indexer
 USER 10001:10001

@@ -1,5 +1,5 @@
-"""Builds the optional C accelerators (the block hasher's, and the bridge's bulk ZMQ receive);
-everything else is in pyproject.toml.
+"""Builds the optional C accelerators (the block hasher's, the hit-rate walk's and the bridge's bulk ZMQ
+receive); everything else is in pyproject.toml.
 
 ``optional=True``: without a C compiler the install still succeeds and the pure-Python path is used.
 On Linux they link libdl to find libcrypto and libzmq at run time (glibc >= 2.34 has dlopen in libc anyway).
@@ -10,7 +10,9 @@ import sys
 from setuptools import Extension, setup
 
 _dl = ["dl"] if sys.platform.startswith("linux") else []
-setup(ext_modules=[Extension("indexer._blockhash", ["indexer/_blockhash.c"], optional=True,
+setup(ext_modules=[Extension("schemas._blockhash", ["schemas/_blockhash.c"], optional=True,
                              extra_compile_args=["-O3"], libraries=_dl),
+                   Extension("indexer._prefix_walk", ["indexer/_prefix_walk.c"], optional=True,
+                             extra_compile_args=["-O3"]),
                    Extension("bridge._zmq_drain", ["bridge/_zmq_drain.c"], optional=True,
                              extra_compile_args=["-O3"], libraries=_dl)])

@@ -21,8 +21,8 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from api.hit_rate_request import RequestError, decode_hit_rate_request
 from api.ops import add_ops_routes
-from cache_indexer.metrics import Metrics
-from indexer.block_hash import BlockHasher
+from infra.metrics import Metrics
+from schemas.block_hash import BlockHasher
 from indexer.hit_rate import Tier, score
 from schemas.config import HttpConfig
 

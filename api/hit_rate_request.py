@@ -17,7 +17,7 @@ from typing import Annotated
 
 import msgspec
 
-from indexer import block_hash
+from schemas.block_hash import parse_token_array
 
 _U64_LIMIT = 1 << 64
 
@@ -49,11 +49,10 @@ class HitRateQuery:
 
 
 def _tokens(raw: bytes) -> array:
-    accel = block_hash._blockhash
     out = array("Q")
-    if accel is not None:
+    if parse_token_array is not None:
         try:
-            out.frombytes(accel.parse_token_array(raw))
+            out.frombytes(parse_token_array(raw))
         except ValueError as exc:
             raise RequestError(f"body.token_ids: {exc}") from None
         return out

@@ -10,7 +10,7 @@ import time
 
 import zmq.asyncio
 
-from cache_indexer.vllm_publisher import VllmPublisher, batch_payload, removed, stored
+from cache_indexer.simulate.vllm_engine import VllmPublisher, batch_payload, removed, stored
 
 
 def payloads(batches: int, events: int, seed: int) -> list[bytes]:

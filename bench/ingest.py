@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.engine_proc import block_events, payloads
 from bridge.vllm_events import decode_batch
-from cache_indexer.config_loader import load_config
+from infra.config_loader import load_config
 from cache_indexer.nats_server import NatsServer
 from indexer.l1_state import L1State
 from indexer.service import Indexer

@@ -11,7 +11,7 @@ import gc
 import random
 import tracemalloc
 
-from indexer.l1_index import BlockIndex
+from indexer.block_index import BlockIndex
 
 
 def _measure(build) -> tuple[int, int, int]:

@@ -14,8 +14,8 @@ import random
 from api.app import HitRateApi
 from api.server import HttpServer
 from bench.shapes import SHAPES, pods, tokens_for
-from cache_indexer.metrics import Metrics
-from indexer.block_hash import BlockHasher
+from infra.metrics import Metrics
+from schemas.block_hash import BlockHasher
 from indexer.l1_state import L1State
 from schemas.config import HttpConfig
 

@@ -1,7 +1,7 @@
 """L1 apply rate and memory with vLLM's duplicate block copies counted (BlockIndex.copies).
 
 Same-run baseline: the index as it was before copies were counted (``indexer/l1_index.py`` at commit
-548a78e, read from git history; skipped with a note where the clone has no history). Both apply the
+548a78e, now ``indexer/block_index.py``, read from git history; skipped with a note where the clone has no history). Both apply the
 same 1M store/remove block events to 16 workers: eviction-heavy traffic without duplicates (the common
 case), and with 10% of the stores being a second copy of a cached block. Memory: tracemalloc of the
 index after 1M stores without duplicates. Medians of 5 runs.
@@ -19,7 +19,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from indexer.l1_index import BlockIndex
+from indexer.block_index import BlockIndex
 
 BASELINE_COMMIT = "548a78e"
 ROOT = Path(__file__).resolve().parents[1]

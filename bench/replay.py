@@ -15,9 +15,9 @@ import time
 
 import msgpack
 
-from cache_indexer.config_loader import load_config
+from infra.config_loader import load_config
 from cache_indexer.nats_server import NatsServer
-from cache_indexer.streams import connect, ensure_l1_stream, l1_subject
+from infra.streams import connect, ensure_l1_stream, l1_subject
 from indexer.l1_state import L1State
 from indexer.service import Indexer
 from indexer.snapshot import SnapshotStore, decode_l1, encode_l1

@@ -18,8 +18,8 @@ import logging
 import time
 
 from bridge.vllm_events import HashProbe
-from cache_indexer.metrics import Metrics
-from indexer.block_hash import HASH_ALGOS, BlockHasher
+from infra.metrics import Metrics
+from schemas.block_hash import HASH_ALGOS, BlockHasher
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from bridge.mooncake_poller import MasterTarget
 from bridge.endpoint import Endpoint
-from cache_indexer.tasks import cancel_and_wait
+from infra.tasks import cancel_and_wait
 from schemas.config import DiscoveryConfig, MooncakeDiscoveryConfig, VllmDiscoveryConfig
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class KubernetesDiscovery:
         return self._api_client
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"k8s-discovery-{label_selector(self.selector)}")
+        self._task = asyncio.create_task(self._loop(), name=f"k8s-discovery-{label_selector(self.selector)}")
 
     async def stop(self) -> None:
         if self._task:
@@ -127,7 +127,7 @@ class KubernetesDiscovery:
             self._last = eps
             await self.on_change(eps)
 
-    async def _run(self) -> None:
+    async def _loop(self) -> None:
         api = client.CoreV1Api(await self._client())
         ns = self.cfg.namespace or "default"
         selector = label_selector(self.selector)

@@ -28,7 +28,7 @@ import msgpack
 
 from bridge.jetstream_publisher import JetStreamPublisher
 from bridge.resume_points import Position, ResumePoints
-from cache_indexer.streams import l1_lifecycle_subject, l1_subject
+from infra.streams import l1_lifecycle_subject, l1_subject
 from schemas.events import CONTENT_TYPE_L1, SCHEMA_VERSION
 
 #: Told (gen, first seq, last seq) when the stream refused a message of the worker for good.

@@ -34,8 +34,8 @@ from bridge.l1_publisher import L1Publisher, new_generation
 from bridge.receive_budget import ReceiveBudget
 from bridge.resume_points import Position
 from bridge.vllm_events import MalformedPayload, decode_batch
-from cache_indexer.metrics import Metrics
-from cache_indexer.throttled_log import ThrottledWarning
+from infra.metrics import Metrics
+from infra.throttled_log import ThrottledWarning
 from schemas.events import MAX_SEQ
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,13 @@ class Replayed:
     answered whole, up to its end marker (an empty answer then means it holds nothing from there on)."""
     budget: ReceiveBudget
     batches: list[tuple[int, bytes]] = field(default_factory=list)
-    held: int = 0
+    taken: int = 0
     cut: bool = False
     complete: bool = False
 
     def release(self) -> None:
-        self.budget.give(self.held)
-        self.held = 0
+        self.budget.give(self.taken)
+        self.taken = 0
 
     def after(self, seq: int) -> list[tuple[int, bytes]]:
         return [b for b in self.batches if b[0] > seq]
@@ -134,7 +134,7 @@ class L1Sequencer:
                   "after them", self.ep.pod, self.ep.rank, upto)
         await self._reset(upto + 1, "refused")
         self.last = upto
-        await self.drain_buffer(upto + 1, None)
+        await self.publish_buffered(upto + 1, None)
 
     async def flush(self) -> None:
         """Publish the batches handed on so far (before anything else of this worker, and before waiting)."""
@@ -163,7 +163,7 @@ class L1Sequencer:
                 return
             if same is None:  # not told (a restarted engine may hold nothing yet): the next batch is checked
                 self.reconnected = True
-            await self.drain_buffer(self.last + 1, replayed)
+            await self.publish_buffered(self.last + 1, replayed)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -194,31 +194,40 @@ class L1Sequencer:
         start = replayed.batches[0][0]
         await self._reset(start, reason)
         self.last = self.last_live = start - 1
-        await self.drain_buffer(start, replayed)
+        await self.publish_buffered(start, replayed)
 
     def _moved_on_reason(self, replayed: Replayed) -> str:
         """Why a buffer without the batch published last starts a generation: batches missing in between
         (``gap-beyond-replay``), or none missing but the engine process not told (``unverified``)."""
         return "unverified" if replayed.batches[0][0] == self.last + 1 else "gap-beyond-replay"
 
-    async def drain_buffer(self, want: int, replayed: Replayed | None) -> None:
+    async def publish_buffered(self, want: int, replayed: Replayed | None) -> None:
         """Publish what the engine's buffer holds from ``want`` on, chunk by chunk within the budget,
         up to its first hole (a live batch after it resolves that gap)."""
+        async def take(start: int, replayed: Replayed) -> bool:
+            stretch = replayed.after(start - 1)
+            if not stretch or stretch[0][0] != start:
+                return False
+            await self._publish_replayed(stretch)
+            return replayed.cut
+        await self._through_buffer(want, replayed, take, empty_is_failure=False)
+
+    async def _through_buffer(self, want: int, replayed: Replayed | None,
+                              take: Callable[[int, Replayed], Awaitable[bool]], empty_is_failure: bool = True) -> None:
+        """The chunk loop over the engine's buffer: ask it from ``want`` (the first answer may be at hand),
+        let ``take(want, answer)`` publish from the answer and say whether to go on (it was cut for want
+        of room), and ask again from the seq after the last published. Each answer is released after."""
         while True:
             if replayed is None:
-                replayed = await self._replay(want, empty_is_failure=False)
+                replayed = await self._replay(want, empty_is_failure)
             try:
-                run = replayed.after(want - 1)
-                if not run or run[0][0] != want:
-                    return
-                await self._publish_run(run)
-                want = self.last + 1
-                if not replayed.cut:
-                    return
-                self.metrics.bridge_replays.labels("chunk").inc()
+                go_on = await take(want, replayed)
             finally:
                 replayed.release()
-            replayed = None
+            if not go_on:
+                return
+            self.metrics.bridge_replays.labels("chunk").inc()
+            want, replayed = self.last + 1, None
 
     async def on_message(self, seq: int, payload: bytes) -> None:
         """A live batch as it came off the socket: a seq no vLLM can have is garbage (counted, dropped),
@@ -314,35 +323,32 @@ class L1Sequencer:
         """Publish the batches from ``want_from`` up to the live one from the engine's buffer (chunk by
         chunk within the budget), then the live one. A new generation (reset) first when ``new_gen``, or
         where the buffer no longer holds the next seq wanted (``gap-beyond-replay``)."""
-        want = want_from
-        while want < live_seq:
-            if replayed is None:
-                replayed = await self._replay(want)
-            try:
-                run = [b for b in replayed.batches if want <= b[0] < live_seq]
-                cut = replayed.cut and (not run or run[-1][0] < live_seq - 1)
-                if not run or (not cut and run[-1][0] != live_seq - 1):
-                    break  # the buffer does not hold the run up to the live batch: reset at the live one
-                if new_gen or run[0][0] != want:
-                    await self._reset(run[0][0], reason if new_gen else "gap-beyond-replay")
-                    new_gen = False
-                await self._publish_run(run)
-                want = self.last + 1
-                if cut:
-                    self.metrics.bridge_replays.labels("chunk").inc()
-            finally:
-                replayed.release()
-            replayed = None
-        if replayed is not None:
+        want, reset_reason = want_from, (reason if new_gen else None)
+
+        async def take(start: int, replayed: Replayed) -> bool:
+            nonlocal want, reset_reason
+            stretch = [b for b in replayed.batches if start <= b[0] < live_seq]
+            cut = replayed.cut and (not stretch or stretch[-1][0] < live_seq - 1)
+            if not stretch or (not cut and stretch[-1][0] != live_seq - 1):
+                return False  # the buffer does not hold every batch up to the live one: reset at the live one
+            if reset_reason or stretch[0][0] != start:
+                await self._reset(stretch[0][0], reset_reason or "gap-beyond-replay")
+                reset_reason = None
+            await self._publish_replayed(stretch)
+            want = self.last + 1
+            return cut
+        if want < live_seq:
+            await self._through_buffer(want, replayed, take)
+        elif replayed is not None:
             replayed.release()
-        if want != live_seq or new_gen:
-            await self._reset(live_seq, reason if new_gen else "gap-beyond-replay")
+        if want != live_seq or reset_reason:
+            await self._reset(live_seq, reset_reason or "gap-beyond-replay")
         await self._publish(live_seq, live_payload)
         self.last = self.last_live = live_seq
 
-    async def _publish_run(self, run: list[tuple[int, bytes]]) -> None:
+    async def _publish_replayed(self, stretch: list[tuple[int, bytes]]) -> None:
         """Replayed batches in order, yielding now and then so live batches keep being read meanwhile."""
-        for i, (seq, payload) in enumerate(run, 1):
+        for i, (seq, payload) in enumerate(stretch, 1):
             await self._publish(seq, payload)
             self.last = seq
             if i % PUBLISH_BURST == 0:

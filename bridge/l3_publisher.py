@@ -22,8 +22,8 @@ import msgpack
 
 from bridge.jetstream_publisher import JetStreamPublisher
 from bridge.l1_publisher import HASH_BYTES, new_generation
-from cache_indexer.metrics import Metrics
-from cache_indexer.streams import l3_subject
+from infra.metrics import Metrics
+from infra.streams import l3_subject
 from schemas.events import CONTENT_TYPE_L3, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
-from cache_indexer.loop_share import REST_SECONDS, Pauser
+from infra.pauser import REST_SECONDS, Pauser
 
 log = logging.getLogger(__name__)
 

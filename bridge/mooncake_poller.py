@@ -26,9 +26,9 @@ import aiohttp
 
 from bridge.mooncake_keys import KeyParser
 from bridge.mooncake_master import MasterClient, MasterError, endpoint_host
-from cache_indexer.loop_share import Pauser
-from cache_indexer.metrics import Metrics
-from cache_indexer.tasks import cancel_and_wait
+from infra.pauser import Pauser
+from infra.metrics import Metrics
+from infra.tasks import cancel_and_wait
 from schemas.config import L3IngestConfig
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def describe(exc: BaseException) -> str:
 
 
 #: Keys handled between two looks at the clock: a 300k-key poll runs in pieces of a few milliseconds
-#: (cache_indexer/loop_share.py), between which the API answers.
+#: (infra/pauser.py), between which the API answers.
 _SLICE = 256
 
 
@@ -149,7 +149,7 @@ class MooncakePoller:
 
     def start(self) -> None:
         self._stopping = False
-        self._task = asyncio.create_task(self._run(), name=f"mooncake-poll-{self.target.name}")
+        self._task = asyncio.create_task(self._loop(), name=f"mooncake-poll-{self.target.name}")
         self._task.add_done_callback(self._restart_if_it_died)
 
     def _restart_if_it_died(self, task: asyncio.Task) -> None:
@@ -171,7 +171,7 @@ class MooncakePoller:
         if reset:  # the master is gone: its entries can no longer be vouched for
             await self.sink.full(self.target.name, {})
 
-    async def _run(self) -> None:
+    async def _loop(self) -> None:
         while True:
             try:
                 await self.poll()

@@ -8,7 +8,7 @@ repairs the drops always finds room; a replay also gets one batch when nothing i
 progresses (the bound is then exceeded by at most one batch per concurrent replay).
 
 Freed memory is given back to the system once the budget empties after a peak: glibc keeps freed
-small blocks in its arenas (824 MB stayed after a drain), libzmq's I/O thread's arena included.
+small blocks in its arenas (824 MB stayed once the queue was empty again), libzmq's I/O thread's arena included.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import time
 
 log = logging.getLogger(__name__)
 
-#: A drain after at least this many bytes held returns memory to the system (malloc_trim).
+#: Budget bytes a batch costs beyond its frames (the tuple, the bytes objects' headers).
+BATCH_OVERHEAD = 64
+#: The budget empty again after at least this many bytes taken: memory goes back to the system (malloc_trim).
 TRIM_AFTER_BYTES = 8 << 20
 #: ... at most this often.
 TRIM_EVERY = 10.0
@@ -41,33 +43,33 @@ def _malloc_trim():
 class ReceiveBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.held = 0
-        self.peak = 0  # most held since the last trim
+        self.taken = 0
+        self.peak = 0  # most taken since the last trim
         self._trim = _malloc_trim()
         self._last_trim = float("-inf")
 
     def take_live(self, n: int) -> bool:
         """Room for a live batch: within half of the limit (the other half is the replays')."""
-        if self.held + n > self.limit // 2:
+        if self.taken + n > self.limit // 2:
             return False
-        self._hold(n)
+        self._take(n)
         return True
 
     def take_replay(self, n: int, first: bool) -> bool:
         """Room for a replayed batch: within the limit, or the first of a replay in any case."""
-        if not first and self.held + n > self.limit:
+        if not first and self.taken + n > self.limit:
             return False
-        self._hold(n)
+        self._take(n)
         return True
 
-    def _hold(self, n: int) -> None:
-        self.held += n
-        if self.held > self.peak:
-            self.peak = self.held
+    def _take(self, n: int) -> None:
+        self.taken += n
+        if self.taken > self.peak:
+            self.peak = self.taken
 
     def give(self, n: int) -> None:
-        self.held -= n
-        if self.held == 0 and self.peak >= TRIM_AFTER_BYTES and self._trim is not None:
+        self.taken -= n
+        if self.taken == 0 and self.peak >= TRIM_AFTER_BYTES and self._trim is not None:
             now = time.monotonic()
             if now - self._last_trim >= TRIM_EVERY:
                 self._last_trim, self.peak = now, 0

@@ -8,8 +8,8 @@ leave its cache. Without a resume point the next bridge started a new generation
 what only the purged history held (vLLM's replay buffer keeps 10,000 batches; a system prompt cached
 hours ago is far older).
 
-So the bridge also keeps, per pod, a record in the KV bucket ``snapshot.metaBucket`` (key
-``bridge.resume.<pod>``): per rank the generation, the last vLLM seq the stream stored whole (acked, and
+So the bridge also keeps, per pod, a record in the records bucket (``infra.streams.records_bucket``,
+``snapshot.metaBucket``; key ``bridge.resume.<pod>``): per rank the generation, the last vLLM seq the stream stored whole (acked, and
 every message before it of that worker acked too: a resume point never passes a hole), the engine's
 epoch, vLLM's timestamp of that batch and the stream sequence that stored it. Records are written at
 most every ``interval`` seconds, only for pods whose position moved. A bridge resumes from the record:
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import msgpack
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from cache_indexer.streams import kv_bucket, subject_token
-from cache_indexer.tasks import cancel_and_wait
-from cache_indexer.throttled_log import ThrottledWarning
+from infra.streams import RecordsKv, subject_token
+from infra.tasks import cancel_and_wait
+from infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -61,24 +61,16 @@ def record_key(pod: str) -> str:
 
 class ResumePoints:
     def __init__(self, js, bucket: str, replicas: int = 1, interval: float = WRITE_EVERY) -> None:
-        self.js = js
-        self.bucket = bucket
-        self.replicas = replicas
+        self._store = RecordsKv(js, bucket, replicas)
         self.interval = interval
         #: the stream incarnation (streams.stream_id) the positions refer to
         self.stream_id = ""
-        self._kv = None
         self._positions: dict[str, dict[int, Position]] = {}
         self._dirty: set[str] = set()
         #: pods whose record was deleted -> the newest generation then: later acks of those are ignored
         self._forgotten: dict[str, int] = {}
         self._task: asyncio.Task | None = None
         self._warn = ThrottledWarning(log)
-
-    async def _store(self):
-        if self._kv is None:
-            self._kv = await kv_bucket(self.js, self.bucket, self.replicas, history=5)
-        return self._kv
 
     def start(self) -> None:
         if self._task is None:

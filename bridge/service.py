@@ -37,10 +37,11 @@ from bridge.static_targets import StaticTargets
 from bridge.targets_record import TargetsRecord
 from bridge.endpoint import Endpoint
 from bridge.vllm_subscriber import VllmSubscriber
-from cache_indexer.lease import Lease
-from cache_indexer.metrics import Metrics
-from cache_indexer.streams import connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, stream_id
-from cache_indexer.tasks import cancel_and_wait
+from infra.lease import Lease
+from infra.metrics import Metrics
+from infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
+                           stream_id)
+from infra.tasks import cancel_and_wait
 from schemas.config import Config
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Bridge:
         self.l1: L1Publisher | None = None
         self._replay_slots = asyncio.Semaphore(cfg.ingest.l1.maxConcurrentReplays)
         self.receive_budget = ReceiveBudget(cfg.ingest.l1.maxBufferedBytes)
-        self.metrics.bridge_buffered_bytes.set_function(lambda: self.receive_budget.held)
+        self.metrics.bridge_buffered_bytes.set_function(lambda: self.receive_budget.taken)
         interval = cfg.ingest.l1.blockKeyCheckInterval
         self.block_key_check = BlockKeyCheck(cfg.blockKey, self.metrics, interval) if interval else None
         self._watch_task: asyncio.Task | None = None
@@ -102,7 +103,7 @@ class Bridge:
         js = self.nc.jetstream()
         l1_info = await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
         await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
-        self.resume_points = ResumePoints(js, self.cfg.snapshot.metaBucket, self.cfg.nats.replicas)
+        self.resume_points = ResumePoints(js, records_bucket(self.cfg), self.cfg.nats.replicas)
         self.resume_points.stream_id = stream_id(l1_info)
         self.resume_points.start()
         self.publisher = JetStreamPublisher(self.nc, self.metrics, self.cfg.nats.publish.window,
@@ -116,7 +117,7 @@ class Bridge:
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
                               lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics,
                               on_refused=self._l3_refused)
-        self.targets_record = TargetsRecord(js, self.cfg.snapshot.metaBucket, self.cfg.nats.replicas)
+        self.targets_record = TargetsRecord(js, records_bucket(self.cfg), self.cfg.nats.replicas)
         if self.cfg.ingest.sharded:
             self.shards = ShardLeases(js, self.cfg.nats.lease.bucket, holder, self.cfg.nats.lease.ttl,
                                       self.cfg.nats.replicas, self._on_owned)
@@ -230,13 +231,13 @@ class Bridge:
         await self.targets_record.save(pods=live)
 
     def _mine(self, endpoints: list[Endpoint]) -> list[Endpoint]:
-        return endpoints if self.shards is None else [e for e in endpoints if POD + e.pod in self.shards.held]
+        return endpoints if self.shards is None else [e for e in endpoints if POD + e.pod in self.shards.owned]
 
     def _want_shards(self) -> None:
         if self.shards is not None:
             self.shards.want({POD + p for p in self._discovered_pods} | {MASTER + m for m in self._discovered_masters})
 
-    async def _on_owned(self, held: set[str]) -> None:
+    async def _on_owned(self, owned: set[str]) -> None:
         """The shards this bridge holds changed: follow them (what moved away is stopped before its
         lease is released; what arrived resumes from the stream)."""
         await self._subscribe_to(self._mine(self._endpoints))
@@ -307,7 +308,7 @@ class Bridge:
         await self.targets_record.save(masters=names)
 
     def _mine_masters(self, masters: list[MasterTarget]) -> list[MasterTarget]:
-        return masters if self.shards is None else [m for m in masters if MASTER + m.name in self.shards.held]
+        return masters if self.shards is None else [m for m in masters if MASTER + m.name in self.shards.owned]
 
     async def _poll(self, masters: list[MasterTarget]) -> None:
         async with self._reconciling:

@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from cache_indexer.streams import kv_bucket, subject_token
-from cache_indexer.tasks import cancel_and_wait
-from cache_indexer.throttled_log import ThrottledWarning
+from infra.streams import kv_bucket, subject_token
+from infra.tasks import cancel_and_wait
+from infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ class ShardLeases:
         self.holder = holder
         self.ttl = ttl
         self.replicas = replicas
-        self.on_owned = on_owned  # called with the targets held, after every change
+        self.on_owned = on_owned  # called with the targets owned, after every change
         self.wanted: set[str] = set()  # every target discovery lists now
-        self.held: dict[str, int] = {}  # target -> revision of its lease
+        self.owned: dict[str, int] = {}  # target -> revision of its lease
         self.members: list[str] = [holder]
         self._kv = None
         self._task: asyncio.Task | None = None
@@ -53,7 +53,7 @@ class ShardLeases:
         self._failed = ThrottledWarning(log)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="bridge-shards")
+        self._task = asyncio.create_task(self._loop(), name="bridge-shards")
 
     def want(self, targets: set[str]) -> None:
         """What discovery lists now; placement follows at once."""
@@ -68,7 +68,7 @@ class ShardLeases:
         if self._task:
             await cancel_and_wait(self._task)
         kv = self._kv
-        for target, rev in list(self.held.items()):  # hand over at once instead of after the TTL
+        for target, rev in list(self.owned.items()):  # hand over at once instead of after the TTL
             await self._release(target, rev)
         if kv is not None:
             try:
@@ -76,14 +76,14 @@ class ShardLeases:
             except Exception:
                 pass
 
-    async def _run(self) -> None:
+    async def _loop(self) -> None:
         while True:
             try:
                 await self._round()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NATS away, typically: once per ttl/4 until it is back, so throttled
-                self._failed("shard leases: a round failed (%s: %s); the targets held are kept until their TTL",
+                self._failed("shard leases: a round failed (%s: %s); the targets owned are kept until their TTL",
                              type(exc).__name__, exc)
             try:
                 await asyncio.wait_for(self._poke.wait(), self.ttl / 4)
@@ -97,27 +97,27 @@ class ShardLeases:
         kv = self._kv
         await kv.put(MEMBER + self.holder, b"1")
         self.members = sorted(await self._live_members() | {self.holder})
-        before = set(self.held)
+        before = set(self.owned)
         mine = {t for t in self.wanted if self.is_owner(t)}
-        for target in [t for t in self.held if t not in mine]:  # moved or gone: stop first, then release
-            rev = self.held.pop(target)
-            await self.on_owned(set(self.held))
+        for target in [t for t in self.owned if t not in mine]:  # moved or gone: stop first, then release
+            rev = self.owned.pop(target)
+            await self.on_owned(set(self.owned))
             await self._release(target, rev)
-        for target, rev in list(self.held.items()):
+        for target, rev in list(self.owned.items()):
             try:
-                self.held[target] = await kv.update(OWN + subject_token(target), self.holder.encode(), last=rev)
+                self.owned[target] = await kv.update(OWN + subject_token(target), self.holder.encode(), last=rev)
             except KeyWrongLastSequenceError:  # expired and taken meanwhile: no longer ours
                 log.warning("shard lease of %s lost", target)
-                del self.held[target]
-        for target in sorted(mine - set(self.held)):
+                del self.owned[target]
+        for target in sorted(mine - set(self.owned)):
             try:
-                self.held[target] = await kv.create(OWN + subject_token(target), self.holder.encode())
+                self.owned[target] = await kv.create(OWN + subject_token(target), self.holder.encode())
             except KeyWrongLastSequenceError:
                 pass  # the previous owner has not released it yet, or died: its TTL runs out
-        if set(self.held) != before:
-            log.info("bridge %s owns %d of %d targets (%d bridges)", self.holder, len(self.held), len(self.wanted),
+        if set(self.owned) != before:
+            log.info("bridge %s owns %d of %d targets (%d bridges)", self.holder, len(self.owned), len(self.wanted),
                      len(self.members))
-            await self.on_owned(set(self.held))
+            await self.on_owned(set(self.owned))
 
     async def _live_members(self) -> set[str]:
         """The member keys present (a watch of ``member.>`` alone: the bucket also holds a lease per

@@ -1,5 +1,6 @@
-"""What the active bridge publishes for, kept in the KV bucket ``snapshot.metaBucket`` (key
-``bridge.targets``): the vLLM pods it subscribes to and the Mooncake masters it polls.
+"""What the active bridge publishes for, kept in the records bucket (``infra.streams.records_bucket``,
+``snapshot.metaBucket``; key ``bridge.targets``): the vLLM pods it subscribes to and the Mooncake
+masters it polls.
 
 Pods and masters that leave discovery are dropped from the index through the streams, but only by a
 bridge that sees them leave. One that left while no bridge watched (all were down, or a standby was
@@ -14,7 +15,7 @@ import logging
 import msgpack
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from cache_indexer.streams import kv_bucket
+from infra.streams import RecordsKv
 
 log = logging.getLogger(__name__)
 
@@ -23,17 +24,9 @@ KEY = "bridge.targets"
 
 class TargetsRecord:
     def __init__(self, js, bucket: str, replicas: int = 1) -> None:
-        self.js = js
-        self.replicas = replicas
-        self.bucket = bucket
-        self._kv = None
+        self._store = RecordsKv(js, bucket, replicas)
         self._pods: set[str] | None = None
         self._masters: set[str] | None = None
-
-    async def _store(self):
-        if self._kv is None:
-            self._kv = await kv_bucket(self.js, self.bucket, self.replicas, history=5)
-        return self._kv
 
     async def load(self) -> tuple[set[str], set[str]]:
         """(pods, masters) as last saved; empty when there is no record or it cannot be read."""

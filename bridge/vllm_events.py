@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import msgpack
 import msgspec
 
-from indexer.block_hash import _U64, normalize_event_hash
+from schemas.block_hash import U64_MASK, normalize_event_hash
 from schemas.events import MAX_BLOCK_SIZE, MAX_GROUP_IDX
 
 # Positional field order of the array-like (<= 0.23) events, after the tag.
@@ -175,7 +175,7 @@ _strict = msgspec.msgpack.Decoder(_Batch)
 
 
 def _fast_hashes(values: list[int | bytes]) -> list[int]:
-    return [h & _U64 if type(h) is int else int.from_bytes(h[-8:], "big") for h in values]
+    return [h & U64_MASK if type(h) is int else int.from_bytes(h[-8:], "big") for h in values]
 
 
 def decode_current(payload: bytes) -> DecodedBatch:

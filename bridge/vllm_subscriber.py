@@ -4,9 +4,8 @@ vLLM sends ``[topic, seq (8-byte big-endian), msgpack KVEventBatch]`` with seq c
 engine process. What each batch becomes on the stream (generations, gaps, resets) is decided by
 bridge/l1_sequencer.py; this module
 - reads the SUB socket ahead into a queue bounded in bytes (bridge/receive_budget.py): a batch that does
-  not fit is dropped and replayed once the queue has drained, and replays too come in chunks that fit;
-- asks the engine's replay socket (a DEALER; the ROUTER replies with or without the topic frame, ended
-  by seq -1), in rounds, for the sequencer;
+  not fit is dropped and replayed once the queue is empty again, and replays too come in chunks that fit;
+- gives the sequencer the engine's replay socket (bridge/vllm_replay.py);
 - watches the connection: libzmq reconnects by itself with exponential backoff (``backoffInitial`` ..
   ``backoffMax``); a connection it gives up on (a message over ``maxBatchBytes``) is opened anew.
 """
@@ -26,11 +25,12 @@ from bridge.block_key_check import BlockKeyCheck
 from bridge.endpoint import Endpoint
 from bridge.l1_publisher import L1Publisher
 from bridge.l1_sequencer import L1Sequencer, Replayed
-from bridge.receive_budget import ReceiveBudget
+from bridge.receive_budget import BATCH_OVERHEAD, ReceiveBudget
+from bridge.vllm_replay import VllmReplayClient
 from bridge.zmq_drain import drainer
-from cache_indexer.metrics import Metrics
-from cache_indexer.tasks import cancel_and_wait
-from cache_indexer.throttled_log import ThrottledWarning
+from infra.metrics import Metrics
+from infra.tasks import cancel_and_wait
+from infra.throttled_log import ThrottledWarning
 from schemas.config import L1IngestConfig
 from schemas.events import MAX_SEQ
 
@@ -38,7 +38,6 @@ __all__ = ["Endpoint", "Replayed", "VllmSubscriber"]  # Endpoint and Replayed: w
 
 log = logging.getLogger(__name__)
 
-END_SEQ = b"\xff" * 8
 _NOBLOCK = int(zmq.NOBLOCK)
 PUBLISH_BURST = 256  # queued batches handled without yielding to the event loop
 #: Messages read from libzmq without yielding: reading ahead must outpace publishing, or the backlog
@@ -46,27 +45,6 @@ PUBLISH_BURST = 256  # queued batches handled without yielding to the event loop
 READ_BURST = 4096
 #: Longest wait for libzmq's signal: a missed one costs at most this much delay.
 READ_WAIT_MAX = 1.0
-#: Budget bytes a batch costs beyond its frames (the tuple, the bytes objects' headers).
-BATCH_OVERHEAD = 64
-#: Silence after the last replayed batch that ends a round cut short by the engine's high-water mark.
-REPLAY_ROUND_IDLE = 0.1
-#: Rounds of one replay at most (each within replayTimeout, each bringing something new): vLLM's buffer
-#: of 10,000 batches through a high-water mark of 1,000 takes about ten; the bound keeps a replay finite.
-REPLAY_MAX_ROUNDS = 64
-
-
-def _contiguous(batches: list[tuple[int, bytes]], first: int) -> list[tuple[int, bytes]]:
-    """The sorted ``batches`` from seq ``first`` on, up to the first missing seq."""
-    out: list[tuple[int, bytes]] = []
-    for seq, payload in batches:
-        if seq < first + len(out):
-            continue  # before the run, or the same seq twice
-        if seq != first + len(out):
-            break
-        out.append((seq, payload))
-    return out
-
-
 class VllmSubscriber:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: Endpoint, cfg: L1IngestConfig, sink: L1Publisher,
                  metrics: Metrics, replay_slots: asyncio.Semaphore, block_key_check: BlockKeyCheck | None = None,
@@ -76,7 +54,6 @@ class VllmSubscriber:
         self.cfg = cfg
         self.sink = sink
         self.metrics = metrics
-        self.replay_slots = replay_slots
         self.block_key_check = block_key_check
         self.budget = budget or ReceiveBudget(cfg.maxBufferedBytes)
         #: batches read ahead of publishing, with their budget bytes
@@ -86,10 +63,11 @@ class VllmSubscriber:
         self._dropped_upto: int | None = None
         self._overflow_log = ThrottledWarning(log, every=10.0)
         self._reader: asyncio.Task | None = None
-        self._last_failed_replay = float("-inf")
         self._malformed_log = ThrottledWarning(log, every=10.0)
         #: what to publish for each batch
-        self.sequencer = L1Sequencer(endpoint, sink, metrics, self._replay, cfg.coalesceMaxBatches,
+        #: the engine's buffer, asked by the sequencer
+        self.replay = VllmReplayClient(ctx, endpoint, cfg, self.budget, metrics, replay_slots)
+        self.sequencer = L1Sequencer(endpoint, sink, metrics, self.replay, cfg.coalesceMaxBatches,
                                      cfg.coalesceMaxBytes, block_key_check)
         self._task: asyncio.Task | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -112,7 +90,7 @@ class VllmSubscriber:
         self.disconnected_since = time.monotonic()
         self.metrics.subscriptions_disconnected.inc()  # until its first connection
         self._open()
-        self._task = asyncio.create_task(self._run(), name=f"vllm-sub-{self.ep.pod}-{self.ep.rank}")
+        self._task = asyncio.create_task(self._loop(), name=f"vllm-sub-{self.ep.pod}-{self.ep.rank}")
         self._monitor_task = asyncio.create_task(self._watch_connection(), name=f"vllm-mon-{self.ep.pod}-{self.ep.rank}")
         self.metrics.subscriptions.inc()
 
@@ -218,11 +196,11 @@ class VllmSubscriber:
         says whether more is there; the wait is only entered when it says no."""
         sock = self._sock
         assert sock is not None
-        queued = zmq.Socket.shadow(sock.underlying)
-        drain = drainer(queued)  # None: through pyzmq
+        plain = zmq.Socket.shadow(sock.underlying)  # the same socket, without asyncio
+        drain = drainer(plain)  # None: through pyzmq
         loop = asyncio.get_running_loop()
         signalled = asyncio.Event()
-        fd = queued.get(zmq.FD)
+        fd = plain.get(zmq.FD)
         loop.add_reader(fd, signalled.set)
         try:
             while True:
@@ -234,16 +212,16 @@ class VllmSubscriber:
                         for frames in drain(READ_BURST):
                             self._take(frames)
                     else:
-                        self._receive_burst(queued)
+                        self._receive_burst(plain)
                     if self._queue:
                         self._queued.set()
-                    if queued.get(zmq.EVENTS) & zmq.POLLIN:
+                    if plain.get(zmq.EVENTS) & zmq.POLLIN:
                         await asyncio.sleep(0)  # more is there: let the others run first
                         continue
                 except asyncio.CancelledError:
                     raise
                 except (zmq.ZMQError, OSError):  # OSError: from the bulk receive
-                    if queued.closed or sock.closed:
+                    if plain.closed or sock.closed:
                         return
                     log.exception("%s rank %d: receive failed", self.ep.pod, self.ep.rank)
                 except Exception:
@@ -255,10 +233,10 @@ class VllmSubscriber:
         finally:
             loop.remove_reader(fd)
 
-    def _receive_burst(self, queued: zmq.Socket) -> None:
+    def _receive_burst(self, plain: zmq.Socket) -> None:
         """Without the bulk receive: through pyzmq, as Frames (RCVMORE through getsockopt costs an enum
         lookup per frame, a third of a receive)."""
-        recv = queued.recv
+        recv = plain.recv
         for _ in range(READ_BURST):
             try:
                 frame = recv(_NOBLOCK, copy=False)
@@ -282,15 +260,15 @@ class VllmSubscriber:
             seq = int.from_bytes(frames[1], "big")
             if seq <= MAX_SEQ and (self._dropped_upto is None or seq > self._dropped_upto):
                 self._dropped_upto = seq
-        self._overflow_log("%s rank %d: receive budget full (%d of ingest.l1.maxBufferedBytes=%d bytes held); "
-                           "batches dropped, to be replayed", self.ep.pod, self.ep.rank, self.budget.held,
+        self._overflow_log("%s rank %d: receive budget full (%d of ingest.l1.maxBufferedBytes=%d bytes taken); "
+                           "batches dropped, to be replayed", self.ep.pod, self.ep.rank, self.budget.taken,
                            self.budget.limit)
 
     def _on_refused(self, gen: int, first: int, last: int) -> None:
         if self.sequencer.refused(gen, first, last):
             self._queued.set()  # handled by the loop, between two bursts
 
-    async def _run(self) -> None:
+    async def _loop(self) -> None:
         await self.sequencer.catch_up()
         while True:
             if self.sequencer.refused_upto is not None:
@@ -301,7 +279,7 @@ class VllmSubscriber:
                     upto, self._dropped_upto = self._dropped_upto, None
                     sequencer = self.sequencer
                     if sequencer.gen is not None and sequencer.last is not None and upto > sequencer.last:
-                        await self._guarded(sequencer.drain_buffer(sequencer.last + 1, None),
+                        await self._guarded(sequencer.publish_buffered(sequencer.last + 1, None),
                                             "replaying from the engine's buffer")
                     continue
                 if self.sequencer.pending.batches:
@@ -342,111 +320,4 @@ class VllmSubscriber:
             raise
         except Exception:  # never let one message kill the subscription
             log.exception("%s rank %d: failed to handle a batch", self.ep.pod, self.ep.rank)
-
-    async def _replay(self, start: int, empty_is_failure: bool = True) -> Replayed:
-        """What vLLM's replay buffer holds from ``start`` on, as far as the budget has room (to be
-        released); empty when unavailable (the sequencer's ``replay`` port). An empty answer starts the
-        cooldown, except for a catch-up, where nothing new is the usual answer.
-
-        In rounds: the engine's ROUTER drops what exceeds its send high-water mark (1,000 messages before
-        vLLM 0.33) without a word, so a long answer arrives with holes (measured: 2,451 of 3,000, end
-        marker included) or cut short. The unbroken run from the seq asked for is kept, and the engine is
-        asked again from the first seq missing, until a round is whole up to its end marker, the buffer no
-        longer reaches back that far, a round brings nothing new, the budget is full (``cut``: the caller
-        asks again after publishing), or REPLAY_MAX_ROUNDS rounds were asked."""
-        out = Replayed(self.budget)
-        if not self.ep.replay:
-            return out
-        if time.monotonic() - self._last_failed_replay < self.cfg.replayCooldown:
-            self.metrics.bridge_replays.labels("cooldown").inc()
-            return out
-        try:
-            await self._replay_rounds(start, out)
-        except BaseException:
-            out.release()
-            raise
-        self.metrics.bridge_replays.labels("ok" if out.batches else "empty").inc()
-        if not out.batches and empty_is_failure:
-            self._last_failed_replay = time.monotonic()
-        return out
-
-    async def _replay_rounds(self, start: int, out: Replayed) -> None:
-        rounds = 0
-        async with self.replay_slots:
-            want = start
-            while True:
-                got, complete, held, cut = await self._replay_round(want, first=not out.batches)
-                rounds += 1
-                if got is None:  # nothing at all within replayTimeout
-                    self.metrics.bridge_replays.labels("timeout").inc()
-                    log.warning("%s rank %d: replay from %d timed out after %d batches (%d rounds)", self.ep.pod,
-                                self.ep.rank, start, len(out.batches), rounds)
-                    self._last_failed_replay = time.monotonic()
-                    break
-                got.sort(key=lambda x: x[0])
-                run = [] if out.batches and got and got[0][0] > want else \
-                    _contiguous(got, got[0][0] if got and not out.batches else want)
-                kept = sum(len(p) + BATCH_OVERHEAD for _, p in run)
-                self.budget.give(held - kept)
-                out.batches.extend(run)
-                out.held += kept
-                if cut:  # no room for more: the caller asks again once it has published these
-                    out.cut = bool(out.batches)
-                    break
-                if (complete and len(run) == len(got)) or not run:
-                    out.complete = complete and len(run) == len(got)
-                    break  # whole, or nothing new (the buffer moved on meanwhile: what is missing is gone)
-                if rounds >= REPLAY_MAX_ROUNDS:  # an engine that never finishes: what is missing resets
-                    log.warning("%s rank %d: replay from %d still incomplete after %d rounds (%d batches)",
-                                self.ep.pod, self.ep.rank, start, rounds, len(out.batches))
-                    break
-                want = run[-1][0] + 1  # dropped from there on (or in the middle): ask again
-                self.metrics.bridge_replays.labels("round").inc()
-
-    async def _replay_round(self, start: int, first: bool) -> tuple[list[tuple[int, bytes]] | None, bool, int, bool]:
-        """One request: (batches received, whether the end marker came, budget bytes they hold, whether
-        the budget had no room for more). None: no answer within replayTimeout. A round also ends once
-        no message came for REPLAY_ROUND_IDLE after the last."""
-        out: list[tuple[int, bytes]] = []
-        held = 0
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # bounded: past it libzmq stops reading the connection and the engine's ROUTER drops past its own
-        # high-water mark, which the rounds repair; unbounded, libzmq took the whole answer into memory
-        sock.setsockopt(zmq.RCVHWM, max(1, self.cfg.rcvHwm))
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.maxBatchBytes)
-        try:
-            sock.connect(self.ep.replay)
-            await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            deadline = time.monotonic() + self.cfg.replayTimeout
-            while True:
-                wait = deadline - time.monotonic()
-                if out:
-                    wait = min(wait, REPLAY_ROUND_IDLE)
-                if wait <= 0 or not await sock.poll(wait * 1000):
-                    return (out if out else None), False, held, False
-                frames = await sock.recv_multipart()
-                if frames and frames[0] == b"":
-                    frames = frames[1:]
-                if len(frames) == 3:  # >= 0.26: topic, seq, payload
-                    seq_b, payload = frames[1], frames[2]
-                elif len(frames) == 2:  # < 0.26: seq, payload
-                    seq_b, payload = frames
-                else:
-                    self.metrics.bridge_malformed.inc()
-                    continue
-                if seq_b == END_SEQ:
-                    return out, True, held, False
-                if len(seq_b) == 8:
-                    size = len(payload) + BATCH_OVERHEAD
-                    if not self.budget.take_replay(size, first and not out):
-                        self.metrics.bridge_replays.labels("budget").inc()
-                        return out, False, held, True
-                    held += size
-                    out.append((int.from_bytes(seq_b, "big"), payload))
-        except BaseException:
-            self.budget.give(held)
-            raise
-        finally:
-            sock.close(0)
 

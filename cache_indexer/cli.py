@@ -25,8 +25,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from cache_indexer.config_loader import ConfigError, load_config
-from cache_indexer.tasks import cancel_and_wait
+from infra.config_loader import ConfigError, load_config
+from infra.tasks import cancel_and_wait
 from schemas.config import Config
 
 log = logging.getLogger("cache_indexer")
@@ -154,7 +154,7 @@ async def run_local(cfg: Config) -> int:
     with this process, so nothing is left behind whichever process gets the signal."""
     from bridge.service import Bridge
     from cache_indexer import runtime_file
-    from cache_indexer.metrics import Metrics
+    from infra.metrics import Metrics
     from cache_indexer.nats_server import NatsServer
     from cache_indexer.replica import Replica
 
@@ -219,7 +219,7 @@ def _parser() -> argparse.ArgumentParser:
               "pods and data-parallel ranks. They are added to the targets of the running `local`\n"
               "instance (or written to --targets FILE), and a ready-to-paste curl is printed once the API\n"
               "shows a non-zero L1 ratio. Ctrl-C removes them again.")
-    from cache_indexer.simulate import add_arguments
+    from cache_indexer.simulate.workload import add_arguments
 
     add_arguments(sim)
     add("bridge", "run the bridge",
@@ -282,7 +282,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"cache-indexer: {exc}", file=sys.stderr)
         return 2
     if args.cmd != "config":
-        from cache_indexer.nats_auth import NatsAuthError, connect_options
+        from infra.nats_auth import NatsAuthError, connect_options
 
         try:  # the credentials and TLS files are read now: one clear line rather than endless reconnects
             connect_options(cfg.nats)
@@ -296,11 +296,11 @@ def _main(argv: list[str] | None) -> int:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     if args.cmd == "events":
-        from cache_indexer.inspect_events import run
+        from cache_indexer.inspect_events import inspect
 
-        return asyncio.run(run(cfg, args.mode, args.subject, args.last, tier=args.tier))
+        return asyncio.run(inspect(cfg, args.mode, args.subject, args.last, tier=args.tier))
     if args.cmd == "simulate":
-        from cache_indexer.simulate import run as simulate
+        from cache_indexer.simulate.workload import simulate
 
         return asyncio.run(simulate(cfg, args))
     if args.cmd in ("local", "bridge") and cfg.discovery.mode == "static":

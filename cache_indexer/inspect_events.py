@@ -18,8 +18,8 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from cache_indexer import runtime_file
-from cache_indexer.nats_auth import connect_options
-from cache_indexer.streams import servers
+from infra.nats_auth import connect_options
+from infra.streams import servers
 from schemas.config import Config, NatsConfig
 
 
@@ -59,7 +59,7 @@ def render(seq: int, subject: str, headers: dict | None, data: bytes) -> str:
     return json.dumps({"seq": seq, "subject": subject, "headers": headers or {}, "data": payload}, default=str)
 
 
-async def run(cfg: Config, mode: str, subject: str | None, last: int, out=sys.stdout, tier: str = "l1",
+async def inspect(cfg: Config, mode: str, subject: str | None, last: int, out=sys.stdout, tier: str = "l1",
               err=sys.stderr) -> int:
     ncfg, source = resolve_nats(cfg)
     try:

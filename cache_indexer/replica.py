@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from api.app import HitRateApi
 from api.server import HttpServer
-from cache_indexer.metrics import Metrics
-from indexer.block_hash import BlockHasher
+from infra.metrics import Metrics
+from schemas.block_hash import BlockHasher
 from indexer.service import Indexer
 from schemas.config import Config
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from indexer.block_hash import BlockHasher
+from schemas.block_hash import BlockHasher
 
 try:  # the C accelerator's fast path of the walk (blocks where no worker drops out)
-    from indexer._blockhash import walk as _walk_c
+    from indexer._prefix_walk import walk as _walk_c
 except (ImportError, AttributeError):
     _walk_c = None
 

@@ -4,19 +4,19 @@ The stream is the source of truth and every replica applies the same rules to th
 so replicas agree. The rules make the index robust to what a retrying publisher can do to order:
 - a batch carries (gen, seq); per worker only ``seq == next`` is applied, lower seqs are duplicates;
   a run of coalesced batches (seq .. last_seq) that overlaps what was applied applies only the rest;
-- a batch that arrives early (seq > next) is held until the missing ones arrive; if more than
-  ``max_held`` pile up, or the first was stored by the stream more than HOLD_TIMEOUT_NS before the
+- a batch that arrives early (seq > next) waits (``early``) until the missing ones arrive; if more than
+  ``max_early`` pile up, or the first was stored by the stream more than EARLY_TIMEOUT_NS before the
   message being applied (any worker's: the stream's own clock, so every replica decides alike), the
-  missing ones are declared lost: the worker is cleared and resumes at the first held seq. A worker is
+  missing ones are declared lost: the worker is cleared and resumes at the first early seq. A worker is
   never frozen by one message that does not come;
 - a ``reset`` (or a batch of a newer generation) clears the worker and starts the new generation;
   anything of an older generation is stale and dropped;
 - a generation whose batches arrive before its reset (the reset's publish was lost and re-sent after the
   ack timeout, while later batches were stored) is applied from its first batch provisionally, and the
-  messages applied are kept (a journal, at most ``max_held`` of them and HOLD_TIMEOUT_NS of stream time;
+  messages applied are kept (a journal, at most ``max_early`` of them and EARLY_TIMEOUT_NS of stream time;
   none where stored times are unknown, as in benchmarks): when the reset then names an earlier
   first seq, the worker is cleared and rebuilt in seq order from there, the journal going back to the
-  held messages, so the late batches before it are not taken for duplicates;
+  early messages, so the late batches before it are not taken for duplicates;
 - ``pod_removed`` clears every rank of the pod; later batches of the same generations are dropped;
 - a generation far ahead of the time the stream stored the message, or a seq no vLLM can reach, is
   refused (ImplausibleMessage): the stream is not trusted blindly, one forged message must not blind
@@ -29,17 +29,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from cache_indexer.throttled_log import ThrottledWarning
-from indexer.l1_index import BlockIndex, WorkerTable
+from infra.throttled_log import ThrottledWarning
+from indexer.block_index import TierIndex
 from schemas.events import GEN_MAX_AHEAD_NS, MAX_GROUP_IDX, MAX_SEQ, last_seq, run_error
 
 log = logging.getLogger(__name__)
 
 _DEAD = (1 << 64) - 1  # next_seq of a removed pod: every batch of its generation is stale (a uint64,
 #                       so snapshots can encode it)
-#: How long (stream time) held batches wait for a missing one before it is declared lost. Publishes are
+#: How long (stream time) early batches wait for a missing one before it is declared lost. Publishes are
 #: re-sent every ack timeout (5 s) until stored; this leaves room for several rounds of it.
-HOLD_TIMEOUT_NS = 30 * 10**9
+EARLY_TIMEOUT_NS = 30 * 10**9
 
 
 @dataclass(slots=True)
@@ -48,14 +48,14 @@ class _Cursor:
     next_seq: int
     reset_seen: bool = False
     #: early arrivals by (seq, part): a batch over the message limit comes in parts of one seq
-    held: dict[tuple[int, int], dict] = field(default_factory=dict)
+    early: dict[tuple[int, int], dict] = field(default_factory=dict)
     next_part: int = 0
     #: messages applied since this generation began without its reset (None: the reset came first, or
-    #: the journal outgrew max_held): what a late reset naming an earlier first seq rebuilds from
+    #: the journal outgrew max_early): what a late reset naming an earlier first seq rebuilds from
     journal: list[dict] | None = None
-    #: when the stream stored the message that made ``held`` non-empty (0: not known)
-    held_since: int = 0
-    #: when the stream stored the generation's first message (the journal is kept HOLD_TIMEOUT_NS at most)
+    #: when the stream stored the message that made ``early`` non-empty (0: not known)
+    early_since: int = 0
+    #: when the stream stored the generation's first message (the journal is kept EARLY_TIMEOUT_NS at most)
     journal_since: int = 0
 
     def advance(self, msg: dict) -> None:
@@ -65,17 +65,17 @@ class _Cursor:
         else:
             self.next_seq, self.next_part = last_seq(msg) + 1, 0
 
-    def take_held(self) -> tuple[dict, int] | None:
-        """The held message that goes on from (next_seq, next_part), and how many of its events were
+    def take_early(self) -> tuple[dict, int] | None:
+        """The early message that goes on from (next_seq, next_part), and how many of its events were
         applied before (a run that overlaps what came before it); None when it has not arrived."""
-        msg = self.held.pop((self.next_seq, self.next_part), None)
+        msg = self.early.pop((self.next_seq, self.next_part), None)
         if msg is not None:
             return msg, 0
         if self.next_part:
             return None
-        for pos, msg in self.held.items():  # only a run that starts earlier can go on from here
+        for pos, msg in self.early.items():  # only a run that starts earlier can go on from here
             if pos[0] < self.next_seq <= last_seq(msg):
-                del self.held[pos]
+                del self.early[pos]
                 return msg, msg["ends"][self.next_seq - pos[0] - 1]
         return None
 
@@ -85,7 +85,7 @@ class ApplyStats:
     batches: int = 0
     duplicates: int = 0
     stale: int = 0
-    held: int = 0
+    early: int = 0
     lost_gaps: int = 0
     resets: int = 0
     block_events: int = 0
@@ -97,28 +97,27 @@ class ImplausibleMessage(ValueError):
     pass
 
 
-class L1State:
-    def __init__(self, max_held: int = 1024) -> None:
-        self.workers = WorkerTable()
-        self.index = BlockIndex()
+class L1State(TierIndex):
+    def __init__(self, max_early: int = 1024) -> None:
+        super().__init__()
         self.cursors: dict[tuple[str, int], _Cursor] = {}
-        self.max_held = max_held
+        self.max_early = max_early
         self.stats = ApplyStats()
-        #: workers with held batches -> when the first was stored (for HOLD_TIMEOUT_NS)
-        self._holding: dict[tuple[str, int], int] = {}
+        #: workers with early batches -> when the first was stored (for EARLY_TIMEOUT_NS)
+        self._waiting: dict[tuple[str, int], int] = {}
         self._now = 0  # stored time of the message being applied (0: unknown)
         self._lost_log = ThrottledWarning(log, every=10.0)
 
     # -- stream messages ---------------------------------------------------------------------------
     def apply(self, msg: dict, stored_ns: int | None = None) -> None:
-        """``stored_ns``: when the stream stored the message (None: not checked, as in benchmarks; held
+        """``stored_ns``: when the stream stored the message (None: not checked, as in benchmarks; early
         batches then wait only for the count bound)."""
         kind = msg.get("type")
         if stored_ns is not None:
             if kind in ("batch", "reset"):
                 _check_plausible(msg, stored_ns)
             self._now = stored_ns
-            if self._holding:
+            if self._waiting:
                 self._expire(stored_ns)
         if kind == "batch":
             self._on_batch(msg)
@@ -140,7 +139,7 @@ class L1State:
             # from here, provisionally (journaled) until the reset says where the generation starts.
             if cur is not None:
                 self._clear(key)
-                self._holding.pop(key, None)
+                self._waiting.pop(key, None)
             cur = self.cursors[key] = _Cursor(gen=gen, next_seq=seq, next_part=part,
                                               journal=[] if self._now else None, journal_since=self._now)
         elif gen < cur.gen:
@@ -160,72 +159,72 @@ class L1State:
             if cur.next_seq == _DEAD:
                 self.stats.stale += 1
                 return
-            self._hold(key, cur, pos, msg)
-            if len(cur.held) > self.max_held:
+            self._keep_early(key, cur, pos, msg)
+            if len(cur.early) > self.max_early:
                 self._lose_gap(key, cur)
             return
         self._journal(cur, msg)
         cur.advance(msg)  # first: a batch that cannot be applied whole must not hold up the ones after it
         self._apply_events(key, msg["events"][skip:] if skip else msg["events"], _batches(msg))
-        if cur.held:
-            self._drain(key, cur)
+        if cur.early:
+            self._apply_early(key, cur)
 
-    def _hold(self, key: tuple[str, int], cur: _Cursor, pos: tuple[int, int], msg: dict) -> None:
-        other = cur.held.get(pos)
+    def _keep_early(self, key: tuple[str, int], cur: _Cursor, pos: tuple[int, int], msg: dict) -> None:
+        other = cur.early.get(pos)
         if other is None or last_seq(msg) > last_seq(other):  # of two from one seq, the one reaching further
-            cur.held[pos] = msg
-        self.stats.held += 1
-        if key not in self._holding:
-            self._wait_from(key, cur, cur.held_since or self._now)
+            cur.early[pos] = msg
+        self.stats.early += 1
+        if key not in self._waiting:
+            self._wait_from(key, cur, cur.early_since or self._now)
 
     def _wait_from(self, key: tuple[str, int], cur: _Cursor, since: int) -> None:
         """Held batches of ``key`` wait from stream time ``since`` (not timed where times are unknown)."""
-        cur.held_since = since
+        cur.early_since = since
         if since:
-            self._holding[key] = since
+            self._waiting[key] = since
 
     def _journal(self, cur: _Cursor, msg: dict) -> None:
         if cur.journal is not None:
-            if len(cur.journal) >= self.max_held or self._now - cur.journal_since > HOLD_TIMEOUT_NS:
+            if len(cur.journal) >= self.max_early or self._now - cur.journal_since > EARLY_TIMEOUT_NS:
                 cur.journal = None  # no reset is coming (it was purged), or not soon: stop keeping them
             else:
                 cur.journal.append(msg)
 
     def _lose_gap(self, key: tuple[str, int], cur: _Cursor) -> None:
-        """The missing batches are not coming: forget the worker and go on from the first held one."""
+        """The missing batches are not coming: forget the worker and go on from the first early one."""
         self.stats.lost_gaps += 1
-        self._lost_log("%s rank %d: batches %d..%d never arrived (%d later ones held): the worker starts again from "
-                       "seq %d", key[0], key[1], cur.next_seq, min(cur.held)[0] - 1, len(cur.held), min(cur.held)[0])
+        self._lost_log("%s rank %d: batches %d..%d never arrived (%d later ones early): the worker starts again from "
+                       "seq %d", key[0], key[1], cur.next_seq, min(cur.early)[0] - 1, len(cur.early), min(cur.early)[0])
         self._clear(key)
-        cur.next_seq, cur.next_part = min(cur.held)
+        cur.next_seq, cur.next_part = min(cur.early)
         cur.journal = None
-        self._drain(key, cur)
-        if cur.held:  # another gap further on: it gets its own time
+        self._apply_early(key, cur)
+        if cur.early:  # another gap further on: it gets its own time
             self._wait_from(key, cur, self._now)
 
     def _expire(self, now: int) -> None:
-        """Held batches that waited longer than HOLD_TIMEOUT_NS (stream time) for a missing one."""
-        if min(self._holding.values()) > now - HOLD_TIMEOUT_NS:
+        """Held batches that waited longer than EARLY_TIMEOUT_NS (stream time) for a missing one."""
+        if min(self._waiting.values()) > now - EARLY_TIMEOUT_NS:
             return
-        for key in [k for k, since in self._holding.items() if since <= now - HOLD_TIMEOUT_NS]:
+        for key in [k for k, since in self._waiting.items() if since <= now - EARLY_TIMEOUT_NS]:
             cur = self.cursors.get(key)
-            if cur is not None and cur.held and cur.next_seq != _DEAD:
+            if cur is not None and cur.early and cur.next_seq != _DEAD:
                 self._lose_gap(key, cur)
             else:
-                self._holding.pop(key, None)
+                self._waiting.pop(key, None)
 
-    def _drain(self, key: tuple[str, int], cur: _Cursor) -> None:
-        while (nxt := cur.take_held()) is not None:
+    def _apply_early(self, key: tuple[str, int], cur: _Cursor) -> None:
+        while (nxt := cur.take_early()) is not None:
             msg, skip = nxt
             self._journal(cur, msg)
             cur.advance(msg)
             self._apply_events(key, msg["events"][skip:] if skip else msg["events"], _batches(msg))
-        held = cur.held
-        for pos in [pos for pos, msg in held.items() if (last_seq(msg), pos[1]) < (cur.next_seq, cur.next_part)]:
-            del held[pos]
-        if not held:
-            cur.held_since = 0
-            self._holding.pop(key, None)
+        early = cur.early
+        for pos in [pos for pos, msg in early.items() if (last_seq(msg), pos[1]) < (cur.next_seq, cur.next_part)]:
+            del early[pos]
+        if not early:
+            cur.early_since = 0
+            self._waiting.pop(key, None)
 
     def _on_reset(self, msg: dict) -> None:
         key = (msg["pod"], msg["rank"])
@@ -242,13 +241,13 @@ class L1State:
             if journal and start < journal[0]["seq"]:  # it starts before what was applied: rebuild from there
                 self._clear(key)
                 for m in journal:
-                    cur.held.setdefault((m["seq"], m.get("part", 0)), m)
+                    cur.early.setdefault((m["seq"], m.get("part", 0)), m)
                 cur.next_seq, cur.next_part = start, 0
-                self._wait_from(key, cur, cur.held_since or self._now)
-                self._drain(key, cur)
+                self._wait_from(key, cur, cur.early_since or self._now)
+                self._apply_early(key, cur)
             return
         self._clear(key)
-        self._holding.pop(key, None)
+        self._waiting.pop(key, None)
         self.cursors[key] = _Cursor(gen=gen, next_seq=msg["next_seq"], reset_seen=True)
 
     def _on_pod_removed(self, pod: str) -> None:
@@ -257,9 +256,9 @@ class L1State:
         for key, cur in self.cursors.items():
             if key[0] == pod:
                 cur.next_seq, cur.next_part = _DEAD, 0
-                cur.held.clear()
-                cur.journal, cur.held_since = None, 0
-                self._holding.pop(key, None)
+                cur.early.clear()
+                cur.journal, cur.early_since = None, 0
+                self._waiting.pop(key, None)
 
     # -- block events ------------------------------------------------------------------------------
     def _apply_events(self, key: tuple[str, int], events: list[dict], batches: int = 1) -> None:
@@ -319,27 +318,20 @@ class L1State:
     # -- snapshots ---------------------------------------------------------------------------------
     def cursor_rows(self) -> list[list]:
         """Every worker's position, as snapshots store it (indexer/snapshot.py)."""
-        return [[pod, rank, c.gen, c.next_seq, c.reset_seen, list(c.held.values()), c.next_part, c.journal,
-                 c.held_since, c.journal_since] for (pod, rank), c in self.cursors.items()]
+        return [[pod, rank, c.gen, c.next_seq, c.reset_seen, list(c.early.values()), c.next_part, c.journal,
+                 c.early_since, c.journal_since] for (pod, rank), c in self.cursors.items()]
 
-    def restore_cursor(self, pod: str, rank: int, gen: int, next_seq: int, reset_seen: bool, held: list[dict],
-                       next_part: int = 0, journal: list[dict] | None = None, held_since: int = 0,
+    def restore_cursor(self, pod: str, rank: int, gen: int, next_seq: int, reset_seen: bool, early: list[dict],
+                       next_part: int = 0, journal: list[dict] | None = None, early_since: int = 0,
                        journal_since: int = 0) -> None:
         """A position from ``cursor_rows`` (the last fields are absent from older snapshots)."""
         cur = self.cursors[(pod, rank)] = _Cursor(gen=gen, next_seq=next_seq, reset_seen=reset_seen,
-                                                  held={(m["seq"], m.get("part", 0)): m for m in held},
+                                                  early={(m["seq"], m.get("part", 0)): m for m in early},
                                                   next_part=next_part, journal=journal, journal_since=journal_since)
-        if cur.held:
-            self._wait_from((pod, rank), cur, held_since)
+        if cur.early:
+            self._wait_from((pod, rank), cur, early_since)
 
     # -- queries -----------------------------------------------------------------------------------
-    @property
-    def blocks(self) -> dict[int, int]:
-        return self.index.blocks
-
-    def pod_workers(self, pod: str) -> dict[int, int]:
-        return self.workers.pod_workers(pod)
-
     def knows(self, pod: str) -> bool:
         """Events were seen for the pod and it was not removed, though it may hold nothing now (after
         AllBlocksCleared or a reset). Scans the cursors: asked only for pods without workers."""

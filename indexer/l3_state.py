@@ -13,9 +13,9 @@ or incomplete are dropped (counted) and the master's state stays as it was until
 
 Diffs are applied in their master's order: each L3 message carries the publishing bridge's ``origin``
 and a ``seq`` (a full state's parts share one). A full state sets the order; a diff of that origin is
-applied when its seq is the next one, held while an earlier one is missing (a publish re-sent after the
+applied when its seq is the next one, kept (early) while an earlier one is missing (a publish re-sent after the
 ack timeout arrives after later ones), and refused (counted in ``out_of_order``) when it is a repeat, of
-an older origin, or held past MAX_HELD_DIFFS: applied late, it would undo a newer change and stand
+an older origin, or early past MAX_EARLY_DIFFS: applied late, it would undo a newer change and stand
 until the next full state. Messages without ``seq`` (older bridges) are applied as they come.
 """
 
@@ -24,13 +24,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from cache_indexer.throttled_log import ThrottledWarning
-from indexer.l1_index import BlockIndex, WorkerTable
+from infra.throttled_log import ThrottledWarning
+from indexer.block_index import TierIndex
 
 log = logging.getLogger(__name__)
 
-#: Diffs of one master held while an earlier one is missing; past it they wait for the next full state.
-MAX_HELD_DIFFS = 256
+#: Diffs of one master kept while an earlier one is missing; past it they wait for the next full state.
+MAX_EARLY_DIFFS = 256
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class _Order:
     """Where a master's diffs stand: the origin of its last full state and the next diff seq wanted."""
     origin: int
     next_seq: int
-    held: dict[int, dict] = field(default_factory=dict)  # early diffs by seq
+    early: dict[int, dict] = field(default_factory=dict)  # diffs ahead of a missing one, by seq
 
 
 @dataclass(slots=True)
@@ -49,10 +49,9 @@ class _Parts:
     pods: dict[str, list[int]] = field(default_factory=dict)
 
 
-class L3State:
+class L3State(TierIndex):
     def __init__(self) -> None:
-        self.workers = WorkerTable()
-        self.index = BlockIndex()
+        super().__init__()
         self._masters: dict[str, int] = {}
         #: worker id -> its hashes, as dict keys (a dict of ints is not tracked by the garbage collector;
         #: a set would be traversed, 100k entries a worker, by every full collection)
@@ -61,15 +60,8 @@ class L3State:
         self._order: dict[str, _Order] = {}
         self.messages = 0
         self.incomplete = 0  # full states dropped because a part was missing
-        self.out_of_order = 0  # diffs refused: repeated, of an older origin, or held too long
+        self.out_of_order = 0  # diffs refused: repeated, of an older origin, or early too long
         self._refused_log = ThrottledWarning(log, every=10.0)
-
-    @property
-    def blocks(self) -> dict[int, int]:
-        return self.index.blocks
-
-    def pod_workers(self, pod: str) -> dict[int, int]:
-        return self.workers.pod_workers(pod)
 
     def knows(self, pod: str) -> bool:
         return bool(self.pod_workers(pod))  # L3 has no per-pod history beyond what it holds
@@ -93,7 +85,7 @@ class L3State:
         self.messages += 1
 
     def _ordered_from(self, master: str, full: dict) -> None:
-        """A whole full state: its master's diffs go on after its seq (held ones that follow it apply)."""
+        """A whole full state: its master's diffs go on after its seq (early ones that follow it apply)."""
         origin, seq = full.get("origin"), full.get("seq")
         if not (type(origin) is int and type(seq) is int):
             self._order.pop(master, None)  # an older bridge: diffs in arrival order
@@ -101,8 +93,8 @@ class L3State:
         old = self._order.get(master)
         order = self._order[master] = _Order(origin, seq + 1)
         if old is not None and old.origin == origin:
-            order.held = {s: d for s, d in old.held.items() if s > seq}
-        self._drain(master, order)
+            order.early = {s: d for s, d in old.early.items() if s > seq}
+        self._apply_early(master, order)
 
     def _on_diff(self, master: str, m: int, msg: dict) -> None:
         origin, seq = msg.get("origin"), msg.get("seq")
@@ -112,27 +104,27 @@ class L3State:
             return
         if origin != order.origin or seq < order.next_seq:
             if origin > order.origin:  # a newer bridge whose full state is still on its way: it resets the order
-                order.held.clear()
+                order.early.clear()
                 self._order[master] = order = _Order(origin, -1)
-                order.held[seq] = msg
+                order.early[seq] = msg
                 return
             self._refuse(master, msg, "a repeat" if origin == order.origin else "of an older bridge")
             return
         if seq > order.next_seq:
-            if len(order.held) < MAX_HELD_DIFFS:
-                order.held[seq] = msg
+            if len(order.early) < MAX_EARLY_DIFFS:
+                order.early[seq] = msg
             else:
                 self._refuse(master, msg, "too far ahead: the full state puts it right")
             return
         self._apply_diff(m, msg)
         order.next_seq += 1
-        self._drain(master, order)
+        self._apply_early(master, order)
 
-    def _drain(self, master: str, order: _Order) -> None:
+    def _apply_early(self, master: str, order: _Order) -> None:
         m = self._master(master)
-        for seq in [s for s in order.held if s < order.next_seq]:
-            del order.held[seq]
-        while (msg := order.held.pop(order.next_seq, None)) is not None:
+        for seq in [s for s in order.early if s < order.next_seq]:
+            del order.early[seq]
+        while (msg := order.early.pop(order.next_seq, None)) is not None:
             self._apply_diff(m, msg)
             order.next_seq += 1
 

@@ -23,11 +23,11 @@ import uuid
 import msgpack
 from nats.js import api
 
-from cache_indexer.lease import Lease
-from cache_indexer.metrics import Metrics
-from cache_indexer.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, stream_id,
-                                   unsubscribe_quietly)
-from cache_indexer.tasks import cancel_and_wait
+from infra.lease import Lease
+from infra.metrics import Metrics
+from infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
+                           stream_id, unsubscribe_quietly)
+from infra.tasks import cancel_and_wait
 from indexer.l1_state import L1State
 from indexer.l3_state import L3State
 from indexer.snapshot import SnapshotStore, encode_l1
@@ -100,7 +100,7 @@ class Indexer:
         await patiently(lambda: ensure_l1_stream(self.js, self.cfg.nats), "stream set-up")
         snap = self.cfg.snapshot
         if snap.enabled:
-            self.snapshots = SnapshotStore(self.js, snap.bucket, snap.metaBucket, snap.keep,
+            self.snapshots = SnapshotStore(self.js, snap.bucket, records_bucket(self.cfg), snap.keep,
                                            replicas=self.cfg.nats.replicas)
             holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             self.lease = Lease(self.js, self.cfg.nats.lease.bucket, "snapshot-l1-writer", holder, self.cfg.nats.lease.ttl,

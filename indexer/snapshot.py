@@ -32,7 +32,7 @@ from nats.js import api
 from nats.js.errors import (KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError,
                             ObjectNotFoundError)
 
-from cache_indexer.streams import kv_bucket, object_store, unsubscribe_quietly
+from infra.streams import RecordsKv, object_store, unsubscribe_quietly
 from indexer.l1_state import L1State
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     copies = {wid: {tuple(k) if isinstance(k, list) else k: n for k, n in pairs}  # absent before copies
               for wid, pairs in header.get("copies", ())}
     state.index.restore(keys.tolist(), mask_list, dict(header["worker_blocks"]), groups, copies)
-    for row in header["cursors"]:  # older snapshots lack the last fields (parts, journal, held_since)
+    for row in header["cursors"]:  # older snapshots lack the last fields (parts, journal, early_since)
         state.restore_cursor(*row)
     return state, header["stream_seq"]
 
@@ -138,13 +138,13 @@ class SnapshotStore:
         self.load_attempts = load_attempts
         self.failed_loads = 0
         self._obs = None
-        self._kv = None
+        self._kv = RecordsKv(js, meta_bucket, replicas)
 
     async def _stores(self):
+        """Each store is looked up until it answers once (one may fail after the other succeeded)."""
         if self._obs is None:
             self._obs = await object_store(self.js, self.bucket, self.replicas)
-            self._kv = await kv_bucket(self.js, self.meta_bucket, self.replicas, history=5)
-        return self._obs, self._kv
+        return self._obs, await self._kv()
 
     async def pointer(self) -> SnapshotRef | None:
         _, kv = await self._stores()

@@ -1,6 +1,6 @@
 """The configuration model: one tree mirroring the Helm chart's values (log, http, blockKey, discovery,
 ingest, nats). The chart renders its values into a YAML file of exactly this shape; environment variables
-and flags override single fields (see cache_indexer.config_loader)."""
+and flags override single fields (see infra.config_loader)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ Duration = Annotated[float, Field(ge=0), WrapValidator(_duration),
 Size = Annotated[int, BeforeValidator(_parse_size), Field(ge=0)]
 
 
-def _is_text_field(annotation: object) -> bool:
+def is_text_field(annotation: object) -> bool:
     """str, str | None, or a Literal of strings: settings whose values are text from any source."""
     args = get_args(annotation)
     if annotation is str or annotation is SecretStr:
@@ -86,7 +86,7 @@ def _is_text_field(annotation: object) -> bool:
     if get_origin(annotation) in (Union, UnionType):
         return any(a is str for a in args) and all(a is str or a is type(None) for a in args)
     if get_origin(annotation) is Annotated:
-        return _is_text_field(args[0])
+        return is_text_field(args[0])
     return False
 
 
@@ -105,7 +105,7 @@ class _Section(BaseModel):
         for key, value in data.items():
             field = fields.get(key)
             if field is not None and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and _is_text_field(field.annotation):
+                    and is_text_field(field.annotation):
                 value = str(value)
             fixed[key] = value
         return fixed

@@ -9,9 +9,9 @@ import aiohttp
 import zmq.asyncio
 
 from bridge.service import Bridge
-from cache_indexer.metrics import Metrics
+from infra.metrics import Metrics
 from cache_indexer.replica import Replica
-from cache_indexer.vllm_publisher import VllmPublisher
+from cache_indexer.simulate.vllm_engine import VllmPublisher
 from tests.conftest import wait_for
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import aiohttp
 
 from bridge.service import Bridge
-from cache_indexer.config_loader import load_config
+from infra.config_loader import load_config
 from cache_indexer.nats_server import NatsServer
 from cache_indexer.replica import Replica
-from indexer.block_hash import BlockHasher
+from schemas.block_hash import BlockHasher
 
 BS = 16
 TOKENS = list(range(3000, 3000 + 8 * BS))

@@ -9,8 +9,8 @@ import pytest
 
 from api.app import UNKNOWN_POD_MESSAGE, HitRateApi
 from api.server import HttpServer
-from cache_indexer.metrics import Metrics
-from indexer.block_hash import BlockHasher
+from infra.metrics import Metrics
+from schemas.block_hash import BlockHasher
 from indexer.l1_state import L1State
 from schemas.api import HitRateResponse
 from schemas.config import HttpConfig
@@ -146,12 +146,12 @@ def test_fast_decoder_rejects_what_the_contract_rejects(name):
 
 @pytest.mark.parametrize("accelerated", [True, False])
 def test_fast_decoder_accepts_what_the_contract_accepts(accelerated, monkeypatch):
+    from api import hit_rate_request
     from api.hit_rate_request import decode_hit_rate_request
-    from indexer import block_hash
     from schemas.api import HitRateRequest
 
     if not accelerated:
-        monkeypatch.setattr(block_hash, "_blockhash", None)
+        monkeypatch.setattr(hit_rate_request, "parse_token_array", None)
     for payload in (req(["a", "b"]), req(["a"], tokens=[], salt="s", bs=1),
                     req(["a"], tokens=[0, 23, 24, (1 << 64) - 1]), {"server_ip": ["x"], "body": {"token_ids": [1], "block_size": 4}}):
         raw = json.dumps(payload).encode()
@@ -165,10 +165,10 @@ def test_fast_decoder_accepts_what_the_contract_accepts(accelerated, monkeypatch
 async def test_hostile_bodies_get_400_not_500(api, accelerated, monkeypatch):
     """Issue 16 #7: token_ids nested 100,000 deep and a body that is not the gzip it claims were 500s
     (30,000 deep here: the fixture's body limit is 64 KiB)."""
-    from indexer import block_hash
+    from api import hit_rate_request
 
     if not accelerated:
-        monkeypatch.setattr(block_hash, "_blockhash", None)
+        monkeypatch.setattr(hit_rate_request, "parse_token_array", None)
     session, _ = api
     nested = b'{"server_ip": ["a"], "body": {"token_ids": ' + b"[" * 30_000 + b"]" * 30_000 + b', "block_size": 16}}'
     status, body = await post(session, None, raw=nested)

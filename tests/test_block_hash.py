@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.block_hash import (PICKLE_ONE_FRAME_TOKENS, BlockHasher, LoRAKey, MultiModalKey, event_block_hash,
+from schemas.block_hash import (PICKLE_ONE_FRAME_TOKENS, BlockHasher, LoRAKey, MultiModalKey, event_block_hash,
                                 normalize_event_hash)
 from tests.conftest import DATA
 
@@ -106,7 +106,7 @@ def test_fast_paths_equal_reference(tokens, bs, salt, algo, accelerate):
 
 @pytest.mark.parametrize("algo", ["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"])
 def test_accelerator_is_built_and_exact_on_long_chains(algo):
-    from indexer import block_hash
+    from schemas import block_hash
 
     assert block_hash._blockhash is not None, "the C accelerator did not build (needs a C compiler)"
     tokens = [(i * 7919) % 152_000 for i in range(5000)] + [0, 23, 24, 255, 256, 65535, 65536, 2**31, 2**32]
@@ -127,7 +127,7 @@ def test_token_array_and_native_sha256_paths_equal_the_reference(tokens, bs, alg
     sha256 (on Linux) must give exactly the reference bytes, token values at every encoding boundary."""
     from array import array
 
-    from indexer import block_hash
+    from schemas import block_hash
 
     accel = block_hash._blockhash
     if accel is None:
@@ -145,7 +145,7 @@ def test_token_array_and_native_sha256_paths_equal_the_reference(tokens, bs, alg
 def test_native_sha256_is_active_on_linux():
     import sys
 
-    from indexer import block_hash
+    from schemas import block_hash
 
     if not sys.platform.startswith("linux") or block_hash._blockhash is None:
         pytest.skip("libcrypto is used directly on Linux only")

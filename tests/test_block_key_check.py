@@ -9,12 +9,12 @@ import pytest
 
 from bridge.block_key_check import BlockKeyCheck, diagnose, matches
 from bridge.vllm_events import HashProbe, decode_batch
-from cache_indexer.metrics import Metrics
-from indexer.block_hash import BlockHasher
+from infra.metrics import Metrics
+from schemas.block_hash import BlockHasher
 from schemas.config import BlockKeyConfig
 from tests.conftest import VLLM_EVENTS as EVENTS, make_config, wait_for
 from tests.l1_stack import L1Stack
-from cache_indexer.vllm_publisher import batch_payload, stored
+from cache_indexer.simulate.vllm_engine import batch_payload, stored
 
 
 

@@ -18,7 +18,7 @@ import aiohttp
 import zmq.asyncio
 
 from cache_indexer.replica import Replica
-from cache_indexer.vllm_publisher import VllmPublisher, batch_payload, stored
+from cache_indexer.simulate.vllm_engine import VllmPublisher, batch_payload, stored
 from tests.conftest import free_port, make_config, metric_value, wait_for
 from tests.test_recovery import spawn, write_config
 

@@ -23,8 +23,8 @@ import nats
 import zmq.asyncio
 
 from cache_indexer.nats_server import NatsServer
-from cache_indexer.vllm_publisher import VllmPublisher, removed, stored
-from indexer.block_hash import BlockHasher
+from cache_indexer.simulate.vllm_engine import VllmPublisher, removed, stored
+from schemas.block_hash import BlockHasher
 from tests.conftest import make_config, wait_for
 from tests.test_local_mode import free_port
 from tests.test_recovery import spawn, write_config

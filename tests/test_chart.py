@@ -340,7 +340,7 @@ def test_neither_bundled_nor_external_nats_fails_with_a_clear_message():
 
 @needs_nats_chart
 def test_monitoring_objects_scrape_and_alert_on_metrics_the_product_exports(chart):
-    from cache_indexer.metrics import Metrics
+    from infra.metrics import Metrics
 
     assert not {"PodMonitor", "PrometheusRule"} & {o["kind"] for o in render(chart)}, "off by default"
     objs = render(chart, {"monitoring": {"podMonitor": {"enabled": True},

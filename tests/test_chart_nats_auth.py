@@ -17,11 +17,11 @@ import pytest
 import zmq.asyncio
 
 from bridge.service import Bridge
-from cache_indexer.config_loader import load_config
+from infra.config_loader import load_config
 from cache_indexer.inspect_events import connect_once
 from cache_indexer.nats_server import NatsServer
 from cache_indexer.replica import Replica
-from cache_indexer.vllm_publisher import VllmPublisher, stored
+from cache_indexer.simulate.vllm_engine import VllmPublisher, stored
 from schemas.config import NatsConfig
 from tests.chart_render import (by_kind, chart_with_nats, container_env, nats_conf_of, needs_nats_chart, render,
                                  secrets_of)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cache_indexer.config_loader import ConfigError, load_config
+from infra.config_loader import ConfigError, load_config
 from schemas import generate
 from tests.conftest import DATA, ROOT
 

@@ -245,7 +245,7 @@ async def test_a_bad_reload_keeps_the_last_good_targets_and_is_counted(tmp_path,
     import zmq.asyncio
 
     from bridge.service import Bridge
-    from cache_indexer.vllm_publisher import VllmPublisher
+    from cache_indexer.simulate.vllm_engine import VllmPublisher
 
     f = tmp_path / "targets.yaml"
     ctx = zmq.asyncio.Context()

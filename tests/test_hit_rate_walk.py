@@ -1,4 +1,4 @@
-"""The hit-rate walk's C fast path (``indexer._blockhash.walk``) against the pure-Python reference: the
+"""The hit-rate walk's C fast path (``indexer._prefix_walk.walk``) against the pure-Python reference: the
 same ratios and the same number of blocks hashed, for random indexes with holes, two tiers, salts and
 worker ids past 64 (masks wider than a machine word)."""
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import indexer.hit_rate as hit_rate
-from indexer.block_hash import BlockHasher
+from schemas.block_hash import BlockHasher
 from indexer.l1_state import L1State
 
 H = BlockHasher("sha256_cbor", "0")

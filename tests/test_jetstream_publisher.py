@@ -7,7 +7,7 @@ import nats
 import pytest
 
 from bridge.jetstream_publisher import JetStreamPublisher
-from cache_indexer.metrics import Metrics
+from infra.metrics import Metrics
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from indexer.block_hash import BlockHasher
+from schemas.block_hash import BlockHasher
 from tests.conftest import VLLM_EVENTS, make_config, wait_for
 from tests.l1_stack import L1Stack
-from cache_indexer.vllm_publisher import cleared, removed, stored
+from cache_indexer.simulate.vllm_engine import cleared, removed, stored
 from schemas.events import last_seq
 
 H = BlockHasher("sha256_cbor", "0")
@@ -60,7 +60,7 @@ async def test_stored_removed_cleared(stack):
 
 async def test_a_pickle_hashed_block_over_64_kib_matches_vllm(nats_url, stream_prefix):
     """algo sha256, seed "0", block_size 13100, tokens [100000] * 13100: vLLM's hash is d1a05c...46fc."""
-    from indexer.block_hash import event_block_hash
+    from schemas.block_hash import event_block_hash
 
     cfg = make_config(nats_url, stream_prefix, blockKey={"hashAlgo": "sha256", "pythonHashSeed": "0"})
     s = await L1Stack(cfg).start()
@@ -515,8 +515,8 @@ def test_the_index_equals_a_model_engines_cached_blocks_at_every_quiet_point(nat
     import random
     import uuid
 
-    from cache_indexer.simulate import SimulatedEngine
-    from cache_indexer.vllm_publisher import batch_payload
+    from cache_indexer.simulate.workload import SimulatedEngine
+    from cache_indexer.simulate.vllm_engine import batch_payload
 
     async def run() -> None:
         prefix = "P" + uuid.uuid4().hex[:10].upper()
@@ -561,13 +561,15 @@ async def test_an_engine_whose_replay_never_ends_is_asked_a_bounded_number_of_ro
     import zmq
     import zmq.asyncio
 
-    import bridge.vllm_subscriber as vs
-    from bridge.vllm_subscriber import Endpoint, VllmSubscriber
-    from cache_indexer.metrics import Metrics
-    from cache_indexer.vllm_publisher import batch_payload
+    import bridge.vllm_replay as vr
+    from bridge.endpoint import Endpoint
+    from bridge.receive_budget import ReceiveBudget
+    from bridge.vllm_replay import VllmReplayClient
+    from cache_indexer.simulate.vllm_engine import batch_payload
+    from infra.metrics import Metrics
     from schemas.config import L1IngestConfig
 
-    monkeypatch.setattr(vs, "REPLAY_MAX_ROUNDS", 5)
+    monkeypatch.setattr(vr, "REPLAY_MAX_ROUNDS", 5)
     ctx = zmq.asyncio.Context()
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
@@ -580,11 +582,11 @@ async def test_an_engine_whose_replay_never_ends_is_asked_a_bounded_number_of_ro
             asked.append(seq)
             await router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), batch_payload([])])
     server = asyncio.create_task(endless())
-    sub = VllmSubscriber(ctx, Endpoint("127.0.0.1", 0, "tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}"),
-                         L1IngestConfig(replayTimeout=2.0), sink=None, metrics=Metrics(),
-                         replay_slots=asyncio.Semaphore(1))
+    cfg = L1IngestConfig(replayTimeout=2.0)
+    replay = VllmReplayClient(ctx, Endpoint("127.0.0.1", 0, "tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}"), cfg,
+                              ReceiveBudget(cfg.maxBufferedBytes), Metrics(), asyncio.Semaphore(1))
     try:
-        got = await asyncio.wait_for(sub._replay(0), 10)
+        got = await asyncio.wait_for(replay(0), 10)
         assert [s for s, _ in got.batches] == [0, 1, 2, 3, 4] and asked == [0, 1, 2, 3, 4]
     finally:
         server.cancel()

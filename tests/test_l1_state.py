@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from indexer.l1_index import BlockIndex
+from indexer.block_index import BlockIndex
 from indexer.l1_state import L1State
 
 
@@ -80,7 +80,7 @@ def test_pod_removed_drops_all_ranks_and_late_batches():
 
 
 def test_too_many_held_batches_declare_the_gap_lost():
-    s = L1State(max_held=3)
+    s = L1State(max_early=3)
     s.apply(batch(0, [stored(1)]))
     for seq in range(5, 9):
         s.apply(batch(seq, [stored(seq * 10)]))
@@ -322,7 +322,7 @@ def test_runs_cut_anyhow_overlapping_repeated_and_reordered_index_as_the_batches
             s, _ = decode_l1(encode_l1(s, 1))
     assert held(s) == held(ref)
     assert s.index.copies == ref.index.copies
-    assert s.cursors[("127.0.1.1", 0)].next_seq == len(batches) and not s.cursors[("127.0.1.1", 0)].held
+    assert s.cursors[("127.0.1.1", 0)].next_seq == len(batches) and not s.cursors[("127.0.1.1", 0)].early
 
 
 def reset(next_seq, gen, pod="127.0.1.1", rank=0):
@@ -356,13 +356,13 @@ def test_a_generations_batch_stored_before_its_reset_does_not_drop_the_earlier_o
 
 
 def test_a_reset_later_than_the_hold_timeout_is_not_waited_for_and_benchmarks_keep_no_journal():
-    from indexer.l1_state import HOLD_TIMEOUT_NS
+    from indexer.l1_state import EARLY_TIMEOUT_NS
 
     t = 10**18
     s = L1State()
     s.apply(batch(3, [stored(13)], gen=5), t)
-    s.apply(batch(4, [stored(14)], gen=5), t + HOLD_TIMEOUT_NS + 1)  # the journal is given up
-    s.apply(reset(0, gen=5), t + HOLD_TIMEOUT_NS + 2)
+    s.apply(batch(4, [stored(14)], gen=5), t + EARLY_TIMEOUT_NS + 1)  # the journal is given up
+    s.apply(reset(0, gen=5), t + EARLY_TIMEOUT_NS + 2)
     assert held(s) == {13, 14} and s.cursors[("127.0.1.1", 0)].next_seq == 5
     b = L1State()
     b.apply(batch(0, [stored(1)]))  # no stored time: nothing journaled (memory figures stay what they were)
@@ -379,8 +379,8 @@ def test_a_reset_after_the_batches_it_starts_changes_nothing():
 
 def test_a_missing_batch_is_declared_lost_after_the_hold_timeout_of_stream_time():
     """Issue 24 #3: one message that never arrives must not freeze a worker: once the first held batch
-    waited HOLD_TIMEOUT_NS of stream time (any worker's message tells the time), the gap is lost."""
-    from indexer.l1_state import HOLD_TIMEOUT_NS
+    waited EARLY_TIMEOUT_NS of stream time (any worker's message tells the time), the gap is lost."""
+    from indexer.l1_state import EARLY_TIMEOUT_NS
     from indexer.snapshot import decode_l1, encode_l1
 
     t0 = 10**18
@@ -389,11 +389,11 @@ def test_a_missing_batch_is_declared_lost_after_the_hold_timeout_of_stream_time(
     s.apply(batch(2, [stored(3)]), t0 + 1)  # seq 1 never comes
     s.apply(batch(3, [stored(4)]), t0 + 2)
     s, _ = decode_l1(encode_l1(s, 1))  # the wait survives a snapshot: replicas decide alike
-    s.apply(batch(0, [stored(9)], pod="127.0.1.2"), t0 + HOLD_TIMEOUT_NS - 1)
+    s.apply(batch(0, [stored(9)], pod="127.0.1.2"), t0 + EARLY_TIMEOUT_NS - 1)
     assert held(s) == {1} and s.stats.lost_gaps == 0
-    s.apply(batch(1, [stored(10)], pod="127.0.1.2"), t0 + HOLD_TIMEOUT_NS + 1)
+    s.apply(batch(1, [stored(10)], pod="127.0.1.2"), t0 + EARLY_TIMEOUT_NS + 1)
     assert held(s) == {3, 4} and s.stats.lost_gaps == 1
-    s.apply(batch(4, [stored(5)]), t0 + HOLD_TIMEOUT_NS + 2)
+    s.apply(batch(4, [stored(5)]), t0 + EARLY_TIMEOUT_NS + 2)
     assert held(s) == {3, 4, 5}
 
 

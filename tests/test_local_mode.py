@@ -16,9 +16,9 @@ import pytest
 import zmq.asyncio
 
 from cache_indexer.nats_server import find_binary
-from indexer.block_hash import BlockHasher
+from schemas.block_hash import BlockHasher
 from tests.conftest import free_port, wait_for
-from cache_indexer.vllm_publisher import VllmPublisher, stored
+from cache_indexer.simulate.vllm_engine import VllmPublisher, stored
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def test_readme_commands_match_ci():
 
 
 def test_run_it_ends_with_simulate_and_the_curl_it_prints():
-    from cache_indexer.simulate import curl_line, demo_request
+    from cache_indexer.simulate.workload import curl_line, demo_request
 
     readme = (ROOT / "README.md").read_text()
     run_it = readme[readme.index("## Run it"):readme.index("\n## ", readme.index("## Run it") + 1)]

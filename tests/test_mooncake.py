@@ -20,7 +20,7 @@ from aiohttp import web
 from bridge.mooncake_keys import KeyParser
 from bridge.mooncake_master import MasterError, parse_batch_query, parse_query_key
 from bridge.mooncake_poller import MasterTarget, MooncakePoller
-from cache_indexer.metrics import Metrics
+from infra.metrics import Metrics
 from indexer.l3_state import L3State
 from schemas.config import L3IngestConfig
 from tests.conftest import DATA, make_config, wait_for
@@ -61,7 +61,7 @@ def test_every_captured_key_grammar():
 
 
 def test_key_hash_matches_the_event_form_of_the_vllm_chain():
-    from indexer.block_hash import BlockHasher, event_block_hash
+    from schemas.block_hash import BlockHasher, event_block_hash
 
     digest = BlockHasher("sha256", "0").block_hashes(list(range(1000, 1128)), 128)[0]
     key = f"Qwen2.5-7B-Instruct@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@cache_role:kv@cache_family:default@{digest.hex()}"
@@ -634,7 +634,7 @@ async def test_a_late_l3_diff_through_the_stream_is_refused_and_a_refused_one_br
 
     from bridge.jetstream_publisher import JetStreamPublisher
     from bridge.l3_publisher import L3Publisher
-    from cache_indexer.streams import l3_subject
+    from infra.streams import l3_subject
     from indexer.service import Indexer
 
     cfg = make_config(nats_url, stream_prefix)

@@ -18,12 +18,12 @@ import nats.js.errors
 import pytest
 import yaml
 
-from indexer.block_hash import BlockHasher
+from schemas.block_hash import BlockHasher
 from indexer.service import Indexer
 from tests.conftest import make_config, wait_for
 from tests.l1_stack import L1Stack
 from tests.test_local_mode import free_port
-from cache_indexer.vllm_publisher import removed, stored
+from cache_indexer.simulate.vllm_engine import removed, stored
 from schemas.events import last_seq
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -309,7 +309,7 @@ async def test_a_three_node_cluster_keeps_ingesting_and_restarting_when_a_node_d
     restarting indexer exit 1, and one nats.url could not reach a cluster whose first server was down.
     Every asset now has the configured replicas, and nats.url lists every server."""
     from cache_indexer.replica import Replica
-    from cache_indexer.vllm_publisher import stored
+    from cache_indexer.simulate.vllm_engine import stored
     from tests.nats_cluster import NatsCluster
     from tests.test_l1_end_to_end import BS, CHAIN, POD, TOKENS
 

@@ -16,8 +16,8 @@ import msgpack
 import pytest
 
 from bridge.resume_points import record_key
-from cache_indexer.vllm_publisher import batch_payload, stored
-from indexer.block_hash import BlockHasher
+from cache_indexer.simulate.vllm_engine import batch_payload, stored
+from schemas.block_hash import BlockHasher
 from indexer.service import Indexer
 from tests.conftest import make_config, wait_for
 from tests.l1_stack import L1Stack

@@ -42,8 +42,8 @@ from bridge.l1_publisher import L1Publisher
 from bridge.l1_sequencer import L1Sequencer, Replayed
 from bridge.receive_budget import ReceiveBudget
 from bridge.resume_points import KEY_PREFIX, ResumePoints, record_key
-from cache_indexer.metrics import Metrics
-from cache_indexer.vllm_publisher import batch_payload, cleared, removed, stored
+from infra.metrics import Metrics
+from cache_indexer.simulate.vllm_engine import batch_payload, cleared, removed, stored
 from indexer.l1_state import L1State
 from indexer.snapshot import decode_l1, encode_l1
 
@@ -144,7 +144,7 @@ class Bridge:
     def __init__(self, stream: ModelStream, kv: MemoryKV, engines: list[Engine], max_batches: int) -> None:
         self.flight = InFlight()
         self.resume = ResumePoints(None, "meta")
-        self.resume._kv = kv
+        self.resume._store._kv = kv
         self.resume.stream_id = "s"
         self.l1 = L1Publisher(self.flight, PREFIX, stream, STREAM, lambda: 1 << 20, "model", self.resume)
         self.metrics = Metrics()

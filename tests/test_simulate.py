@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import random
 
-from cache_indexer.simulate import DEMO_PROMPT, SimulatedEngine
-from indexer.block_hash import BlockHasher
-from indexer.l1_index import BlockIndex
+from cache_indexer.simulate.workload import DEMO_PROMPT, SimulatedEngine
+from schemas.block_hash import BlockHasher
+from indexer.block_index import BlockIndex
 
 
 class _Publisher:

@@ -120,3 +120,24 @@ async def test_snapshots_of_a_recreated_stream_are_pruned_first(nats_url, stream
         assert (await store.load("new-stream"))[1] == 30
     finally:
         await nc.close()
+
+
+async def test_a_meta_bucket_that_did_not_answer_once_is_asked_again(js, buckets, monkeypatch):
+    """The CI run of a three-node cluster losing a node: the object store answered, the meta bucket
+    timed out, and every later call failed with AttributeError on the store left None."""
+    import infra.streams as streams
+
+    real, calls = streams.kv_bucket, []
+
+    async def first_times_out(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise asyncio.TimeoutError()
+        return await real(*args, **kwargs)
+    monkeypatch.setattr(streams, "kv_bucket", first_times_out)
+    store = SnapshotStore(js, *buckets)
+    with pytest.raises(asyncio.TimeoutError):
+        await store.pointer()
+    assert await store.pointer() is None and len(calls) == 2
+    assert await store.save(encode_l1(state_with(10, 3), 5), 5)
+    assert (await store.pointer()).stream_seq == 5

@@ -9,9 +9,9 @@ import zmq.asyncio
 
 from bridge.endpoint import Endpoint
 from bridge.vllm_subscriber import VllmSubscriber
-from cache_indexer.config_loader import load_config
-from cache_indexer.metrics import Metrics
-from cache_indexer.vllm_publisher import batch_payload, stored
+from infra.config_loader import load_config
+from infra.metrics import Metrics
+from cache_indexer.simulate.vllm_engine import batch_payload, stored
 from tests.conftest import wait_for
 
 
@@ -39,7 +39,7 @@ async def test_a_batch_queued_while_the_pending_run_is_published_is_handled():
                          asyncio.Semaphore(1))
     sub.sequencer.gen, sub.sequencer.last = 7, 4
     sub.sequencer.pending.add(7, 4, 1.0, [], 0, 0)  # handed on after a replay, not yet published
-    task = asyncio.create_task(sub._run())
+    task = asyncio.create_task(sub._loop())
     try:
         await wait_for(lambda: not sink.gate.is_set() and sub.sequencer.pending.batches == [], 5, "the run being published")
         sub._take([b"", (5).to_bytes(8, "big"), batch_payload([stored([11], block_size=4)])])  # as the reader does

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.vllm_events import MalformedPayload, decode_batch
-from indexer.block_hash import BlockHasher, event_block_hash
+from schemas.block_hash import BlockHasher, event_block_hash
 from tests.conftest import VLLM_EVENTS as EVENTS
 
 FILES = sorted(EVENTS.glob("*.bin")) + sorted((EVENTS / "legacy").glob("*.bin"))
@@ -76,7 +76,7 @@ def test_bytes_hashes_equal_int_hashes_and_our_chain():
 
 
 def test_lora_salt_payload_matches_hasher():
-    from indexer.block_hash import LoRAKey
+    from schemas.block_hash import LoRAKey
 
     ctx = json.loads((EVENTS / "02_block_stored_lora_salt.json").read_text())["context"]
     batch = decode_batch((EVENTS / "02_block_stored_lora_salt.bin").read_bytes())
@@ -128,7 +128,7 @@ def test_malformed_payloads_raise_a_clear_error(payload):
 def test_values_outside_the_normalised_schema_make_the_batch_malformed(field, value):
     """Issue 16 #9/#10: group_idx -1 stuck an indexer half-way through a batch, 64 broke every snapshot,
     2^24 cost 2 MB an event; a 720,720-token block held the bridge's loop for 17 s."""
-    from cache_indexer.vllm_publisher import batch_payload, removed, stored
+    from cache_indexer.simulate.vllm_engine import batch_payload, removed, stored
 
     event = {**stored([1, 2], block_size=16), field: value}
     with pytest.raises(MalformedPayload, match=field):
@@ -142,7 +142,7 @@ def test_values_outside_the_normalised_schema_make_the_batch_malformed(field, va
 
 def test_a_large_block_is_not_probed_on_the_event_loop():
     from bridge.vllm_events import PROBE_MAX_TOKENS
-    from cache_indexer.vllm_publisher import batch_payload, stored
+    from cache_indexer.simulate.vllm_engine import batch_payload, stored
 
     big = stored([7], block_size=PROBE_MAX_TOKENS * 2)
     assert decode_batch(batch_payload([big]), want_probe=True).probe is None

@@ -55,8 +55,8 @@ def test_the_bulk_receive_gives_what_pyzmq_gives_whole_messages_in_order(pair):
 async def test_without_the_bulk_receive_the_bridge_receives_through_pyzmq(nats_url, stream_prefix, monkeypatch):
     """The fallback (no compiler at install, a libzmq that cannot be bound): the same batches indexed."""
     import bridge.vllm_subscriber as subscriber
-    from cache_indexer.vllm_publisher import stored
-    from indexer.block_hash import BlockHasher
+    from cache_indexer.simulate.vllm_engine import stored
+    from schemas.block_hash import BlockHasher
     from tests.conftest import make_config, wait_for
     from tests.l1_stack import L1Stack
 

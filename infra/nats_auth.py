@@ -24,7 +24,7 @@ def _readable(setting: str, path: str) -> str:
 
 
 def tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
-    from cache_indexer.streams import servers  # (streams builds its connections with this module)
+    from infra.streams import servers  # (streams builds its connections with this module)
 
     tls = cfg.tls
     if not (tls.on or any(u.startswith("tls://") for u in servers(cfg.url))):

@@ -27,8 +27,8 @@ from pathlib import Path
 import yaml
 
 from cache_indexer import runtime_file
-from cache_indexer.vllm_publisher import VllmPublisher, batch_payload, cleared, removed, stored
-from indexer.block_hash import BlockHasher
+from cache_indexer.simulate.vllm_engine import VllmPublisher, batch_payload, cleared, removed, stored
+from schemas.block_hash import BlockHasher
 from schemas.config import Config
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ async def _ratios(session, api_url: str, request: dict) -> dict[str, float]:
     return {s["server_ip"]: s["l1_hit_ratio"] for s in body.get("server_score_list", [])}
 
 
-async def run(cfg: Config, args: argparse.Namespace, out=sys.stdout) -> int:
+async def simulate(cfg: Config, args: argparse.Namespace, out=sys.stdout) -> int:
     import aiohttp
     import zmq.asyncio
 

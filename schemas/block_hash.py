@@ -7,7 +7,7 @@ vLLM's own hashing code to the letter and is tested against vectors
 produced by vLLM's own code.
 
 Blocks without extra keys (all but a salted first block, for plain requests) take a fast path: the
-optional C accelerator ``indexer._blockhash`` serialises runs of blocks exactly like cbor2 / pickle and
+optional C accelerator ``schemas._blockhash`` serialises runs of blocks exactly like cbor2 / pickle and
 calls the same digest function; without it the tuple header is assembled by hand around
 ``cbor2.dumps(tokens)``. Blocks with extra keys always go through ``cbor2`` / ``pickle`` themselves.
 """
@@ -25,9 +25,14 @@ import cbor2
 import xxhash
 
 try:
-    from indexer import _blockhash
+    from schemas import _blockhash
 except ImportError:  # built optionally (setup.py); the pure-Python path is exact, only slower
     _blockhash = None
+
+#: The accelerator's parser of a JSON array of token ids (bytes) into native uint64s (bytes for
+#: ``array('Q').frombytes``; ValueError saying what is wrong), which the hasher reads without creating a
+#: Python int per token; None without the accelerator (the caller decodes the JSON itself).
+parse_token_array = _blockhash.parse_token_array if _blockhash is not None else None
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 ExtraKeysEncoding = Literal["tagged", "untagged"]
@@ -35,7 +40,7 @@ ExtraKeysEncoding = Literal["tagged", "untagged"]
 HASH_ALGOS: tuple[str, ...] = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
 #: vLLM >= 0.29 hashes this string when PYTHONHASHSEED is unset and the algorithm is sha256*.
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
-_U64 = (1 << 64) - 1
+U64_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ def normalize_event_hash(value: int | bytes) -> int:
         return int.from_bytes(bytes(value)[-8:], "big")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"block hash must be int or bytes, got {type(value).__name__}")
-    return value & _U64
+    return value & U64_MASK
 
 
 def _sha256_digest(data: bytes) -> bytes:

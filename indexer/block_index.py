@@ -1,4 +1,5 @@
-"""The in-memory L1 index: which (pod, data-parallel rank) workers hold which block hashes.
+"""The in-memory block index of a tier (L1 and L3 alike): which workers hold which block hashes. An L1
+worker is a (pod, data-parallel rank) pair, an L3 one a (pod, Mooncake master) pair.
 
 Layout, chosen for memory and for the query walk: one dict ``block hash (uint64) -> bitmask of worker
 ids``. A worker is a (pod, rank) pair interned to a small integer; single-bit masks are shared int
@@ -111,64 +112,23 @@ class BlockIndex:
         return bits[wid]
 
     def store(self, wid: int, hashes: Iterable[int], group: int | None = None) -> None:
-        if group or wid in self.groups:
-            return self._store_grouped(wid, hashes, 1 << (group or 0))
+        gbit = 1 << (group or 0)
+        held_by = self.groups.get(wid)  # absent: every block of the worker is held by group 0 alone
+        if held_by is None and gbit != 1:
+            held_by = self.groups[wid] = {}
         bit = self._bit(wid)
         blocks = self.blocks
         get = blocks.get
         added = 0
         for h in hashes:
             m = get(h)
-            if m is None:
-                blocks[h] = bit
-                added += 1
-            elif not m & bit:
-                blocks[h] = m | bit
-                added += 1
-            else:
-                self._copy_added(wid, h)
-        if added:
-            self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) + added
-
-    def remove(self, wid: int, hashes: Iterable[int], group: int | None = None) -> None:
-        if wid in self.groups:
-            return self._remove_grouped(wid, hashes, 1 << (group or 0))
-        if group:
-            return  # this worker's blocks are all group 0's: another group held none of them
-        bit = self._bit(wid)
-        blocks = self.blocks
-        get = blocks.get
-        removed = 0
-        copies = self.copies
-        for h in hashes:
-            m = get(h)
-            if m is not None and m & bit:
-                if wid in copies and self._copy_removed(wid, h):
-                    continue
-                self._drop(h, m ^ bit)
-                removed += 1
-        if removed:
-            self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) - removed
-
-    def _drop(self, h: int, rest: int) -> None:
-        """Set block ``h``'s mask to ``rest`` (one worker fewer), sharing single-bit masks."""
-        if rest:
-            self.blocks[h] = self._bits[rest.bit_length() - 1] if rest & (rest - 1) == 0 else rest
-        else:
-            del self.blocks[h]
-
-    def _store_grouped(self, wid: int, hashes: Iterable[int], gbit: int) -> None:
-        held_by = self.groups.setdefault(wid, {})  # absent = held by group 0 alone
-        bit = self._bit(wid)
-        blocks = self.blocks
-        added = 0
-        for h in hashes:
-            m = blocks.get(h, 0)
-            if not m & bit:
-                blocks[h] = m | bit if m else bit
+            if m is None or not m & bit:
+                blocks[h] = bit if m is None else m | bit
                 added += 1
                 if gbit != 1:
                     held_by[h] = gbit
+            elif held_by is None:  # group 0 holds it already: another physical copy
+                self._copy_added(wid, h)
             else:
                 held = held_by.get(h, 1)
                 if held & gbit:  # this group already holds it: another physical copy
@@ -178,30 +138,45 @@ class BlockIndex:
         if added:
             self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) + added
 
-    def _remove_grouped(self, wid: int, hashes: Iterable[int], gbit: int) -> None:
-        held_by = self.groups[wid]
+    def remove(self, wid: int, hashes: Iterable[int], group: int | None = None) -> None:
+        gbit = 1 << (group or 0)
+        held_by = self.groups.get(wid)
+        if held_by is None and gbit != 1:
+            return  # this worker's blocks are all group 0's: another group held none of them
         bit = self._bit(wid)
-        blocks = self.blocks
+        get = self.blocks.get
+        copies = self.copies
         removed = 0
         for h in hashes:
-            m = blocks.get(h, 0)
-            groups = held_by.get(h, 1)
-            if not (m & bit and groups & gbit):
+            m = get(h)
+            if m is None or not m & bit:
                 continue
-            if self._copy_removed(wid, h if gbit == 1 else (h, gbit)):
-                continue
-            groups ^= gbit
-            if groups:  # another group of this worker still holds it
-                if groups == 1:
-                    del held_by[h]
-                else:
-                    held_by[h] = groups
-                continue
-            held_by.pop(h, None)
+            if held_by is None:
+                if wid in copies and self._copy_removed(wid, h):
+                    continue  # another physical copy stays
+            else:
+                groups = held_by.get(h, 1)
+                if not groups & gbit or self._copy_removed(wid, h if gbit == 1 else (h, gbit)):
+                    continue
+                groups ^= gbit
+                if groups:  # another group of this worker still holds it
+                    if groups == 1:
+                        del held_by[h]
+                    else:
+                        held_by[h] = groups
+                    continue
+                held_by.pop(h, None)
             self._drop(h, m ^ bit)
             removed += 1
         if removed:
             self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) - removed
+
+    def _drop(self, h: int, rest: int) -> None:
+        """Set block ``h``'s mask to ``rest`` (one worker fewer), sharing single-bit masks."""
+        if rest:
+            self.blocks[h] = self._bits[rest.bit_length() - 1] if rest & (rest - 1) == 0 else rest
+        else:
+            del self.blocks[h]
 
     def restore(self, hashes: list[int], masks: list[int], worker_blocks: dict[int, int],
                 groups: dict[int, dict[int, int]] | None = None, copies: dict[int, dict] | None = None) -> None:
@@ -231,3 +206,19 @@ class BlockIndex:
     def entries(self) -> int:
         """Number of (block, worker) pairs held."""
         return sum(self.worker_blocks.values())
+
+
+class TierIndex:
+    """What the L1 and L3 states share, and all the scorer reads of a tier (``hit_rate.Tier``): the
+    workers and the block index; each state says itself which pods it ``knows``."""
+
+    def __init__(self) -> None:
+        self.workers = WorkerTable()
+        self.index = BlockIndex()
+
+    @property
+    def blocks(self) -> dict[int, int]:
+        return self.index.blocks
+
+    def pod_workers(self, pod: str) -> dict[int, int]:
+        return self.workers.pod_workers(pod)

@@ -13,8 +13,8 @@ import logging
 
 from nats.js.errors import KeyWrongLastSequenceError
 
-from cache_indexer.streams import kv_bucket
-from cache_indexer.tasks import cancel_and_wait
+from infra.streams import kv_bucket
+from infra.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class Lease:
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"lease-{self.key}")
+        self._task = asyncio.create_task(self._loop(), name=f"lease-{self.key}")
 
     async def stop(self) -> None:
         if self._task:
@@ -51,7 +51,7 @@ class Lease:
             log.info("%s lease %s: %s", self.key, "acquired" if leader else "lost", self.holder.decode())
             self.changed.set()
 
-    async def _run(self) -> None:
+    async def _loop(self) -> None:
         kv = None
         rev = 0
         while True:

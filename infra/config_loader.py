@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from schemas.config import Config, _is_text_field
+from schemas.config import Config, is_text_field
 from schemas.helm_values import parent_node
 
 ENV_PREFIX = "CACHE_INDEXER_"
@@ -58,7 +58,7 @@ def _keep_text(tree: dict, raw: dict[tuple, str]) -> None:
         node = tree
         for seg in path[:-1]:
             node = node.get(seg) if isinstance(node, dict) else None
-        if isinstance(node, dict) and path[-1] in node and _is_text_field(_annotation_at(list(path))):
+        if isinstance(node, dict) and path[-1] in node and is_text_field(_annotation_at(list(path))):
             node[path[-1]] = text
 
 
@@ -90,7 +90,7 @@ def _scalar(text: str, path: list[str]) -> Any:
     """A value from the environment or a flag: text for text settings (null, ~ or nothing: unset where
     unset is allowed), a YAML scalar otherwise."""
     annotation = _annotation_at(path)
-    if _is_text_field(annotation):
+    if is_text_field(annotation):
         optional = type(None) in getattr(annotation, "__args__", ())
         return None if optional and text.strip() in ("", "null", "~") else text
     try:

@@ -16,9 +16,9 @@ import nats
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError, ServiceUnavailableError
 
-from cache_indexer.nats_auth import connect_options
-from cache_indexer.throttled_log import ThrottledWarning
-from schemas.config import NatsConfig, StreamConfig
+from infra.nats_auth import connect_options
+from infra.throttled_log import ThrottledWarning
+from schemas.config import Config, NatsConfig, StreamConfig
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,13 @@ async def unsubscribe_quietly(sub) -> None:
         log.debug("unsubscribe: %s", exc)
 
 
+def records_bucket(cfg: Config) -> str:
+    """The KV bucket of the deployment's small records, shared by both sides on purpose: the indexers'
+    snapshot pointer, the bridge's targets record and resume points. Set by ``snapshot.metaBucket``, the
+    name the values have always had (the chart's NATS permissions grant that bucket to both)."""
+    return cfg.snapshot.metaBucket
+
+
 async def kv_bucket(js, bucket: str, replicas: int = 1, **create):
     """The KV bucket, created with ``create`` (history, ttl, ...) and ``replicas`` where it does not exist
     yet; an existing one is brought to ``replicas`` (the lease and the records must survive a node as
@@ -199,6 +206,23 @@ async def kv_bucket(js, bucket: str, replicas: int = 1, **create):
         return kv
     await _ensure_replicas(js, f"KV_{bucket}", replicas)
     return kv
+
+
+class RecordsKv:
+    """The records bucket (``records_bucket``) as a KV handle, opened (created where missing) on first
+    use; an open that fails is tried again at the next use. History 5: a record's last writes can be read
+    back when something went wrong."""
+
+    def __init__(self, js, bucket: str, replicas: int = 1) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.replicas = replicas
+        self._kv = None
+
+    async def __call__(self):
+        if self._kv is None:
+            self._kv = await kv_bucket(self.js, self.bucket, self.replicas, history=5)
+        return self._kv
 
 
 async def object_store(js, bucket: str, replicas: int = 1):
