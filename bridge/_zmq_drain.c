@@ -5,17 +5,20 @@
  * bridge. Here one call drains up to N messages with zmq_msg_recv and returns their frames as bytes:
  * 0.3 us a message.
  *
- * bind(path) -> bool: look the functions up in the libzmq at ``path``, which must already be loaded
- * (RTLD_NOLOAD: the very library, and so the very context, pyzmq's sockets live in); False when it is
- * not loaded, lacks a function or is older than 4.1 (a different zmq_msg_t).
- * drain(socket_address, max_messages) -> list of lists of bytes: each received message's frames;
- * stops at the first EAGAIN (nothing more queued). ``socket_address`` is pyzmq's Socket.underlying.
- * Any other libzmq error raises OSError(errno); the messages received before it are lost with the
- * socket, which is then closed or broken.
+ * bind(path) -> bool: look the functions up through pyzmq's own extension module at ``path``, which
+ * must already be loaded (RTLD_NOLOAD): the very library, and so the very context, pyzmq's sockets
+ * live in; False when it is not loaded, lacks a function or is older than 4.1 (a different zmq_msg_t).
+ * drain(socket_address, max_messages[, fail_at]) -> (messages, error): each received message's frames
+ * as bytes, up to the first EAGAIN (nothing more queued), and None; or, where something failed, the
+ * whole messages received before it and the exception (OSError(errno) from libzmq: the socket is
+ * closed or broken; MemoryError: that message is lost whole, its remaining frames read and dropped so
+ * that the next call starts at a message boundary). ``socket_address`` is pyzmq's Socket.underlying;
+ * ``fail_at`` (tests) fails that frame of the call as an allocation would.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <string.h>
 #if defined(__linux__)
 #include <dlfcn.h>
 #endif
@@ -41,6 +44,10 @@ static PyObject *bind(PyObject *self, PyObject *arg) {
 #if defined(__linux__)
     const char *path = PyUnicode_AsUTF8(arg);
     if (!path) return NULL;
+    /* pyzmq's own extension, already loaded: dlsym through its handle searches it and then the
+     * libraries it needs, so the functions found are the libzmq its sockets live in (its bundled one,
+     * the system's it links, or its own static copy when it exports them), never another one that
+     * some other library brought into the process. */
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
     if (!h) Py_RETURN_FALSE;
     void (*version)(int *, int *, int *) = (void (*)(int *, int *, int *))dlsym(h, "zmq_version");
@@ -55,15 +62,25 @@ static PyObject *bind(PyObject *self, PyObject *arg) {
     if (version) version(&major, &minor, &patch);
     z.bound = version && z.msg_init && z.msg_recv && z.msg_close && z.msg_data && z.msg_size && z.msg_more &&
               z.errno_fn && (major > 4 || (major == 4 && minor >= 1));
+    dlclose(h); /* RTLD_NOLOAD took a reference; pyzmq's own keeps the library loaded */
     if (z.bound) Py_RETURN_TRUE;
 #endif
     Py_RETURN_FALSE;
 }
 
+/* bound_library() -> the file the bound zmq_msg_recv lives in (None: not bound). */
+static PyObject *bound_library(PyObject *self, PyObject *noargs) {
+#if defined(__linux__)
+    Dl_info info;
+    if (z.bound && dladdr((void *)z.msg_recv, &info) && info.dli_fname) return PyUnicode_DecodeFSDefault(info.dli_fname);
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyObject *drain(PyObject *self, PyObject *args) {
     unsigned long long address;
-    Py_ssize_t max_messages;
-    if (!PyArg_ParseTuple(args, "Kn", &address, &max_messages)) return NULL;
+    Py_ssize_t max_messages, fail_at = -1;
+    if (!PyArg_ParseTuple(args, "Kn|n", &address, &max_messages, &fail_at)) return NULL;
     if (!z.bound) {
         PyErr_SetString(PyExc_RuntimeError, "libzmq not bound");
         return NULL;
@@ -71,45 +88,65 @@ static PyObject *drain(PyObject *self, PyObject *args) {
     void *sock = (void *)(uintptr_t)address;
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
+    PyObject *error = NULL; /* what stopped the burst, returned beside what was received before it */
+    Py_ssize_t frame_no = 0;
     zmq_msg_t msg;
-    for (Py_ssize_t i = 0; i < max_messages; i++) {
+    for (Py_ssize_t i = 0; i < max_messages && !error; i++) {
         PyObject *frames = NULL;
+        int failed = 0, started = 0;
         for (;;) {
             z.msg_init(&msg);
             if (z.msg_recv(&msg, sock, ZMQ_DONTWAIT) < 0) {
                 int err = z.errno_fn();
                 z.msg_close(&msg);
-                if (!frames && (err == EAGAIN || err == EINTR)) return out; /* nothing more queued */
-                Py_XDECREF(frames);
-                Py_DECREF(out);
-                errno = err;
-                return PyErr_SetFromErrno(PyExc_OSError);
+                Py_CLEAR(frames);
+                if (!started && (err == EAGAIN || err == EINTR)) goto done; /* nothing more queued */
+                if (failed) PyErr_Clear(); /* the socket's own error is the one that counts */
+                error = PyObject_CallFunction(PyExc_OSError, "is", err, strerror(err));
+                if (!error) goto fail;
+                break;
             }
-            PyObject *b = PyBytes_FromStringAndSize((const char *)z.msg_data(&msg), (Py_ssize_t)z.msg_size(&msg));
+            started = 1;
+            if (!failed) { /* after a failure the message's remaining frames are still read, and dropped */
+                PyObject *b = frame_no++ == fail_at ? PyErr_NoMemory()
+                              : PyBytes_FromStringAndSize((const char *)z.msg_data(&msg), (Py_ssize_t)z.msg_size(&msg));
+                if (!b || (!frames && !(frames = PyList_New(0))) || PyList_Append(frames, b) < 0) {
+                    Py_XDECREF(b);
+                    Py_CLEAR(frames);
+                    failed = 1;
+                }
+                else Py_DECREF(b);
+            }
             int more = z.msg_more(&msg);
             z.msg_close(&msg);
-            if (!b || (!frames && !(frames = PyList_New(0))) || PyList_Append(frames, b) < 0) {
-                Py_XDECREF(b);
-                Py_XDECREF(frames);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(b);
             if (!more) break; /* the frames of one message arrive together: the rest is never EAGAIN */
         }
-        int rc = PyList_Append(out, frames);
-        Py_DECREF(frames);
-        if (rc < 0) {
-            Py_DECREF(out);
-            return NULL;
+        if (failed && !error) { /* the message is lost whole; the socket stays at a message boundary */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            error = value ? value : Py_NewRef(PyExc_MemoryError);
+        }
+        if (frames) {
+            int rc = PyList_Append(out, frames);
+            Py_DECREF(frames);
+            if (rc < 0) goto fail;
         }
     }
-    return out;
+done:
+    return Py_BuildValue("(NN)", out, error ? error : Py_NewRef(Py_None));
+fail:
+    Py_XDECREF(error);
+    Py_DECREF(out);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
-    {"bind", bind, METH_O, "Bind the already loaded libzmq at this path; False when it cannot be used."},
-    {"drain", drain, METH_VARARGS, "drain(socket_address, max_messages) -> [[frame bytes, ...], ...]"},
+    {"bind", bind, METH_O, "Bind the libzmq that pyzmq's extension at this path uses; False when it cannot be used."},
+    {"bound_library", bound_library, METH_NOARGS, "The file the bound libzmq functions live in (None: not bound)."},
+    {"drain", drain, METH_VARARGS, "drain(socket_address, max_messages[, fail_at]) -> ([[frame bytes, ...], ...], error or None)"},
     {NULL, NULL, 0, NULL},
 };
 

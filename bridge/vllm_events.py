@@ -13,6 +13,9 @@ Two paths: the current shape (a batch of tagged maps, every field of the type it
 msgspec into typed structs that skip what the index does not need (token ids: most of a batch's bytes),
 about twice as fast; anything else (older shapes, unknown events, odd types) fails that strict decoder
 and takes the tolerant reference path, which has the last word. A test checks both give the same result.
+What the fast path skips it never decodes: a batch whose skipped parts msgpack-python refuses (a map
+keyed by arrays, a reserved ext code, text that is not UTF-8 in an unknown field) is decoded by the fast
+path alone (tests/test_fuzz.py holds the two equal on everything else).
 """
 
 from __future__ import annotations

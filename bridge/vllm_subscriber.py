@@ -209,8 +209,11 @@ class VllmSubscriber:
                     if sock.closed:  # the bulk receive must never see a closed socket's address
                         return
                     if drain is not None:
-                        for frames in drain(READ_BURST):
+                        messages, error = drain(READ_BURST)
+                        for frames in messages:
                             self._take(frames)
+                        if error is not None:
+                            raise error
                     else:
                         self._receive_burst(plain)
                     if self._queue:

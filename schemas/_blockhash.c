@@ -71,9 +71,11 @@ typedef struct {
 } Buf;
 
 static int buf_reserve(Buf *b, Py_ssize_t extra) {
-    if (b->len + extra <= b->cap) return 0;
+    if (extra < 0 || extra > PY_SSIZE_T_MAX - b->len) { PyErr_NoMemory(); return -1; }
+    Py_ssize_t need = b->len + extra;
+    if (need <= b->cap) return 0;
     Py_ssize_t cap = b->cap ? b->cap : 256;
-    while (cap < b->len + extra) cap *= 2;
+    while (cap < need) cap = cap > PY_SSIZE_T_MAX / 2 ? need : cap * 2;
     unsigned char *nb = PyMem_Realloc(b->buf, cap);
     if (!nb) { PyErr_NoMemory(); return -1; }
     b->buf = nb; b->cap = cap;
@@ -211,14 +213,35 @@ static PyObject *chain(PyObject *self, PyObject *args) {
         u64 = (const uint64_t *)view.buf;
         total = view.len / 8;
     } else {
-        seq = PySequence_Fast(tokens, "tokens must be a sequence");
-        if (!seq) return NULL;
-        total = PySequence_Fast_GET_SIZE(seq);
-        items = PySequence_Fast_ITEMS(seq);
+        total = PySequence_Size(tokens);
+        if (total < 0) return NULL;
     }
-    if (bs <= 0 || first < 0 || n < 0 || (first + n) * bs > total) {
-        if (seq) Py_DECREF(seq); else PyBuffer_Release(&view);
+    /* (first + n) * bs <= total, without overflow (bs = 2**61 once wrapped to 0 and looped for ever) */
+    if (bs <= 0 || first < 0 || n < 0 || first > PY_SSIZE_T_MAX - n || first + n > total / bs) {
+        if (u64) PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "block range outside the token list");
+        return NULL;
+    }
+    if (!u64) {
+        /* A private tuple of the blocks' tokens: a list's item array would be borrowed while Python runs
+         * (an int subclass's __index__, the digest function) and may resize it (a use-after-free). */
+        PyObject *part = PySequence_GetSlice(tokens, first * bs, (first + n) * bs);
+        if (!part) return NULL;
+        seq = PySequence_Tuple(part);
+        Py_DECREF(part);
+        if (!seq) return NULL;
+        items = PySequence_Fast_ITEMS(seq);
+        for (Py_ssize_t i = 0; i < n * bs; i++) {
+            if (!PyLong_CheckExact(items[i])) { /* bool or another int subclass: encoded otherwise by cbor2 */
+                Py_DECREF(seq);
+                PyErr_SetString(PyExc_TypeError, "token ids must be plain ints; left to the Python path");
+                return NULL;
+            }
+        }
+    }
+    if (n > 0 && bs > (PY_SSIZE_T_MAX - 64 - PyBytes_GET_SIZE(parent)) / 10) {
+        if (seq) Py_DECREF(seq); else PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_OverflowError, "block size too large");
         return NULL;
     }
     PyObject *out = PyList_New(n);
@@ -230,7 +253,7 @@ static PyObject *chain(PyObject *self, PyObject *args) {
         Py_ssize_t plen = PyBytes_GET_SIZE(parent);
         if (buf_reserve(&b, 64 + plen + 10 * bs) < 0) goto fail;
         b.len = 0;
-        PyObject **tok = items ? items + (first + k) * bs : NULL;
+        PyObject **tok = items ? items + k * bs : NULL; /* the tuple holds blocks first .. first+n-1 */
         const uint64_t *utok = u64 ? u64 + (first + k) * bs : NULL;
         if (cbor && utok) {
             put1(&b, 0x83);
@@ -354,7 +377,10 @@ static PyObject *parse_token_array(PyObject *self, PyObject *arg) {
     for (;;) {
         WS();
         if (p >= end) { err = "unterminated token_ids array"; goto done; }
-        if (*p == '-') { err = "token_ids must be non-negative integers"; goto done; }
+        if (*p == '-') { /* -0 is JSON's zero (json.loads and the contract take it); any other sign is not */
+            if (p + 1 < end && p[1] == '0' && !(p + 2 < end && p[2] >= '0' && p[2] <= '9')) p++;
+            else { err = "token_ids must be non-negative integers"; goto done; }
+        }
         if (*p < '0' || *p > '9') { err = "token_ids must be integers"; goto done; }
         if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') { err = "invalid number in token_ids"; goto done; }
         uint64_t v = 0;

@@ -168,3 +168,14 @@ async def metric_value(session, port: int, name: str) -> float | None:
     except aiohttp.ClientError:
         return None
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def needs_native(built: bool, what: str) -> None:
+    """Skip a test of a C accelerator where it was not built (no compiler at install: the product then
+    runs in pure Python); with ``CACHE_INDEXER_REQUIRE_NATIVE=1`` (set by .ci/run) fail instead."""
+    if built:
+        return
+    msg = f"{what} is not built (no C compiler at install)"
+    if os.environ.get("CACHE_INDEXER_REQUIRE_NATIVE") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)

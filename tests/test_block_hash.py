@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from schemas.block_hash import (PICKLE_ONE_FRAME_TOKENS, BlockHasher, LoRAKey, MultiModalKey, event_block_hash,
                                 normalize_event_hash)
-from tests.conftest import DATA
+from tests.conftest import DATA, needs_native
 
 VECTORS = json.loads((DATA / "vllm" / "vllm-block-hashes.json").read_text())
 CASES = [(c, "tagged") for c in VECTORS["primary_cases"]] + [(c, "untagged") for c in VECTORS["legacy_untagged_cases"]]
@@ -108,7 +108,7 @@ def test_fast_paths_equal_reference(tokens, bs, salt, algo, accelerate):
 def test_accelerator_is_built_and_exact_on_long_chains(algo):
     from schemas import block_hash
 
-    assert block_hash._blockhash is not None, "the C accelerator did not build (needs a C compiler)"
+    needs_native(block_hash._blockhash is not None, "the block hasher's C accelerator")
     tokens = [(i * 7919) % 152_000 for i in range(5000)] + [0, 23, 24, 255, 256, 65535, 65536, 2**31, 2**32]
     fast, slow = BlockHasher(algo, "0"), BlockHasher(algo, "0", accelerate=False)
     for bs in (1, 3, 4, 16, 128):
@@ -130,8 +130,7 @@ def test_token_array_and_native_sha256_paths_equal_the_reference(tokens, bs, alg
     from schemas import block_hash
 
     accel = block_hash._blockhash
-    if accel is None:
-        pytest.skip("the C accelerator is not built")
+    needs_native(accel is not None, "the block hasher's C accelerator")
     was = accel.native_sha256()
     try:
         accel.native_sha256(native)

@@ -9,14 +9,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import indexer.hit_rate as hit_rate
-from schemas.block_hash import BlockHasher
 from indexer.l1_state import L1State
+from schemas.block_hash import BlockHasher
+from tests.conftest import needs_native
 
 H = BlockHasher("sha256_cbor", "0")
 BS = 4
 TOKENS = list(range(1000, 1000 + 40 * BS))  # 40 blocks
 
-pytestmark = pytest.mark.skipif(hit_rate._walk_c is None, reason="the C accelerator is not built")
+
+
+@pytest.fixture(autouse=True)
+def _native_walk():
+    needs_native(hit_rate._walk_c is not None, "the hit-rate walk's C fast path")
 
 
 def _state(holdings: list[tuple[int, list[int]]], salt: str, extra_workers: int) -> L1State:

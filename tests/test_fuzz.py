@@ -1,0 +1,145 @@
+"""Bounded-time fuzzing of the boundaries where the network's bytes meet native code, each held equal
+to its pure-Python reference: the request's token array (``parse_token_array``, C), vLLM's block hash
+chain (``chain``, C) and vLLM event payloads through the decoder into the L1 state.
+
+Mutations of the corpus under ``tests/data/fuzz`` and ``tests/data/vllm/events`` (bit flips, byte
+insertions and deletions, splices, interesting tokens), for ``FUZZ_SECONDS`` per target (2 by
+default; CI's sanitizer step runs them again in the AddressSanitizer/UBSan build). The seed is printed;
+``FUZZ_SEED`` replays a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from bridge.vllm_events import MalformedPayload, decode_batch, decode_reference
+from indexer.l1_state import L1State
+from schemas import block_hash
+from schemas.block_hash import BlockHasher
+from tests.conftest import needs_native
+
+DATA = Path(__file__).resolve().parent / "data"
+SECONDS = float(os.environ.get("FUZZ_SECONDS", "2"))
+INTERESTING = [b"-", b".", b"e", b"E", b"+", b"0", b"00", b"18446744073709551615", b"18446744073709551616",
+               b"99999999999999999999", b"[", b"]", b",", b" ", b"\t", b"\n", b"\x00", b"\xff", b"true", b"null",
+               b"1e5", b'"', b"\\u0031"]
+
+
+@pytest.fixture
+def rng():
+    seed = int(os.environ.get("FUZZ_SEED") or random.SystemRandom().randrange(1 << 32))
+    print(f"FUZZ_SEED={seed}")
+    return random.Random(seed)
+
+
+def mutate(rng: random.Random, data: bytes, corpus: list[bytes]) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(6)
+        at = rng.randrange(len(b) + 1)
+        if op == 0 and b:
+            b[at % len(b)] ^= 1 << rng.randrange(8)
+        elif op == 1:
+            b[at:at] = bytes([rng.randrange(256)])
+        elif op == 2 and b:
+            del b[at:at + rng.randint(1, 8)]
+        elif op == 3:
+            b[at:at] = rng.choice(INTERESTING)
+        elif op == 4:
+            other = rng.choice(corpus)
+            cut = rng.randrange(len(other) + 1)
+            b = b[:at] + other[cut:]
+        elif b:
+            b[at % len(b)] = rng.choice(b"0123456789")
+    return bytes(b)
+
+
+def reference_tokens(raw: bytes) -> list[int] | None:
+    """What the API accepts as ``token_ids`` (the pydantic contract): a JSON array of non-negative ints
+    below 2**64 in UTF-8; None when refused."""
+    try:
+        values = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(values, list) or not all(type(v) is int and 0 <= v < 1 << 64 for v in values):
+        return None
+    return values
+
+
+def budget():
+    end = time.monotonic() + SECONDS
+    n = 0
+    while time.monotonic() < end or n < 50:
+        yield n
+        n += 1
+
+
+def test_the_token_array_parser_equals_the_json_reference(rng):
+    from array import array
+
+    needs_native(block_hash.parse_token_array is not None, "the request parser's C accelerator")
+    corpus = [p.read_bytes() for p in sorted((DATA / "fuzz" / "token_arrays").glob("*.json"))]
+    for n in budget():
+        raw = mutate(rng, rng.choice(corpus), corpus) if n >= len(corpus) else corpus[n]
+        want = reference_tokens(raw)
+        try:
+            got = array("Q", block_hash.parse_token_array(raw)).tolist()
+        except ValueError:
+            got = None
+        assert got == want, f"{raw[:200]!r}: C {got and got[:8]} != reference {want and want[:8]}"
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "sha256", "xxhash_cbor", "xxhash"])
+def test_the_hash_chain_equals_the_python_reference(rng, algo):
+    fast, reference = BlockHasher(algo, "0"), BlockHasher(algo, "0", accelerate=False)
+    kinds = [lambda: rng.randrange(1 << 17), lambda: rng.randrange(1 << 64), lambda: rng.randrange(1 << 31),
+             lambda: rng.choice([True, False]), lambda: -rng.randrange(1 << 40), lambda: rng.randrange(1 << 70)]
+    for _ in budget():
+        bs = rng.choice([1, 2, 3, 4, 16, 64])
+        tokens = [rng.choice(kinds[:3] if rng.random() < 0.8 else kinds)() for _ in range(bs * rng.randint(0, 12))]
+        salt = rng.choice([None, "", "tenant"])
+        try:
+            want = reference.block_hashes(tokens, bs, cache_salt=salt)
+        except (TypeError, ValueError, OverflowError) as exc:
+            with pytest.raises(type(exc)):
+                fast.block_hashes(tokens, bs, cache_salt=salt)
+            continue
+        assert fast.block_hashes(tokens, bs, cache_salt=salt) == want, (bs, tokens[:16], salt)
+
+
+def test_event_payloads_decode_as_the_reference_and_apply_without_harm(rng):
+    corpus = [p.read_bytes() for p in sorted((DATA / "vllm" / "events").glob("*.bin"))]
+    state = L1State()
+    for n in budget():
+        raw = mutate(rng, rng.choice(corpus), corpus)
+        try:
+            got = decode_batch(raw)
+        except MalformedPayload:
+            with pytest.raises(MalformedPayload):
+                decode_reference(raw)
+            continue
+        try:
+            ref = decode_reference(raw)
+        except MalformedPayload as exc:
+            # what the fast path skips (token ids, unknown fields) it never decodes; msgpack-python, which
+            # decodes all, refuses some of it (a map keyed by arrays, a reserved ext code, text that is
+            # not UTF-8): those batches are the fast path's alone. Nothing else may differ.
+            assert str(exc).startswith("not msgpack"), (raw[:200], exc)
+            ref = got
+        assert (got.ts, got.events, got.dp_rank) == (ref.ts, ref.events, ref.dp_rank), raw[:200]
+        msg = {"type": "batch", "pod": "10.0.0.1", "rank": 0, "gen": 0, "seq": n, "events": got.events}
+        state.apply(msgpack.unpackb(msgpack.packb(msg), raw=False))  # as the stream carries it
+        idx = state.index
+        counts: dict[int, int] = {}
+        for mask in idx.blocks.values():
+            for wid in range(mask.bit_length()):
+                if mask >> wid & 1:
+                    counts[wid] = counts.get(wid, 0) + 1
+        assert counts == {w: c for w, c in idx.worker_blocks.items() if c}, "per-worker counts match the table"
