@@ -68,9 +68,11 @@ async def test_a_burst_larger_than_the_budget_stays_within_it_and_drops_are_repl
         assert dropped > 0, "the burst exceeded the budget: some batches were dropped, then replayed"
         assert resets == 1, "only the first subscription's reset: every dropped batch came back by replay"
         assert held == 0
-        # the budget (32 MiB, live queues half of it) plus libzmq's queue (rcvHwm messages) and the
-        # replays' chunks; the old bridge held the whole burst (about 190 MB) in libzmq
-        assert peak < 100 * MiB, f"peak resident memory grew by {peak / MiB:.0f} MiB"
+        # the budget (32 MiB, live queues half of it) plus libzmq's queues (rcvHwm messages on the SUB and
+        # on a replay's DEALER, 12 MB each here), the replays' chunks and what glibc's arenas keep of it
+        # (libzmq's I/O thread has its own): measured +48..+81 MiB on a 2-core machine, once +104 under
+        # CI's load. The old bridge held the whole burst (about 190 MB) in libzmq.
+        assert peak < 128 * MiB, f"peak resident memory grew by {peak / MiB:.0f} MiB"
         # freed memory goes back to the system once drained (the old bridge kept all of it)
         assert after < 80 * MiB, f"resident memory after the burst is {after / MiB:.0f} MiB above the start"
     finally:
