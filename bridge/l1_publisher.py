@@ -18,6 +18,7 @@ rather than leave the indexers waiting for it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -30,6 +31,8 @@ from bridge.jetstream_publisher import JetStreamPublisher
 from bridge.resume_points import Position, ResumePoints
 from infra.streams import l1_lifecycle_subject, l1_subject
 from schemas.events import CONTENT_TYPE_L1, SCHEMA_VERSION
+
+log = logging.getLogger(__name__)
 
 #: Told (gen, first seq, last seq) when the stream refused a message of the worker for good.
 OnRefusedBatch = Callable[[int, int, int], None]
@@ -133,7 +136,7 @@ class L1Publisher:
     async def last_position(self, pod: str, rank: int) -> Position | None:
         """Where a bridge resumes (pod, rank): the resume record (within a generation, what followed it comes
         again from the engine's buffer, deduplicated); where the worker has no record, the stream's last
-        message on its subject (recorded from then on) (the seq before a batch whose parts are not all in). None when the stream
+        message on its subject (``tail_checked`` False: the sequencer publishes the buffer up to it again) (the seq before a batch whose parts are not all in). None when the stream
         holds a generation newer than the record, when nothing is known, and when a ``pod_removed`` came
         after it (a readiness flap: the indexers retired that generation, so the pod that came back starts
         a new one rather than publish batches they drop as stale)."""
@@ -147,17 +150,17 @@ class L1Publisher:
             # past one that never made it, the record never does. Starting anew loses nothing so young
             return None
         if best is None or self._js is None:
+            if best is None:
+                log.info("%s rank %d: no resume record and no message on the stream: a new generation at its "
+                         "first batch", pod, rank)
             return best
         try:
             removed = await self._js.get_last_msg(self._stream, l1_lifecycle_subject(self._prefix, pod))
         except Exception:  # never removed
             removed = None
         if removed is not None and removed.seq > best.stream_seq:
+            log.info("%s rank %d: the pod was removed after its last batch: a new generation", pod, rank)
             return None  # the pod left discovery after that batch: indexers retired its generation
-        if best is from_stream and self.resume is not None:
-            # recorded now (also after a bridge killed before its first write): the engine may never publish
-            # again, and a purge would take the stream's message with it
-            self.resume.update(pod, rank, best)
         return best
 
     async def _stream_position(self, pod: str, rank: int) -> Position | None:
@@ -184,7 +187,8 @@ class L1Publisher:
                 ts = msgpack.unpackb(msg.data).get("ts")
             except Exception:  # an undecodable message: resume without the incarnation check
                 ts = None
-        return Position(gen, seq, h.get("Kv-Epoch", "-"), ts if isinstance(ts, float) else None, msg.seq)
+        return Position(gen, seq, h.get("Kv-Epoch", "-"), ts if isinstance(ts, float) else None, msg.seq,
+                        tail_checked=False)
 
     def watch_refusals(self, pod: str, rank: int, callback: OnRefusedBatch | None) -> None:
         """``callback`` is told of the worker's messages the stream refused for good (None: no longer)."""

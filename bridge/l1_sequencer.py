@@ -47,6 +47,9 @@ MAX_SEQ_JUMP = 1 << 32
 #: What the engine's buffer says when it holds later batches but not the one published last: which
 #: engine process it is cannot be told, so a continuation is never assumed (a new generation starts).
 MOVED_ON = "moved-on"
+#: How far back from a position taken from the stream the engine's buffer is published again (vLLM keeps
+#: 10,000 batches): the previous bridge's messages in flight, stored in any order, lie within it.
+TAIL_DEPTH = 10_000
 
 
 @dataclass(slots=True)
@@ -91,6 +94,9 @@ class L1Sequencer:
         self.reconnected = False
         #: the last seq of a message the stream refused for good (of generation ``gen``), not yet handled
         self.refused_upto: int | None = None
+        #: the resume position came from the stream's last message (no record): the catch-up publishes the
+        #: engine's buffer up to it again, filling a message the previous bridge never got stored
+        self.tail_unchecked = False
         self._malformed_log = ThrottledWarning(log, every=10.0)
         #: batches handed on (``last`` counts them) and not yet published: sent before anything waits
         self.pending = BatchRun(max_batches, max_bytes)
@@ -110,7 +116,9 @@ class L1Sequencer:
                      pos.seq)
             return
         self.gen, self.last, self.last_live, self.last_ts = pos.gen, pos.seq, None, pos.ts
-        log.info("%s rank %d: resuming generation %d after seq %d", self.ep.pod, self.ep.rank, pos.gen, pos.seq)
+        self.tail_unchecked = not pos.tail_checked
+        log.info("%s rank %d: resuming generation %d after seq %d%s", self.ep.pod, self.ep.rank, pos.gen, pos.seq,
+                 "" if pos.tail_checked else " (the stream's last message: no resume record)")
 
     def start_over(self) -> None:
         """The stream lost what was published: the next batch starts a new generation (a reset, then
@@ -163,6 +171,10 @@ class L1Sequencer:
                 return
             if same is None:  # not told (a restarted engine may hold nothing yet): the next batch is checked
                 self.reconnected = True
+            elif self.tail_unchecked:
+                replayed.release()
+                await self._republish_tail()
+                replayed = None
             await self.publish_buffered(self.last + 1, replayed)
         except asyncio.CancelledError:
             raise
@@ -174,6 +186,24 @@ class L1Sequencer:
             self.last_live = before
             log.info("%s rank %d: caught up %d batches published while no bridge listened", self.ep.pod,
                      self.ep.rank, self.last - before)
+
+    async def _republish_tail(self) -> None:
+        """The position is the stream's last message of this worker, with no record behind it (the first
+        start after an upgrade, a bridge killed before its first record write). The dead bridge's
+        publishes in flight were stored in any order, so a batch before that message may never have been
+        stored: what the engine's buffer holds up to it goes out again (the indexers skip what they have
+        and fill what they lack), and its acks record the position."""
+        self.tail_unchecked = False
+        upto = self.last
+        replayed = await self._replay(max(0, upto - TAIL_DEPTH), empty_is_failure=False)
+        first = replayed.batches[0][0] if replayed.batches else None
+        if first is None or first > upto:
+            replayed.release()
+            return
+        self.last = first - 1
+        await self.publish_buffered(first, replayed)
+        log.info("%s rank %d: published seq %d..%d again (resumed from the stream's last message, seq %d)",
+                 self.ep.pod, self.ep.rank, first, upto, upto)
 
     async def _restart_from_buffer(self) -> None:
         """A new generation from what the restarted engine's buffer holds (no live batch to start from);

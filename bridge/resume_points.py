@@ -9,17 +9,19 @@ what only the purged history held (vLLM's replay buffer keeps 10,000 batches; a 
 hours ago is far older).
 
 So the bridge also keeps, per pod, a record in the records bucket (``infra.streams.records_bucket``,
-``snapshot.metaBucket``; key ``bridge.resume.<pod>``): per rank the generation, the last vLLM seq the stream stored whole (acked, and
-every message before it of that worker acked too: a resume point never passes a hole), the engine's
-epoch, vLLM's timestamp of that batch and the stream sequence that stored it. Records are written at
-most every ``interval`` seconds, only for pods whose position moved. A bridge resumes from the record:
+``snapshot.metaBucket``; key ``bridge.resume.<pod>``): per rank the generation, the last vLLM seq the
+stream stored whole (acked, and every message before it of that worker acked too: a resume point never passes a hole), the engine's
+epoch, vLLM's timestamp of that batch and the stream sequence that stored it. A worker's first position
+is written at once, later ones at most every ``interval`` seconds, only for pods whose position moved.
+A bridge resumes from the record:
 the stream's last message may lie past one that never made it (stored late, or lost with a killed
 bridge), the record never does; what followed it is published again from the engine's buffer and
 deduplicated. Where the stream holds a generation newer than the record (younger than a record write),
 a new generation starts, which loses nothing so young; where the worker has no record (the first
 start after an upgrade, or a bridge killed before its first write), the stream's last message is the
-position, and it is recorded at once: an idle engine's position would otherwise never be written, and
-the next bridge after a purge would start it anew. A record of another
+position, and the engine's buffer up to it is published again (bridge/l1_sequencer.py): a message
+before it may never have been stored, and the acks of the republished ones record the position (an
+idle engine's would otherwise never be written, and the next bridge after a purge would start it anew). A record of another
 incarnation of the stream (one recreated since) is ignored, and a pod's record is deleted when its
 ``pod_removed`` is published.
 """
@@ -53,6 +55,10 @@ class Position:
     epoch: str  # the engine's epoch when it was published ("-": none)
     ts: float | None  # vLLM's timestamp of that batch (None: not known; no incarnation check then)
     stream_seq: int  # the stream sequence that stored it: which of two positions is newer
+    #: False: taken from the stream's last message, not from a record: the previous bridge's publishes in
+    #: flight may have been stored out of order, so a message before it may be missing (the sequencer
+    #: publishes the engine's buffer up to it again, and those acks record it)
+    tail_checked: bool = True
 
 
 def record_key(pod: str) -> str:
@@ -70,6 +76,11 @@ class ResumePoints:
         #: pods whose record was deleted -> the newest generation then: later acks of those are ignored
         self._forgotten: dict[str, int] = {}
         self._task: asyncio.Task | None = None
+        #: workers this bridge has recorded at least once: a worker's first position is written at once
+        #: (a bridge killed within the interval would otherwise leave it with no record at all, and a purge
+        #: then takes the stream's message too), later ones at most every ``interval``
+        self._recorded: set[tuple[str, int]] = set()
+        self._first = asyncio.Event()
         self._warn = ThrottledWarning(log)
 
     def start(self) -> None:
@@ -91,6 +102,8 @@ class ResumePoints:
         if old is None or pos.stream_seq > old.stream_seq:
             ranks[rank] = pos
             self._dirty.add(pod)
+            if (pod, rank) not in self._recorded:
+                self._first.set()
 
     async def load(self, pod: str) -> dict[int, Position] | None:
         """The positions last recorded for the pod's ranks on this stream (a rank without one is absent);
@@ -103,7 +116,11 @@ class ResumePoints:
         except Exception as exc:  # unreadable: the stream's last message alone decides, as before records
             self._warn("resume record of %s unreadable (%s)", pod, exc)
             return None
-        if not isinstance(record, dict) or record.get("stream") != self.stream_id or record.get("pod") != pod:
+        if not isinstance(record, dict) or record.get("pod") != pod:
+            return None
+        if record.get("stream") != self.stream_id:
+            log.info("resume record of %s is of another incarnation of the stream (%s, not %s): not used", pod,
+                     record.get("stream"), self.stream_id)
             return None
         positions = {}
         for rank, row in (record.get("ranks") or {}).items():
@@ -119,6 +136,7 @@ class ResumePoints:
         """The pod left: its record goes, and acks still in flight for it are ignored."""
         ranks = self._positions.pop(pod, {})
         self._dirty.discard(pod)
+        self._recorded = {key for key in self._recorded if key[0] != pod}
         self._forgotten[pod] = max([p.gen for p in ranks.values()] + [self._forgotten.get(pod, -1)])
         try:
             await (await self._store()).delete(record_key(pod))
@@ -147,10 +165,16 @@ class ResumePoints:
             except Exception as exc:
                 self._dirty.add(pod)
                 self._warn("resume record of %s not written (%s)", pod, exc)
+                continue
+            self._recorded.update((pod, rank) for rank in ranks)
 
     async def _write_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            try:  # a worker's first position wakes the loop at once
+                await asyncio.wait_for(self._first.wait(), self.interval)
+            except asyncio.TimeoutError:
+                pass
+            self._first.clear()
             try:
                 await self.write()
             except asyncio.CancelledError:

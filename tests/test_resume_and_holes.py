@@ -275,3 +275,29 @@ async def test_a_frame_over_max_batch_bytes_is_a_gap_and_the_subscription_comes_
     assert m.bridge_resubscribes._value.get() == 1 and m.bridge_gaps._value.get() >= 1
     assert m.subscriptions_disconnected._value.get() == 0 and m.subscriptions._value.get() == 1
     assert stack.bridge.is_ready()
+
+
+async def test_a_workers_first_position_is_recorded_at_once():
+    """CI's chaos soak (seed 2287974246): the first bridge was killed 0.9 s after the idle engine's 600
+    batches were acked, before the records' one-second write; the snapshot writer then purged those
+    messages, and the next bridge, with neither record nor message, started the engine anew. A worker's
+    first position is now written at once (later ones wait for the interval, here an hour)."""
+    from bridge.resume_points import Position, ResumePoints
+    from tests.test_sequencing_model import MemoryKV
+
+    kv = MemoryKV()
+    points = ResumePoints(None, "meta", interval=3600)
+    points._store._kv = kv
+    points.stream_id = "s"
+    points.start()
+    try:
+        points.update("127.0.0.91", 0, Position(1, 599, "-", 1.5, 20))
+        await wait_for(lambda: record_key("127.0.0.91") in kv.data, 5, "the first position recorded at once")
+        points.update("127.0.0.91", 1, Position(1, 7, "-", 2.5, 21))  # another rank's first: at once too
+
+        def ranks() -> dict:
+            return msgpack.unpackb(kv.data[record_key("127.0.0.91")], strict_map_key=False)["ranks"]
+        await wait_for(lambda: set(ranks()) == {0, 1}, 5, "the second rank's first position recorded at once")
+        assert ranks()[0][1] == 599
+    finally:
+        await points.stop()
