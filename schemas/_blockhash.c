@@ -223,13 +223,19 @@ static PyObject *chain(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (!u64) {
-        /* A private tuple of the blocks' tokens: a list's item array would be borrowed while Python runs
-         * (an int subclass's __index__, the digest function) and may resize it (a use-after-free). */
+        /* A private copy of the blocks' tokens (a slice: a new list or tuple that no Python code holds):
+         * the caller's list's item array would be borrowed while Python runs (the digest function, an
+         * int subclass's __index__) and may be resized meanwhile (a use-after-free). */
         PyObject *part = PySequence_GetSlice(tokens, first * bs, (first + n) * bs);
         if (!part) return NULL;
-        seq = PySequence_Tuple(part);
+        seq = PySequence_Fast(part, "tokens must be a sequence");
         Py_DECREF(part);
         if (!seq) return NULL;
+        if (PySequence_Fast_GET_SIZE(seq) != n * bs) { /* a sequence whose slice is not what it says */
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "block range outside the token list");
+            return NULL;
+        }
         items = PySequence_Fast_ITEMS(seq);
         for (Py_ssize_t i = 0; i < n * bs; i++) {
             if (!PyLong_CheckExact(items[i])) { /* bool or another int subclass: encoded otherwise by cbor2 */
