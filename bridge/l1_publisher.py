@@ -136,8 +136,9 @@ class L1Publisher:
     async def last_position(self, pod: str, rank: int) -> Position | None:
         """Where a bridge resumes (pod, rank): the resume record (within a generation, what followed it comes
         again from the engine's buffer, deduplicated); where the worker has no record, the stream's last
-        message on its subject (``tail_checked`` False: the sequencer publishes the buffer up to it again) (the seq before a batch whose parts are not all in). None when the stream
-        holds a generation newer than the record, when nothing is known, and when a ``pod_removed`` came
+        message on its subject (the seq before a batch whose parts are not all in; ``tail_checked`` False:
+        the sequencer publishes the buffer up to it again). None when the stream holds a generation newer
+        than the record, when nothing is known, and when a ``pod_removed`` came
         after it (a readiness flap: the indexers retired that generation, so the pod that came back starts
         a new one rather than publish batches they drop as stale)."""
         recorded = await self.resume.load(pod) if self.resume is not None else None

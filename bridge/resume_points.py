@@ -10,9 +10,10 @@ hours ago is far older).
 
 So the bridge also keeps, per pod, a record in the records bucket (``infra.streams.records_bucket``,
 ``snapshot.metaBucket``; key ``bridge.resume.<pod>``): per rank the generation, the last vLLM seq the
-stream stored whole (acked, and every message before it of that worker acked too: a resume point never passes a hole), the engine's
-epoch, vLLM's timestamp of that batch and the stream sequence that stored it. A worker's first position
-is written at once, later ones at most every ``interval`` seconds, only for pods whose position moved.
+stream stored whole (acked, and every message before it of that worker acked too: a resume point never
+passes a hole), the engine's epoch, vLLM's timestamp of that batch and the stream sequence that stored it.
+A worker's first position is written at once, later ones at most every ``interval`` seconds, only for
+pods whose position moved.
 A bridge resumes from the record:
 the stream's last message may lie past one that never made it (stored late, or lost with a killed
 bridge), the record never does; what followed it is published again from the engine's buffer and
@@ -21,9 +22,9 @@ a new generation starts, which loses nothing so young; where the worker has no r
 start after an upgrade, or a bridge killed before its first write), the stream's last message is the
 position, and the engine's buffer up to it is published again (bridge/l1_sequencer.py): a message
 before it may never have been stored, and the acks of the republished ones record the position (an
-idle engine's would otherwise never be written, and the next bridge after a purge would start it anew). A record of another
-incarnation of the stream (one recreated since) is ignored, and a pod's record is deleted when its
-``pod_removed`` is published.
+idle engine's would otherwise never be written, and the next bridge after a purge would start it anew).
+A record of another incarnation of the stream (one recreated since) is ignored, and a pod's record is
+deleted when its ``pod_removed`` is published.
 """
 
 from __future__ import annotations
