@@ -173,8 +173,7 @@ class L1Sequencer:
                 self.reconnected = True
             elif self.tail_unchecked:
                 replayed.release()
-                await self._republish_tail()
-                replayed = None
+                replayed = await self._rewind_to_tail()
             await self.publish_buffered(self.last + 1, replayed)
         except asyncio.CancelledError:
             raise
@@ -187,23 +186,22 @@ class L1Sequencer:
             log.info("%s rank %d: caught up %d batches published while no bridge listened", self.ep.pod,
                      self.ep.rank, self.last - before)
 
-    async def _republish_tail(self) -> None:
+    async def _rewind_to_tail(self) -> Replayed:
         """The position is the stream's last message of this worker, with no record behind it (the first
         start after an upgrade, a bridge killed before its first record write). The dead bridge's
         publishes in flight were stored in any order, so a batch before that message may never have been
-        stored: what the engine's buffer holds up to it goes out again (the indexers skip what they have
-        and fill what they lack), and its acks record the position."""
+        stored: the engine's buffer is asked from up to TAIL_DEPTH before it, and ``last`` goes back to
+        just before the first batch it holds, so that the catch-up publishes them again (the indexers
+        skip what they have and fill what they lack) and their acks record the position."""
         self.tail_unchecked = False
         upto = self.last
         replayed = await self._replay(max(0, upto - TAIL_DEPTH), empty_is_failure=False)
-        first = replayed.batches[0][0] if replayed.batches else None
-        if first is None or first > upto:
-            replayed.release()
-            return
-        self.last = first - 1
-        await self.publish_buffered(first, replayed)
-        log.info("%s rank %d: published seq %d..%d again (resumed from the stream's last message, seq %d)",
-                 self.ep.pod, self.ep.rank, first, upto, upto)
+        if replayed.batches and replayed.batches[0][0] <= upto:
+            first = replayed.batches[0][0]
+            self.last = first - 1
+            log.info("%s rank %d: publishing seq %d..%d again (resumed from the stream's last message)",
+                     self.ep.pod, self.ep.rank, first, upto)
+        return replayed
 
     async def _restart_from_buffer(self) -> None:
         """A new generation from what the restarted engine's buffer holds (no live batch to start from);

@@ -132,7 +132,6 @@ class SnapshotStore:
         self.js = js
         self.replicas = replicas
         self.bucket = bucket
-        self.meta_bucket = meta_bucket
         self.keep = keep
         self.chunk_timeout = chunk_timeout
         self.load_attempts = load_attempts
