@@ -11,8 +11,12 @@ from setuptools import Extension, setup
 
 _dl = ["dl"] if sys.platform.startswith("linux") else []
 setup(ext_modules=[Extension("schemas._blockhash", ["schemas/_blockhash.c"], optional=True,
+                             depends=["schemas/_blockhash_core.h"],
                              extra_compile_args=["-O3"], libraries=_dl),
                    Extension("indexer._prefix_walk", ["indexer/_prefix_walk.c"], optional=True,
                              extra_compile_args=["-O3"]),
+                   Extension("indexer._native_index", ["indexer/_native_index.c"], optional=True,
+                             depends=["indexer/native_table.h", "schemas/_blockhash_core.h"],
+                             extra_compile_args=["-O3"], libraries=[*_dl, "pthread"]),
                    Extension("bridge._zmq_drain", ["bridge/_zmq_drain.c"], optional=True,
                              extra_compile_args=["-O3"], libraries=_dl)])

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -23,7 +25,7 @@ from api.hit_rate_request import RequestError, decode_hit_rate_request
 from api.ops import add_ops_routes
 from infra.metrics import Metrics
 from schemas.block_hash import BlockHasher
-from indexer.hit_rate import Tier, score
+from indexer.hit_rate import NativeQuery, ScoreResult, Tier, score
 from schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
@@ -48,10 +50,13 @@ class HitRateApi:
         self.tiers = tiers
         self.ready = ready
         self.metrics = metrics
+        #: Native queries run here, one thread per core, while the loop goes on serving I/O
+        self._pool: ThreadPoolExecutor | None = None
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
                               middlewares=[self._observe])
+        app.on_cleanup.append(self._close_pool)
         app.router.add_route("*", HIT_RATE_PATH, self.hit_rate, expect_handler=self._expect)
         add_ops_routes(app, self.metrics, self.ready, "catching up with the event streams")
         return app
@@ -94,6 +99,31 @@ class HitRateApi:
         if unknown:
             self.metrics.unknown_candidates.inc(unknown)
 
+    async def _score(self, req) -> ScoreResult:
+        """On a worker thread where the native query covers the request, else here (``score``)."""
+        tiers = self.tiers()
+        try:
+            query = NativeQuery.prepare(self.hasher, req.token_json, req.block_size, req.cache_salt, req.server_ip,
+                                        tiers)
+        except ValueError as exc:
+            raise RequestError(f"body.token_ids: {exc}") from None
+        if query is not None:
+            if self._pool is None:
+                threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+                self._pool = ThreadPoolExecutor(max_workers=threads or 2, thread_name_prefix="hit-rate")
+            try:
+                return query.result(await asyncio.get_running_loop().run_in_executor(self._pool, query.run))
+            except ValueError as exc:
+                raise RequestError(f"body.token_ids: {exc}") from None
+            except NotImplementedError:
+                pass  # a request only the Python path hashes
+        return score(self.hasher, req.tokens(), req.block_size, req.cache_salt, req.server_ip, tiers)
+
+    async def _close_pool(self, app: web.Application) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
     def _too_large(self, request: web.Request) -> web.Response | None:
         length, limit = request.content_length, self.http.maxHitRateBodyBytes
         if length is not None and length > limit:
@@ -133,10 +163,9 @@ class HitRateApi:
             return _error(400, "empty request body")
         try:
             req = decode_hit_rate_request(body, self.http.maxCandidates)
+            result = await self._score(req)
         except RequestError as exc:
             return _error(400, str(exc))
-        try:
-            result = score(self.hasher, req.token_ids, req.block_size, req.cache_salt, req.server_ip, self.tiers())
         except Exception as exc:
             log.exception("hit-rate computation failed")
             return _error(500, f"hit-rate computation failed: {exc}")

@@ -3,9 +3,10 @@
 The contract is ``schemas.api.HitRateRequest`` (pydantic; it generates the OpenAPI document). Decoding
 a 240k-token body through pydantic or ``json`` costs 15-17 ms, mostly creating a Python int per token,
 so the hot path decodes the envelope with msgspec (same strictness: unknown fields, wrong types and
-bools-as-ints are rejected) and leaves ``token_ids`` raw; the C accelerator then parses the array
-straight into native uint64s that the hasher reads without ever creating the ints. A test checks that
-this decoder and the pydantic model accept and reject the same requests.
+bools-as-ints are rejected) and leaves ``token_ids`` raw: the native query parses it off the event loop
+(indexer.hit_rate.NativeQuery), else ``HitRateQuery.tokens`` parses it with the C accelerator straight
+into native uint64s that the hasher reads without ever creating the ints. A test checks that this
+decoder and the pydantic model accept and reject the same requests.
 """
 
 from __future__ import annotations
@@ -43,9 +44,13 @@ class RequestError(ValueError):
 @dataclass(slots=True)
 class HitRateQuery:
     server_ip: list[str]
-    token_ids: array  # typecode 'Q'
+    token_json: bytes  # the token_ids array's JSON text, not yet parsed
     block_size: int
     cache_salt: str
+
+    def tokens(self) -> array:
+        """The token ids (typecode 'Q'); RequestError where the array is malformed."""
+        return _tokens(self.token_json)
 
 
 def _tokens(raw: bytes) -> array:
@@ -80,5 +85,5 @@ def decode_hit_rate_request(body: bytes, max_candidates: int | None = None) -> H
         raise RequestError("invalid JSON: nested too deeply") from None
     if max_candidates is not None and len(req.server_ip) > max_candidates:
         raise RequestError(f"server_ip: {len(req.server_ip)} candidates exceed http.maxCandidates ({max_candidates})")
-    return HitRateQuery(server_ip=req.server_ip, token_ids=_tokens(bytes(req.body.token_ids)),
+    return HitRateQuery(server_ip=req.server_ip, token_json=bytes(req.body.token_ids),
                         block_size=req.body.block_size, cache_salt=req.body.cache_salt)

@@ -17,7 +17,18 @@ all of them, pay nothing for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+
+try:  # the index in native memory (indexer/_native_index.c); without a compiler, BlockIndex alone
+    from indexer import _native_index
+except ImportError:
+    _native_index = None
+
+_U64 = (1 << 64) - 1
+#: A snapshot's view of an index: per chunk of 64 worker ids, its hashes and masks (native uint64 bytes).
+Chunks = list[tuple[int, bytes, bytes]]
 
 
 class WorkerTable:
@@ -178,15 +189,52 @@ class BlockIndex:
         else:
             del self.blocks[h]
 
-    def restore(self, hashes: list[int], masks: list[int], worker_blocks: dict[int, int],
-                groups: dict[int, dict[int, int]] | None = None, copies: dict[int, dict] | None = None) -> None:
+    def restore_chunks(self, chunks: Chunks, worker_blocks: dict[int, int],
+                       groups: dict[int, dict[int, int]] | None = None, copies: dict[int, dict] | None = None) -> None:
         """Adopt a loaded table; single-bit masks become the shared objects (a C-level map, no loop)."""
         self._bit(max(max(worker_blocks, default=0), 0))
         shared = {b: b for b in self._bits}
-        self.blocks = dict(zip(hashes, map(shared.get, masks, masks)))
+        self.blocks = {}
+        for c, keys, masks in chunks:
+            ka, ma = array("Q"), array("Q")
+            ka.frombytes(keys)
+            ma.frombytes(masks)
+            ks, ms = ka.tolist(), ma.tolist()
+            if c == 0 and not self.blocks:
+                self.blocks = dict(zip(ks, map(shared.get, ms, ms)))
+                continue
+            blocks, shift = self.blocks, 64 * c
+            for k, m in zip(ks, ms):
+                blocks[k] = blocks.get(k, 0) | m << shift
         self.worker_blocks = dict(worker_blocks)
         self.groups = {wid: dict(held_by) for wid, held_by in (groups or {}).items()}
         self.copies = {wid: dict(extra) for wid, extra in (copies or {}).items() if extra}
+
+    def export_chunks(self) -> Chunks:
+        """The table by chunks of 64 workers, as snapshots store it."""
+        keys: dict[int, array] = {0: array("Q")}
+        masks: dict[int, array] = {0: array("Q")}
+        for h, m in self.blocks.items():
+            c = 0
+            while m:
+                if m & _U64:
+                    if c not in keys:
+                        keys[c], masks[c] = array("Q"), array("Q")
+                    keys[c].append(h)
+                    masks[c].append(m & _U64)
+                m >>= 64
+                c += 1
+        return [(c, keys[c].tobytes(), masks[c].tobytes()) for c in sorted(keys) if keys[c]]
+
+    @property
+    def masks(self):
+        """What the hit-rate walk looks masks up in (``.get(hash, default)``)."""
+        return self.blocks
+
+    def batch(self):
+        """Changes made within appear to concurrent queries at once (nothing to do: queries on this index
+        run on the event loop, between messages)."""
+        return nullcontext()
 
     def clear(self, wid: int) -> int:
         """Drop every block of one worker; returns how many it held."""
@@ -208,16 +256,143 @@ class BlockIndex:
         return sum(self.worker_blocks.values())
 
 
+class NativeBlockIndex(BlockIndex):
+    """The same index with the table in native memory (``_native_index.Table``): 16 bytes a (hash, chunk of
+    64 workers) slot and 8 a (block, worker) entry for clearing, where the dict costs about 80; the
+    hit-rate query runs over it without the GIL. KV-cache groups and duplicate copies keep their Python
+    side maps: the table answers, per stored hash, whether the worker held it already, which is all
+    their bookkeeping needs."""
+
+    def __init__(self) -> None:
+        self.table = _native_index.Table()
+        self.groups: dict[int, dict[int, int]] = {}
+        self.copies: dict[int, dict] = {}
+
+    @property
+    def blocks(self) -> dict[int, int]:  # type: ignore[override]
+        """{hash: worker mask} built from the table: for tests and tools, O(entries)."""
+        return self.table.as_dict()
+
+    @property
+    def masks(self):
+        return self.table
+
+    @property
+    def worker_blocks(self) -> dict[int, int]:  # type: ignore[override]
+        return self.table.worker_counts()
+
+    def store(self, wid: int, hashes: Iterable[int], group: int | None = None) -> None:
+        gbit = 1 << (group or 0)
+        held_by = self.groups.get(wid)
+        if held_by is None and gbit != 1:
+            held_by = self.groups[wid] = {}
+        if not isinstance(hashes, (list, tuple, array)):
+            hashes = list(hashes)
+        added, held_before = self.table.store(wid, hashes)
+        if held_by is None:
+            if added != len(held_before):  # some held already: other physical copies
+                for h, dup in zip(hashes, held_before):
+                    if dup:
+                        self._copy_added(wid, h)
+            return
+        for h, dup in zip(hashes, held_before):
+            if not dup:
+                if gbit != 1:
+                    held_by[h] = gbit
+                continue
+            held = held_by.get(h, 1)
+            if held & gbit:  # this group already holds it: another physical copy
+                self._copy_added(wid, h if gbit == 1 else (h, gbit))
+            elif held | gbit != 1:
+                held_by[h] = held | gbit
+
+    def remove(self, wid: int, hashes: Iterable[int], group: int | None = None) -> None:
+        gbit = 1 << (group or 0)
+        held_by = self.groups.get(wid)
+        if held_by is None and gbit != 1:
+            return  # this worker's blocks are all group 0's: another group held none of them
+        if held_by is None and wid not in self.copies:
+            self.table.remove(wid, hashes)
+            return
+        if not isinstance(hashes, (list, tuple, array)):
+            hashes = list(hashes)
+        drop: dict[int, None] = {}
+        for h, held in zip(hashes, self.table.holds(wid, hashes)):
+            if not held or h in drop:
+                continue
+            if held_by is None:
+                if self._copy_removed(wid, h):
+                    continue  # another physical copy stays
+            else:
+                groups = held_by.get(h, 1)
+                if not groups & gbit or self._copy_removed(wid, h if gbit == 1 else (h, gbit)):
+                    continue
+                groups ^= gbit
+                if groups:  # another group of this worker still holds it
+                    if groups == 1:
+                        del held_by[h]
+                    else:
+                        held_by[h] = groups
+                    continue
+                held_by.pop(h, None)
+            drop[h] = None
+        if drop:
+            self.table.remove(wid, list(drop))
+
+    def clear(self, wid: int) -> int:
+        self.groups.pop(wid, None)
+        self.copies.pop(wid, None)
+        return self.table.clear(wid)
+
+    def restore_chunks(self, chunks: Chunks, worker_blocks: dict[int, int],
+                       groups: dict[int, dict[int, int]] | None = None, copies: dict[int, dict] | None = None) -> None:
+        """Adopt a loaded table (the per-worker counts follow from the masks)."""
+        self.table = _native_index.Table()
+        for c, keys, masks in chunks:
+            self.table.load(c, keys, masks)
+        self.groups = {wid: dict(held_by) for wid, held_by in (groups or {}).items()}
+        self.copies = {wid: dict(extra) for wid, extra in (copies or {}).items() if extra}
+
+    def export_chunks(self) -> Chunks:
+        return self.table.export()
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Queries on other threads see the changes made within all at once (the table's write lock is
+        held throughout)."""
+        self.table.batch_begin()
+        try:
+            yield
+        finally:
+            self.table.batch_end()
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def entries(self) -> int:
+        return self.table.stats()[1]
+
+    def memory_bytes(self) -> int:
+        """Bytes the native table allocated (the Python side maps excluded)."""
+        return self.table.stats()[2]
+
+
+def new_block_index() -> BlockIndex:
+    """The native index where it was built, else the pure-Python one."""
+    return NativeBlockIndex() if _native_index is not None else BlockIndex()
+
+
 class TierIndex:
     """What the L1 and L3 states share, and all the scorer reads of a tier (``hit_rate.Tier``): the
     workers and the block index; each state says itself which pods it ``knows``."""
 
     def __init__(self) -> None:
         self.workers = WorkerTable()
-        self.index = BlockIndex()
+        self.index = new_block_index()
 
     @property
     def blocks(self) -> dict[int, int]:
+        """{hash: worker mask} (a copy, O(entries), where the index is native)."""
         return self.index.blocks
 
     def pod_workers(self, pod: str) -> dict[int, int]:

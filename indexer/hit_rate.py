@@ -4,27 +4,37 @@ pod holds in a tier, divided by the request's number of full blocks.
 The hash chain is computed lazily and shared by all tiers; the walk stops at the first block that no
 candidate worker of any tier still matches, so a cold request costs one or two hashes, not the whole
 chain. A pod's ratio in a tier is the best of its data-parallel ranks.
+
+Two ways to the same answer: ``score`` (pure Python with the C helpers, on the caller's thread: the
+reference), and, where the tiers' indexes are native and the hash is sha256, ``NativeQuery``: prepared
+on the event loop (the candidates' workers), run on a worker thread as one native call without the
+GIL (token parse, hash chain, walk over every tier), turned back into scores on the loop.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from schemas.block_hash import BlockHasher
+from indexer.block_index import BlockIndex, NativeBlockIndex, _native_index
+from schemas.block_hash import PICKLE_ONE_FRAME_TOKENS, BlockHasher, parse_token_array
 
 try:  # the C accelerator's fast path of the walk (blocks where no worker drops out)
     from indexer._prefix_walk import walk as _walk_c
 except (ImportError, AttributeError):
     _walk_c = None
 
+#: The native query can run (built, and libcrypto's sha256 found)
+NATIVE_QUERY = _native_index is not None and _native_index.sha256_available()
+
 
 class Tier(Protocol):
     """What the scorer needs of an index: hash -> worker bitmask, and a pod's workers (rank -> id)."""
 
     @property
-    def blocks(self) -> dict[int, int]: ...
+    def index(self) -> BlockIndex: ...
 
     def pod_workers(self, pod: str) -> dict[int, int]: ...
 
@@ -66,12 +76,13 @@ def score(hasher: BlockHasher, token_ids: Sequence[int], block_size: int, cache_
     lengths: list[dict[int, int]] = [{} for _ in tiers]
     hashed = 0
     if n_blocks and any(alive):
-        blocks = [t.blocks if t is not None else {} for t in tiers]
+        blocks = [t.index.masks if t is not None else {} for t in tiers]
+        walk_c = _walk_c if all(type(b) is dict for b in blocks) else None
         for chunk in hasher.iter_block_hash_chunks(token_ids, block_size, cache_salt=cache_salt or None):
             i = 0
             while i < len(chunk):
-                if _walk_c is not None:  # skip, in C, the blocks where every alive worker stays alive
-                    j = _walk_c(chunk, i, blocks, alive)
+                if walk_c is not None:  # skip, in C, the blocks where every alive worker stays alive
+                    j = walk_c(chunk, i, blocks, alive)
                     hashed += j - i
                     if j == len(chunk):
                         break
@@ -90,7 +101,7 @@ def _step(key: int, blocks: list[dict[int, int]], alive: list[int], lengths: lis
     for ti, a in enumerate(alive):
         if not a:
             continue
-        m = blocks[ti].get(key, 0) & a
+        m = (blocks[ti].get(key) or 0) & a
         dead = a ^ m
         if dead:
             rec = lengths[ti]
@@ -115,3 +126,74 @@ def _result(n_blocks: int, hashed: int, pods: Sequence[str], pod_workers, tiers,
         known = any(workers) or any(t is not None and t.knows(pod) for t in tiers)
         scores.append(PodScore(pod=pod, ratios=ratios, known=known))
     return ScoreResult(full_blocks=n_blocks, hashed_blocks=hashed, scores=scores)
+
+
+class NativeQuery:
+    """A request's hit-rate query for the native index: ``prepare`` on the event loop, ``run`` on any
+    thread (it holds no Python state the loop changes, and releases the GIL throughout), ``result``
+    back on the loop."""
+
+    __slots__ = ("_args", "_pods", "_slots", "_known")
+
+    def __init__(self, args: tuple, pods: Sequence[str], slots: list[list[range]], known: list[bool]) -> None:
+        self._args = args
+        self._pods = pods
+        self._slots = slots  # per pod, per tier: its workers' positions in that tier's candidate list
+        self._known = known
+
+    @classmethod
+    def prepare(cls, hasher: BlockHasher, tokens: bytes | array, block_size: int, cache_salt: str,
+                pods: Sequence[str], tiers: Sequence[Tier | None]) -> "NativeQuery | None":
+        """None where only ``score`` answers: an index or hash the native query does not cover.
+        ``tokens``: the JSON text of the token array (parsed, and checked, by ``run``) or uint64s. A
+        salted first block is hashed here (its extra keys are Python objects); the ValueError of a
+        malformed array then comes from here."""
+        if not NATIVE_QUERY or not hasher.algo.startswith("sha256") or len(hasher.none_hash) != 32:
+            return None
+        if not hasher.algo.endswith("_cbor") and block_size > PICKLE_ONE_FRAME_TOKENS:
+            return None
+        if any(t is not None and not isinstance(t.index, NativeBlockIndex) for t in tiers):
+            return None
+        pre = hasher.none_hash
+        if cache_salt:
+            if isinstance(tokens, (bytes, bytearray, memoryview)):
+                if parse_token_array is None:
+                    return None
+                tokens = array("Q", parse_token_array(tokens))
+            if len(tokens) >= block_size > 0:
+                pre += hasher.hash_block(pre, tokens[:block_size].tolist(),
+                                         hasher.block_extra_keys(0, block_size, cache_salt))
+        raw = not isinstance(tokens, array)
+        per_tier = []
+        slots: list[list[range]] = [[] for _ in pods]
+        known = []
+        for ti, t in enumerate(tiers):
+            pairs = array("Q")
+            for pi, pod in enumerate(pods):
+                start = len(pairs) // 2
+                if t is not None:
+                    table = t.index.table
+                    for wid in t.pod_workers(pod).values():
+                        pairs.append(wid)
+                        pairs.append(table.epoch(wid))
+                slots[pi].append(range(start, len(pairs) // 2))
+            per_tier.append((t.index.table if t is not None else None, pairs))
+        for pi, pod in enumerate(pods):
+            known.append(any(len(r) for r in slots[pi]) or any(t is not None and t.knows(pod) for t in tiers))
+        args = (tokens, raw, block_size, pre, hasher.algo.endswith("_cbor"), per_tier)
+        return cls(args, pods, slots, known)
+
+    def run(self) -> tuple[int, int, list[list[int]]]:
+        """(tokens, blocks hashed, per tier the candidates' lengths). ValueError: a malformed token
+        array; NotImplementedError: a request only ``score`` can hash (a pickle token over 2**31-1)."""
+        return _native_index.query(*self._args)
+
+    def result(self, out: tuple[int, int, list[list[int]]]) -> ScoreResult:
+        n_tokens, hashed, lengths = out
+        n_blocks = n_tokens // self._args[2]
+        scores = []
+        for pod, slots, known in zip(self._pods, self._slots, self._known):
+            ratios = [max((lengths[ti][i] for i in r), default=0) / n_blocks if n_blocks else 0.0
+                      for ti, r in enumerate(slots)]
+            scores.append(PodScore(pod=pod, ratios=ratios, known=known))
+        return ScoreResult(full_blocks=n_blocks, hashed_blocks=hashed, scores=scores)

@@ -111,7 +111,12 @@ class L1State(TierIndex):
     # -- stream messages ---------------------------------------------------------------------------
     def apply(self, msg: dict, stored_ns: int | None = None) -> None:
         """``stored_ns``: when the stream stored the message (None: not checked, as in benchmarks; early
-        batches then wait only for the count bound)."""
+        batches then wait only for the count bound). Queries on other threads see it applied wholly or
+        not at all."""
+        with self.index.batch():
+            self._apply(msg, stored_ns)
+
+    def _apply(self, msg: dict, stored_ns: int | None) -> None:
         kind = msg.get("type")
         if stored_ns is not None:
             if kind in ("batch", "reset"):

@@ -70,6 +70,11 @@ class L3State(TierIndex):
         return self._masters.setdefault(name, len(self._masters))
 
     def apply(self, msg: dict) -> None:
+        """Queries on other threads see the message applied wholly or not at all."""
+        with self.index.batch():
+            self._apply(msg)
+
+    def _apply(self, msg: dict) -> None:
         kind = msg.get("type")
         master = msg["master"]
         m = self._master(master)

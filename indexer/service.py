@@ -128,7 +128,7 @@ class Indexer:
                 self._last_snapshot_seq = self.applied_seq
                 self.metrics.snapshot_loads.inc()
                 log.info("loaded snapshot at stream seq %d (%d blocks) in %.2fs", self.applied_seq,
-                         len(self.l1.blocks), time.perf_counter() - t)
+                         len(self.l1.index), time.perf_counter() - t)
         info = await self.js.stream_info(self._stream)
         first, last = info.state.first_seq, info.state.last_seq
         if first > self.applied_seq + 1:  # an empty, purged stream reports first = last + 1

@@ -1,8 +1,11 @@
 """L1 index snapshots: a compact, fast-loading encoding and their store in NATS.
 
-Encoding: a msgpack header (stream sequence covered, workers, per-worker stream cursors) followed by
-two raw little-endian uint64 arrays (block hashes, worker bitmasks; bitmasks wider than 64 bits go in
-the header). Loading is two ``array.frombytes`` and one ``dict(zip())``, no per-entry Python parsing.
+Encoding (v2): a msgpack header (stream sequence covered, workers, per-worker stream cursors, the
+chunks) followed by, per chunk of 64 worker ids, two raw little-endian uint64 arrays (block hashes,
+the chunk's worker masks): the native index writes and loads them straight from its tables, the
+pure-Python one with two ``array`` conversions and a ``dict(zip())``, no per-entry parsing. v1 (one
+pair of arrays, masks wider than 64 bits in the header) is still read: a replica upgraded while an
+older one wrote the newest snapshot starts from it.
 
 Store: the object store bucket holds ``l1-<seq>`` objects; the KV key ``snapshot.l1`` points at the
 newest one and is moved with compare-and-set, so a reader always finds a complete snapshot and an
@@ -37,37 +40,35 @@ from indexer.l1_state import L1State
 
 log = logging.getLogger(__name__)
 
-FORMAT = "cache-indexer-l1-v1"
+FORMAT = "cache-indexer-l1-v2"
+FORMAT_V1 = "cache-indexer-l1-v1"
 CHUNK_SIZE = 512 * 1024  # below the default 1 MB max_payload; fewer chunks than nats-py's 128 KiB
 POINTER_KEY = "snapshot.l1"
 
 
+def _little_endian(raw: bytes | memoryview) -> bytes | memoryview:
+    """Native uint64s to little-endian ones, and back (the identity on little-endian machines)."""
+    if sys.byteorder == "little":
+        return raw
+    a = array("Q", raw)
+    a.byteswap()
+    return a.tobytes()
+
+
 def encode_l1(state: L1State, stream_seq: int) -> bytes:
-    blocks = state.index.blocks
-    keys = array("Q", blocks.keys())
-    wide: dict[int, int] = {}
-    masks = array("Q")
-    limit = 1 << 64
-    for i, m in enumerate(blocks.values()):
-        if m >= limit:
-            wide[i] = m
-            masks.append(0)
-        else:
-            masks.append(m)
-    if sys.byteorder != "little":
-        keys.byteswap()
-        masks.byteswap()
+    chunks = state.index.export_chunks()
     header = {
-        "format": FORMAT, "stream_seq": stream_seq, "count": len(keys),
+        "format": FORMAT, "stream_seq": stream_seq,
+        "chunks": [[c, len(keys) // 8] for c, keys, _ in chunks],
         "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
         "worker_blocks": list(state.index.worker_blocks.items()),
         "cursors": state.cursor_rows(),
-        "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in wide.items()},
         "groups": [[wid, list(held_by.items())] for wid, held_by in state.index.groups.items()],
         "copies": [[wid, list(extra.items())] for wid, extra in state.index.copies.items()],
     }
     head = msgpack.packb(header)
-    return len(head).to_bytes(8, "little") + head + keys.tobytes() + masks.tobytes()
+    body = [part for _, keys, masks in chunks for part in (_little_endian(keys), _little_endian(masks))]
+    return b"".join([len(head).to_bytes(8, "little"), head, *body])
 
 
 def decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
@@ -83,29 +84,49 @@ def decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
 def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     n = int.from_bytes(data[:8], "little")
     header = msgpack.unpackb(bytes(data[8:8 + n]), raw=False, strict_map_key=False)
-    if header.get("format") != FORMAT:
-        raise ValueError(f"unknown snapshot format {header.get('format')!r}")
-    count = header["count"]
     body = memoryview(data)[8 + n:]
+    if header.get("format") == FORMAT:
+        chunks, at = [], 0
+        for c, count in header["chunks"]:
+            chunks.append((c, _little_endian(body[at:at + count * 8]), _little_endian(body[at + count * 8:at + count * 16])))
+            at += count * 16
+    elif header.get("format") == FORMAT_V1:
+        chunks = _v1_chunks(header, body)
+    else:
+        raise ValueError(f"unknown snapshot format {header.get('format')!r}")
+    state = L1State()
+    for pod, rank, wid in header["workers"]:
+        state.workers.restore(pod, rank, wid)
+    groups = {wid: dict(pairs) for wid, pairs in header.get("groups", ())}  # absent before KV-cache groups
+    copies = {wid: {tuple(k) if isinstance(k, list) else k: n for k, n in pairs}  # absent before copies
+              for wid, pairs in header.get("copies", ())}
+    state.index.restore_chunks(chunks, dict(header["worker_blocks"]), groups, copies)
+    for row in header["cursors"]:  # older snapshots lack the last fields (parts, journal, early_since)
+        state.restore_cursor(*row)
+    return state, header["stream_seq"]
+
+
+def _v1_chunks(header: dict, body: memoryview) -> list[tuple[int, bytes, bytes]]:
+    """A v1 body (one array of hashes, one of 64-bit masks, wider masks in the header) by chunks."""
+    count = header["count"]
     keys, masks = array("Q"), array("Q")
     keys.frombytes(body[:count * 8])
     masks.frombytes(body[count * 8:count * 16])
     if sys.byteorder != "little":
         keys.byteswap()
         masks.byteswap()
-    state = L1State()
-    for pod, rank, wid in header["workers"]:
-        state.workers.restore(pod, rank, wid)
-    mask_list = masks.tolist()
+    wide: dict[int, tuple[array, array]] = {}
     for i, raw in header["wide"].items():
-        mask_list[int(i)] = int.from_bytes(raw, "little")
-    groups = {wid: dict(pairs) for wid, pairs in header.get("groups", ())}  # absent before KV-cache groups
-    copies = {wid: {tuple(k) if isinstance(k, list) else k: n for k, n in pairs}  # absent before copies
-              for wid, pairs in header.get("copies", ())}
-    state.index.restore(keys.tolist(), mask_list, dict(header["worker_blocks"]), groups, copies)
-    for row in header["cursors"]:  # older snapshots lack the last fields (parts, journal, early_since)
-        state.restore_cursor(*row)
-    return state, header["stream_seq"]
+        m, k = int.from_bytes(raw, "little"), keys[int(i)]
+        masks[int(i)] = m & 0xFFFF_FFFF_FFFF_FFFF
+        c = 1
+        while m := m >> 64:
+            if m & 0xFFFF_FFFF_FFFF_FFFF:
+                ks, ms = wide.setdefault(c, (array("Q"), array("Q")))
+                ks.append(k)
+                ms.append(m & 0xFFFF_FFFF_FFFF_FFFF)
+            c += 1
+    return [(0, keys.tobytes(), masks.tobytes())] + [(c, ks.tobytes(), ms.tobytes()) for c, (ks, ms) in sorted(wide.items())]
 
 
 @dataclass(slots=True)

@@ -14,55 +14,22 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__linux__)
-#include <dlfcn.h>
-#endif
 
-/* -- sha256 straight from libcrypto -------------------------------------------------------------- */
-typedef int (*digest_init_fn)(void *ctx, const void *md, void *engine);
-typedef int (*digest_update_fn)(void *ctx, const void *data, size_t n);
-typedef int (*digest_final_fn)(void *ctx, unsigned char *out, unsigned int *n);
-static struct {
-    const void *md;
-    void *ctx; /* one context, reused: chain() holds the GIL throughout */
-    digest_init_fn init;
-    digest_update_fn update;
-    digest_final_fn final;
-    int enabled;
-} ossl;
+#include "_blockhash_core.h"
+
+/* -- sha256 straight from libcrypto (the shared core), one context reused: chain() holds the GIL -- */
+static bh_libcrypto ossl;
+static void *ossl_ctx;
+static int ossl_enabled;
 
 static int native_sha256(const unsigned char *data, size_t n, unsigned char out[32]) {
-    unsigned int len = 0;
-    return ossl.init(ossl.ctx, ossl.md, NULL) == 1 && ossl.update(ossl.ctx, data, n) == 1 &&
-           ossl.final(ossl.ctx, out, &len) == 1 && len == 32;
+    return bh_sha256(&ossl, ossl_ctx, data, n, out);
 }
 
 static void load_libcrypto(void) {
-#if defined(__linux__)
-    static const char *names[] = {"libcrypto.so.3", "libcrypto.so.1.1", "libcrypto.so", NULL};
-    void *h = NULL;
-    for (int i = 0; names[i] && !h; i++) h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-    if (!h) return;
-    typedef void *(*fetch_fn)(void *, const char *, const char *);
-    typedef const void *(*legacy_md_fn)(void);
-    typedef void *(*ctx_new_fn)(void);
-    fetch_fn fetch = (fetch_fn)dlsym(h, "EVP_MD_fetch");     /* OpenSSL 3: fetched once, not per init */
-    legacy_md_fn sha256 = (legacy_md_fn)dlsym(h, "EVP_sha256"); /* OpenSSL 1.1 */
-    ctx_new_fn ctx_new = (ctx_new_fn)dlsym(h, "EVP_MD_CTX_new");
-    ossl.init = (digest_init_fn)dlsym(h, "EVP_DigestInit_ex");
-    ossl.update = (digest_update_fn)dlsym(h, "EVP_DigestUpdate");
-    ossl.final = (digest_final_fn)dlsym(h, "EVP_DigestFinal_ex");
-    ossl.md = fetch ? fetch(NULL, "SHA256", NULL) : NULL;
-    if (!ossl.md && sha256) ossl.md = sha256();
-    if (!ossl.md || !ctx_new || !ossl.init || !ossl.update || !ossl.final) return;
-    ossl.ctx = ctx_new();
-    if (!ossl.ctx) return;
-    static const unsigned char abc[32] = {
-        0xba, 0x78, 0x16, 0xbf, 0x8f, 0x01, 0xcf, 0xea, 0x41, 0x41, 0x40, 0xde, 0x5d, 0xae, 0x22, 0x23,
-        0xb0, 0x03, 0x61, 0xa3, 0x96, 0x17, 0x7a, 0x9c, 0xb4, 0x10, 0xff, 0x61, 0xf2, 0x00, 0x15, 0xad};
-    unsigned char out[32];
-    ossl.enabled = native_sha256((const unsigned char *)"abc", 3, out) && memcmp(out, abc, 32) == 0;
-#endif
+    bh_load_libcrypto(&ossl);
+    if (ossl.loaded) ossl_ctx = ossl.ctx_new();
+    ossl_enabled = ossl_ctx != NULL;
 }
 
 typedef struct {
@@ -101,58 +68,12 @@ static inline int small_long(PyObject *o, long long *out) {
 #endif
 }
 
-/* CBOR head: major type (0..7 << 5) with argument v, minimal length (canonical). */
 static void cbor_head(Buf *b, unsigned char major, uint64_t v) {
-    if (v < 24) { put1(b, major | (unsigned char)v); }
-    else if (v < 0x100) { put1(b, major | 24); put1(b, (unsigned char)v); }
-    else if (v < 0x10000) { put1(b, major | 25); put1(b, (unsigned char)(v >> 8)); put1(b, (unsigned char)v); }
-    else if (v < 0x100000000ULL) {
-        put1(b, major | 26);
-        for (int s = 24; s >= 0; s -= 8) put1(b, (unsigned char)(v >> s));
-    } else {
-        put1(b, major | 27);
-        for (int s = 56; s >= 0; s -= 8) put1(b, (unsigned char)(v >> s));
-    }
+    b->len = bh_cbor_head(b->buf + b->len, major, v) - b->buf;
 }
 
-/* Branch-free encoders for one non-negative token: token ids are random enough that the length
- * branches of the plain encoders mispredict about every other token, which cost more than the hash.
- * Each writes up to 9 bytes past w (the callers reserve 10 per token) and returns the new end. */
-static inline uint64_t to_big_endian(uint64_t v) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    return v;
-#else
-    return __builtin_bswap64(v);
-#endif
-}
-
-static inline uint64_t to_little_endian(uint64_t v) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    return __builtin_bswap64(v);
-#else
-    return v;
-#endif
-}
-
-static inline unsigned char *cbor_uint(unsigned char *w, uint64_t v) {
-    static const unsigned char nbytes[5] = {0, 1, 2, 4, 8};
-    unsigned c = (v >= 24) + (v >= 0x100) + (v >= 0x10000) + (v >= 0x100000000ULL);
-    unsigned n = nbytes[c];
-    w[0] = c ? (unsigned char)(23 + c) : (unsigned char)v; /* 24..27 = 1, 2, 4, 8 bytes follow */
-    uint64_t be = to_big_endian(n ? v << (64 - 8 * n) : 0);
-    memcpy(w + 1, &be, 8);
-    return w + 1 + n;
-}
-
-/* pickle BININT1 'K' / BININT2 'M' / BININT 'J' for 0 <= v <= 2**31-1 (the caller checks the bound). */
-static inline unsigned char *pickle_uint31(unsigned char *w, uint64_t v) {
-    static const unsigned char op[3] = {'K', 'M', 'J'}, nbytes[3] = {1, 2, 4};
-    unsigned c = (v >= 0x100) + (v >= 0x10000);
-    w[0] = op[c];
-    uint64_t le = to_little_endian(v);
-    memcpy(w + 1, &le, 8);
-    return w + 1 + nbytes[c];
-}
+#define cbor_uint bh_cbor_uint
+#define pickle_uint31 bh_pickle_uint31
 
 /* One token as CBOR; -1 with an exception for values outside 64-bit (left to the Python path). */
 static int cbor_int(Buf *b, PyObject *o) {
@@ -261,15 +182,14 @@ static PyObject *chain(PyObject *self, PyObject *args) {
         b.len = 0;
         PyObject **tok = items ? items + k * bs : NULL; /* the tuple holds blocks first .. first+n-1 */
         const uint64_t *utok = u64 ? u64 + (first + k) * bs : NULL;
-        if (cbor && utok) {
-            put1(&b, 0x83);
-            cbor_head(&b, 0x40, (uint64_t)plen);
-            put(&b, PyBytes_AS_STRING(parent), plen);
-            cbor_head(&b, 0x80, (uint64_t)bs);
-            unsigned char *w = b.buf + b.len; /* a local cursor: the compiler keeps it in a register */
-            for (Py_ssize_t i = 0; i < bs; i++) w = cbor_uint(w, utok[i]);
-            b.len = w - b.buf;
-            put1(&b, 0xf6);
+        if (utok) {
+            size_t len = bh_encode_block(b.buf, (const unsigned char *)PyBytes_AS_STRING(parent), (size_t)plen,
+                                         utok, (size_t)bs, cbor);
+            if (!len) {
+                PyErr_SetString(PyExc_OverflowError, "token id needs LONG1; left to the Python path");
+                goto fail;
+            }
+            b.len = (Py_ssize_t)len;
         } else if (cbor) {
             put1(&b, 0x83);
             cbor_head(&b, 0x40, (uint64_t)plen);
@@ -302,13 +222,7 @@ static PyObject *chain(PyObject *self, PyObject *args) {
             put1(&b, 0x94);
             if (bs > 3) put1(&b, '(');
             for (Py_ssize_t i = 0; i < bs; i++) {
-                if (utok) {
-                    if (utok[i] > 2147483647ULL) {
-                        PyErr_SetString(PyExc_OverflowError, "token id needs LONG1; left to the Python path");
-                        goto fail;
-                    }
-                    b.len = pickle_uint31(b.buf + b.len, utok[i]) - b.buf;
-                } else if (pickle_int(&b, tok[i]) < 0) goto fail;
+                if (pickle_int(&b, tok[i]) < 0) goto fail;
             }
             if (bs > 3) put1(&b, 't');
             else put1(&b, (unsigned char)(0x84 + bs)); /* TUPLE1..3 = 0x85..0x87 */
@@ -318,7 +232,7 @@ static PyObject *chain(PyObject *self, PyObject *args) {
             for (int s = 0; s < 8; s++) b.buf[frame_at + s] = (unsigned char)(flen >> (8 * s));
         }
         PyObject *digest;
-        if (sha_mode && ossl.enabled) {
+        if (sha_mode && ossl_enabled) {
             unsigned char out[32];
             if (!native_sha256(b.buf, (size_t)b.len, out)) {
                 PyErr_SetString(PyExc_RuntimeError, "libcrypto sha256 failed");
@@ -371,63 +285,15 @@ fail:
 static PyObject *parse_token_array(PyObject *self, PyObject *arg) {
     Py_buffer in;
     if (PyObject_GetBuffer(arg, &in, PyBUF_SIMPLE) < 0) return NULL;
-    const unsigned char *p = in.buf, *end = p + in.len, *start = p;
-    Buf b = {0};
-    const char *err = NULL;
-#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
-    WS();
-    if (p >= end || *p != '[') { err = "token_ids must be an array"; goto done; }
-    p++;
-    WS();
-    if (p < end && *p == ']') { p++; goto tail; }
-    for (;;) {
-        WS();
-        if (p >= end) { err = "unterminated token_ids array"; goto done; }
-        if (*p == '-') { /* -0 is JSON's zero (json.loads and the contract take it); any other sign is not */
-            if (p + 1 < end && p[1] == '0' && !(p + 2 < end && p[2] >= '0' && p[2] <= '9')) p++;
-            else { err = "token_ids must be non-negative integers"; goto done; }
-        }
-        if (*p < '0' || *p > '9') { err = "token_ids must be integers"; goto done; }
-        if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') { err = "invalid number in token_ids"; goto done; }
-        uint64_t v = 0;
-        const unsigned char *digits = p;
-        while (p < end && *p >= '0' && *p <= '9' && p - digits < 19) v = v * 10 + (unsigned)(*p++ - '0');
-        if (p < end && *p >= '0' && *p <= '9') { /* a 20th digit: the only place uint64 can overflow */
-            unsigned d = *p - '0';
-            if (v > (UINT64_MAX - d) / 10 || (p + 1 < end && p[1] >= '0' && p[1] <= '9')) {
-                err = "token id out of range";
-                goto done;
-            }
-            v = v * 10 + d;
-            p++;
-        }
-        if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) { err = "token_ids must be integers"; goto done; }
-        if (b.len + 8 > b.cap && buf_reserve(&b, 8 + (end - p) * 4) < 0) {
-            PyBuffer_Release(&in);
-            PyMem_Free(b.buf);
-            return NULL;
-        }
-        memcpy(b.buf + b.len, &v, 8);
-        b.len += 8;
-        WS();
-        if (p < end && *p == ',') { p++; continue; }
-        if (p < end && *p == ']') { p++; break; }
-        err = "invalid token_ids array";
-        goto done;
-    }
-tail:
-    WS();
-    if (p != end) err = "trailing data after token_ids";
-done:
-#undef WS
-    {
-        PyObject *res = NULL;
-        if (err) PyErr_Format(PyExc_ValueError, "%s (at byte %zd of the array)", err, (Py_ssize_t)(p - start));
-        else res = PyBytes_FromStringAndSize((const char *)b.buf, b.len);
-        PyBuffer_Release(&in);
-        PyMem_Free(b.buf);
-        return res;
-    }
+    uint64_t *tokens;
+    size_t n, at;
+    const char *err = bh_parse_u64_array(in.buf, (size_t)in.len, &tokens, &n, &at);
+    PyBuffer_Release(&in);
+    if (err) return PyErr_Format(PyExc_ValueError, "%s (at byte %zd of the array)", err, (Py_ssize_t)at);
+    if (!tokens && n) return PyErr_NoMemory();
+    PyObject *res = PyBytes_FromStringAndSize((const char *)tokens, (Py_ssize_t)(n * 8));
+    free(tokens);
+    return res;
 }
 
 /* native_sha256([enable]) -> whether sha256 runs in libcrypto directly; enable=False turns it off
@@ -435,12 +301,12 @@ done:
 static PyObject *native_sha256_switch(PyObject *self, PyObject *args) {
     int enable = -1;
     if (!PyArg_ParseTuple(args, "|p", &enable)) return NULL;
-    if (enable == 0) ossl.enabled = 0;
-    else if (enable == 1 && ossl.ctx) {
+    if (enable == 0) ossl_enabled = 0;
+    else if (enable == 1 && ossl_ctx) {
         unsigned char out[32];
-        ossl.enabled = native_sha256((const unsigned char *)"", 0, out);
+        ossl_enabled = native_sha256((const unsigned char *)"", 0, out);
     }
-    return PyBool_FromLong(ossl.enabled);
+    return PyBool_FromLong(ossl_enabled);
 }
 
 static PyMethodDef methods[] = {

@@ -20,7 +20,8 @@ TOKENS = list(range(1000, 1064))  # 4 blocks of 16
 
 
 class Broken:
-    blocks: dict = {}
+    from indexer.block_index import new_block_index
+    index = new_block_index()
 
     def pod_workers(self, pod):
         raise RuntimeError("index exploded")
@@ -140,8 +141,8 @@ def test_fast_decoder_rejects_what_the_contract_rejects(name):
 
     with pytest.raises(ValidationError):
         HitRateRequest.model_validate_json(BAD_REQUESTS[name])
-    with pytest.raises(RequestError):
-        decode_hit_rate_request(BAD_REQUESTS[name])
+    with pytest.raises(RequestError):  # the envelope, or the token array once parsed
+        decode_hit_rate_request(BAD_REQUESTS[name]).tokens()
 
 
 @pytest.mark.parametrize("accelerated", [True, False])
@@ -157,7 +158,7 @@ def test_fast_decoder_accepts_what_the_contract_accepts(accelerated, monkeypatch
         raw = json.dumps(payload).encode()
         ref = HitRateRequest.model_validate_json(raw)
         got = decode_hit_rate_request(raw)
-        assert (got.server_ip, list(got.token_ids), got.block_size, got.cache_salt) == \
+        assert (got.server_ip, list(got.tokens()), got.block_size, got.cache_salt) == \
             (ref.server_ip, ref.body.token_ids, ref.body.block_size, ref.body.cache_salt)
 
 

@@ -1,6 +1,7 @@
 """Bounded-time fuzzing of the boundaries where the network's bytes meet native code, each held equal
-to its pure-Python reference: the request's token array (``parse_token_array``, C), vLLM's block hash
-chain (``chain``, C) and vLLM event payloads through the decoder into the L1 state.
+to its pure-Python reference: the request's token array (``parse_token_array`` and the native query's
+parse, C), vLLM's block hash chain (``chain``, C) and vLLM event payloads through the decoder into the
+L1 state (the native index held equal to the pure-Python one).
 
 Mutations of the corpus under ``tests/data/fuzz`` and ``tests/data/vllm/events`` (bit flips, byte
 insertions and deletions, splices, interesting tokens), for ``FUZZ_SECONDS`` per target (2 by
@@ -20,6 +21,8 @@ import msgpack
 import pytest
 
 from bridge.vllm_events import MalformedPayload, decode_batch, decode_reference
+from indexer import hit_rate
+from indexer.block_index import BlockIndex
 from indexer.l1_state import L1State
 from schemas import block_hash
 from schemas.block_hash import BlockHasher
@@ -94,6 +97,12 @@ def test_the_token_array_parser_equals_the_json_reference(rng):
         except ValueError:
             got = None
         assert got == want, f"{raw[:200]!r}: C {got and got[:8]} != reference {want and want[:8]}"
+        if hit_rate.NATIVE_QUERY:  # the native query parses the same text on its own, off the GIL
+            try:
+                n_tokens = hit_rate._native_index.query(raw, True, 1, bytes(32), True, [])[0]
+            except ValueError:
+                n_tokens = None
+            assert n_tokens == (None if want is None else len(want)), raw[:200]
 
 
 @pytest.mark.parametrize("algo", ["sha256_cbor", "sha256", "xxhash_cbor", "xxhash"])
@@ -116,7 +125,8 @@ def test_the_hash_chain_equals_the_python_reference(rng, algo):
 
 def test_event_payloads_decode_as_the_reference_and_apply_without_harm(rng):
     corpus = [p.read_bytes() for p in sorted((DATA / "vllm" / "events").glob("*.bin"))]
-    state = L1State()
+    state, reference = L1State(), L1State()
+    reference.index = BlockIndex()  # the pure-Python index (``state``'s is native where built)
     for n in budget():
         raw = mutate(rng, rng.choice(corpus), corpus)
         try:
@@ -136,7 +146,9 @@ def test_event_payloads_decode_as_the_reference_and_apply_without_harm(rng):
         assert (got.ts, got.events, got.dp_rank) == (ref.ts, ref.events, ref.dp_rank), raw[:200]
         msg = {"type": "batch", "pod": "10.0.0.1", "rank": 0, "gen": 0, "seq": n, "events": got.events}
         state.apply(msgpack.unpackb(msgpack.packb(msg), raw=False))  # as the stream carries it
+        reference.apply(msgpack.unpackb(msgpack.packb(msg), raw=False))
         idx = state.index
+        assert idx.blocks == reference.index.blocks and idx.copies == reference.index.copies, raw[:200]
         counts: dict[int, int] = {}
         for mask in idx.blocks.values():
             for wid in range(mask.bit_length()):

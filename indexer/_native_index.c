@@ -1,0 +1,475 @@
+/*
+ * The block index of a tier in native memory, and the hit-rate query as one call that runs without the
+ * GIL (indexer/block_index.py's NativeBlockIndex wraps it; the pure-Python BlockIndex stays the
+ * reference and the fallback, and tests/test_native_index.py holds the two equal).
+ *
+ * Layout: worker ids are grouped by 64 ("chunks"); per chunk an open-addressing table (linear probing,
+ * backward-shift deletion, load <= 7/8) maps a block hash to the 64-bit mask of the chunk's workers
+ * holding it: 16 bytes a slot, shared by every worker of the chunk holding the block. Per worker, the
+ * hashes it stored, in an array that may keep hashes removed since (compacted when it reaches twice
+ * what the worker holds): clearing a worker (pod removal, AllBlocksCleared) costs its own blocks, not
+ * the table's. A worker's epoch grows with each clear, so a query prepared before a clear (and a
+ * worker id reused since) cannot count another worker's blocks.
+ *
+ * Concurrency: one writer (the event loop, with the GIL) and any number of query threads (without the
+ * GIL) share a table through a writer-preferring readers-writer lock. A batch() holds the write lock
+ * across calls, so a query sees a stream message applied wholly or not at all. A thread never waits
+ * for the lock while holding the GIL, and never takes the GIL while holding the lock.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../schemas/_blockhash_core.h"
+#include "native_table.h"
+
+static bh_libcrypto crypto;
+
+/* -- the Python type --------------------------------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD
+    nt_table t;
+    pthread_rwlock_t lock;
+    int batch_depth; /* > 0: batch() holds the write lock */
+} Table;
+
+static void write_lock(Table *self) {
+    if (self->batch_depth) return;
+    if (pthread_rwlock_trywrlock(&self->lock) == 0) return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_wrlock(&self->lock);
+    Py_END_ALLOW_THREADS
+}
+
+static void write_unlock(Table *self) {
+    if (!self->batch_depth) pthread_rwlock_unlock(&self->lock);
+}
+
+static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    Table *self = (Table *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    nt_init(&self->t);
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+#if defined(__GLIBC__)
+    /* glibc prefers readers by default: a steady query load would starve the event stream */
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+#endif
+    pthread_rwlock_init(&self->lock, &attr);
+    pthread_rwlockattr_destroy(&attr);
+    return (PyObject *)self;
+}
+
+static void Table_dealloc(Table *self) {
+    nt_free(&self->t);
+    pthread_rwlock_destroy(&self->lock);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A buffer of native uint64 (array('Q'), bytes of a multiple of 8) or any iterable of ints, as uint64s. */
+typedef struct {
+    Py_buffer view;
+    uint64_t *owned;
+    const uint64_t *data;
+    size_t n;
+} U64s;
+
+static int u64s_get(PyObject *o, U64s *out) {
+    memset(out, 0, sizeof *out);
+    if (!PyObject_CheckBuffer(o)) {
+        PyObject *seq = PySequence_Fast(o, "hashes must be an iterable of ints");
+        if (!seq) return -1;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        out->owned = malloc((size_t)(n ? n : 1) * 8);
+        if (!out->owned) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+            if (!PyLong_Check(item) || PyBool_Check(item)) {
+                Py_DECREF(seq); free(out->owned); out->owned = NULL;
+                PyErr_SetString(PyExc_TypeError, "block hashes must be ints");
+                return -1;
+            }
+            uint64_t v = PyLong_AsUnsignedLongLong(item);
+            if (v == (uint64_t)-1 && PyErr_Occurred()) {
+                Py_DECREF(seq); free(out->owned); out->owned = NULL;
+                PyErr_SetString(PyExc_ValueError, "block hashes must be uint64");
+                return -1;
+            }
+            out->owned[i] = v;
+        }
+        Py_DECREF(seq);
+        out->data = out->owned;
+        out->n = (size_t)n;
+        return 0;
+    }
+    if (PyObject_GetBuffer(o, &out->view, PyBUF_SIMPLE) < 0) return -1;
+    if (out->view.len % 8) {
+        PyBuffer_Release(&out->view);
+        PyErr_SetString(PyExc_ValueError, "a hash buffer holds whole uint64s");
+        return -1;
+    }
+    out->data = (const uint64_t *)out->view.buf;
+    out->n = (size_t)out->view.len / 8;
+    return 0;
+}
+
+static void u64s_release(U64s *u) {
+    if (u->owned) free(u->owned);
+    else if (u->data) PyBuffer_Release(&u->view);
+}
+
+static int wid_arg(PyObject *o, uint32_t *wid) {
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < 0 || v > NT_MAX_WORKERS - 1) {
+        PyErr_Format(PyExc_ValueError, "worker id %lld outside 0..%d", v, NT_MAX_WORKERS - 1);
+        return -1;
+    }
+    *wid = (uint32_t)v;
+    return 0;
+}
+
+/* store(wid, hashes) -> (added, flags): flags[i] is 1 where the worker held hashes[i] already (another
+ * physical copy, or a second KV-cache group: the caller's bookkeeping), else 0. */
+static PyObject *Table_store(Table *self, PyObject *args) {
+    PyObject *w, *h;
+    uint32_t wid;
+    U64s hs;
+    if (!PyArg_ParseTuple(args, "OO", &w, &h) || wid_arg(w, &wid) < 0 || u64s_get(h, &hs) < 0) return NULL;
+    PyObject *flags = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)hs.n);
+    if (!flags) { u64s_release(&hs); return NULL; }
+    write_lock(self);
+    long long added = nt_store(&self->t, wid, hs.data, hs.n, (unsigned char *)PyBytes_AS_STRING(flags));
+    write_unlock(self);
+    u64s_release(&hs);
+    if (added < 0) { Py_DECREF(flags); return PyErr_NoMemory(); }
+    return Py_BuildValue("(LN)", added, flags);
+}
+
+/* remove(wid, hashes) -> how many of them the worker held (and no longer does). */
+static PyObject *Table_remove(Table *self, PyObject *args) {
+    PyObject *w, *h;
+    uint32_t wid;
+    U64s hs;
+    if (!PyArg_ParseTuple(args, "OO", &w, &h) || wid_arg(w, &wid) < 0 || u64s_get(h, &hs) < 0) return NULL;
+    write_lock(self);
+    long long removed = nt_remove(&self->t, wid, hs.data, hs.n);
+    write_unlock(self);
+    u64s_release(&hs);
+    if (removed < 0) return PyErr_NoMemory();
+    return PyLong_FromLongLong(removed);
+}
+
+/* holds(wid, hashes) -> bytes: 1 where the worker holds the hash. */
+static PyObject *Table_holds(Table *self, PyObject *args) {
+    PyObject *w, *h;
+    uint32_t wid;
+    U64s hs;
+    if (!PyArg_ParseTuple(args, "OO", &w, &h) || wid_arg(w, &wid) < 0 || u64s_get(h, &hs) < 0) return NULL;
+    PyObject *flags = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)hs.n);
+    if (flags) {
+        unsigned char *f = (unsigned char *)PyBytes_AS_STRING(flags);
+        for (size_t i = 0; i < hs.n; i++) f[i] = nt_holds(&self->t, wid, hs.data[i]);
+    }
+    u64s_release(&hs);
+    return flags;
+}
+
+static PyObject *Table_clear(Table *self, PyObject *arg) {
+    uint32_t wid;
+    if (wid_arg(arg, &wid) < 0) return NULL;
+    write_lock(self);
+    uint64_t held = nt_clear(&self->t, wid);
+    write_unlock(self);
+    return PyLong_FromUnsignedLongLong(held);
+}
+
+/* The mask of every worker holding h (a Python int: bit w for worker w, any number of chunks). */
+static PyObject *mask_of(Table *self, uint64_t h) {
+    PyObject *mask = PyLong_FromLong(0);
+    for (size_t c = self->t.nchunks; c-- > 0 && mask;) {
+        uint64_t m = nt_chunk_get(&self->t.chunks[c], h);
+        PyObject *shift = PyLong_FromLong(64), *part = PyLong_FromUnsignedLongLong(m), *next = NULL;
+        if (shift && part) {
+            PyObject *shifted = PyNumber_Lshift(mask, shift);
+            if (shifted) { next = PyNumber_Or(shifted, part); Py_DECREF(shifted); }
+        }
+        Py_XDECREF(shift); Py_XDECREF(part); Py_DECREF(mask);
+        mask = next;
+    }
+    return mask;
+}
+
+/* get(h, default=None): the mask of h's workers, or default where nobody holds it (dict-like, for the
+ * pure-Python walk where the native query cannot run). */
+static PyObject *Table_get(Table *self, PyObject *args) {
+    PyObject *key, *dflt = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O", &key, &dflt)) return NULL;
+    uint64_t h = PyLong_AsUnsignedLongLong(key);
+    if (h == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); Py_INCREF(dflt); return dflt; }
+    int held = 0;
+    for (size_t c = 0; c < self->t.nchunks && !held; c++) held = nt_chunk_get(&self->t.chunks[c], h) != 0;
+    if (!held) { Py_INCREF(dflt); return dflt; }
+    return mask_of(self, h);
+}
+
+/* as_dict() -> {hash: mask}: the whole table as the pure-Python index holds it (tests, tools). */
+static PyObject *Table_as_dict(Table *self, PyObject *unused) {
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    for (size_t c = 0; c < self->t.nchunks; c++) {
+        nt_chunk *ch = &self->t.chunks[c];
+        for (size_t i = 0; i <= ch->cap; i++) {
+            uint64_t key, m;
+            if (!nt_chunk_entry(ch, i, &key, &m)) continue;
+            PyObject *k = PyLong_FromUnsignedLongLong(key);
+            PyObject *v = k ? mask_of(self, key) : NULL;
+            if (!v || PyDict_SetItem(d, k, v) < 0) { Py_XDECREF(k); Py_XDECREF(v); Py_DECREF(d); return NULL; }
+            Py_DECREF(k); Py_DECREF(v);
+        }
+    }
+    return d;
+}
+
+/* export() -> [(chunk, keys bytes, masks bytes)]: native uint64 arrays, straight from the tables. */
+static PyObject *Table_export(Table *self, PyObject *unused) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (size_t c = 0; c < self->t.nchunks; c++) {
+        nt_chunk *ch = &self->t.chunks[c];
+        size_t n = nt_chunk_size(ch);
+        if (!n) continue;
+        PyObject *keys = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
+        PyObject *masks = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
+        if (!keys || !masks) { Py_XDECREF(keys); Py_XDECREF(masks); Py_DECREF(out); return NULL; }
+        uint64_t *k = (uint64_t *)PyBytes_AS_STRING(keys), *m = (uint64_t *)PyBytes_AS_STRING(masks);
+        size_t j = 0;
+        for (size_t i = 0; i <= ch->cap && j < n; i++)
+            if (nt_chunk_entry(ch, i, &k[j], &m[j])) j++;
+        PyObject *row = Py_BuildValue("(nNN)", (Py_ssize_t)c, keys, masks);
+        if (!row || PyList_Append(out, row) < 0) { Py_XDECREF(row); Py_DECREF(out); return NULL; }
+        Py_DECREF(row);
+    }
+    return out;
+}
+
+/* load(chunk, keys, masks): adds a chunk's entries (snapshot loading; OR-ed into what is there). */
+static PyObject *Table_load(Table *self, PyObject *args) {
+    Py_ssize_t c;
+    PyObject *k, *m;
+    U64s keys, masks;
+    if (!PyArg_ParseTuple(args, "nOO", &c, &k, &m)) return NULL;
+    if (c < 0 || c >= NT_MAX_WORKERS / 64) return PyErr_Format(PyExc_ValueError, "chunk %zd out of range", c);
+    if (u64s_get(k, &keys) < 0) return NULL;
+    if (u64s_get(m, &masks) < 0) { u64s_release(&keys); return NULL; }
+    int rc = -2;
+    if (keys.n == masks.n) {
+        write_lock(self);
+        rc = nt_load(&self->t, (size_t)c, keys.data, masks.data, keys.n);
+        write_unlock(self);
+    }
+    u64s_release(&keys);
+    u64s_release(&masks);
+    if (rc == -2) return PyErr_Format(PyExc_ValueError, "keys and masks differ in length");
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* worker_counts() -> {wid: blocks held} for workers holding any. */
+static PyObject *Table_worker_counts(Table *self, PyObject *unused) {
+    PyObject *d = PyDict_New();
+    for (size_t w = 0; d && w < self->t.nworkers; w++) {
+        if (!self->t.workers[w].count) continue;
+        PyObject *k = PyLong_FromSize_t(w), *v = PyLong_FromUnsignedLongLong(self->t.workers[w].count);
+        if (!k || !v || PyDict_SetItem(d, k, v) < 0) { Py_XDECREF(k); Py_XDECREF(v); Py_DECREF(d); return NULL; }
+        Py_DECREF(k); Py_DECREF(v);
+    }
+    return d;
+}
+
+static PyObject *Table_epoch(Table *self, PyObject *arg) {
+    uint32_t wid;
+    if (wid_arg(arg, &wid) < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(wid < self->t.nworkers ? self->t.workers[wid].epoch : 0);
+}
+
+/* stats() -> (distinct hashes, (block, worker) entries, bytes allocated) */
+static PyObject *Table_stats(Table *self, PyObject *unused) {
+    return Py_BuildValue("(KKK)", (unsigned long long)nt_distinct(&self->t), (unsigned long long)self->t.entries,
+                         (unsigned long long)nt_bytes(&self->t));
+}
+
+static PyObject *Table_batch_begin(Table *self, PyObject *unused) {
+    if (self->batch_depth == 0) write_lock(self);
+    self->batch_depth++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Table_batch_end(Table *self, PyObject *unused) {
+    if (self->batch_depth <= 0) return PyErr_Format(PyExc_RuntimeError, "batch_end without batch_begin");
+    if (--self->batch_depth == 0) pthread_rwlock_unlock(&self->lock);
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t Table_len(Table *self) { return (Py_ssize_t)nt_distinct(&self->t); }
+
+static PySequenceMethods Table_as_sequence = {.sq_length = (lenfunc)Table_len};
+
+static PyMethodDef Table_methods[] = {
+    {"store", (PyCFunction)Table_store, METH_VARARGS, "store(wid, hashes) -> (added, flags of those held already)"},
+    {"remove", (PyCFunction)Table_remove, METH_VARARGS, "remove(wid, hashes) -> how many were held"},
+    {"holds", (PyCFunction)Table_holds, METH_VARARGS, "holds(wid, hashes) -> bytes of 0/1"},
+    {"clear", (PyCFunction)Table_clear, METH_O, "clear(wid) -> blocks the worker held"},
+    {"get", (PyCFunction)Table_get, METH_VARARGS, "get(hash, default=None) -> mask of the workers holding it"},
+    {"as_dict", (PyCFunction)Table_as_dict, METH_NOARGS, "{hash: mask} of the whole table"},
+    {"export", (PyCFunction)Table_export, METH_NOARGS, "[(chunk, keys, masks)] as native uint64 bytes"},
+    {"load", (PyCFunction)Table_load, METH_VARARGS, "load(chunk, keys, masks): add a chunk's entries"},
+    {"worker_counts", (PyCFunction)Table_worker_counts, METH_NOARGS, "{wid: blocks held}"},
+    {"epoch", (PyCFunction)Table_epoch, METH_O, "how many times the worker id was cleared"},
+    {"stats", (PyCFunction)Table_stats, METH_NOARGS, "(distinct hashes, entries, bytes allocated)"},
+    {"batch_begin", (PyCFunction)Table_batch_begin, METH_NOARGS, "hold the write lock until batch_end"},
+    {"batch_end", (PyCFunction)Table_batch_end, METH_NOARGS, "release what batch_begin took"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "indexer._native_index.Table",
+    .tp_basicsize = sizeof(Table),
+    .tp_dealloc = (destructor)Table_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A tier's block hash -> worker mask table in native memory.",
+    .tp_new = Table_new,
+    .tp_methods = Table_methods,
+    .tp_as_sequence = &Table_as_sequence,
+};
+
+/* -- the query --------------------------------------------------------------------------------------- */
+#define MAX_TIERS 4
+
+/* query(tokens, raw_json, block_size, pre, cbor, tiers) -> (n_tokens, hashed, [lengths per tier])
+ *   tokens: the request's token ids, as JSON array text (raw_json) or native uint64s;
+ *   pre: the digests (32 bytes each) of the first blocks, computed by the caller (a salted block 0),
+ *        the chain going on from the last of them (NONE_HASH: the first 32 bytes when none is given);
+ *   tiers: a sequence of (Table or None, uint64 buffer of wid, epoch pairs): the candidates' workers.
+ * lengths[t][i]: blocks from block 0 worker i of tier t holds consecutively, as the pure-Python walk
+ * counts them (hashed: the blocks whose digest was computed or given). Everything after the argument
+ * checks runs without the GIL. ValueError: the token array is malformed (the message says where);
+ * NotImplementedError: what only the Python path encodes (a pickle token over 2**31-1, no libcrypto). */
+static PyObject *query(PyObject *self, PyObject *args) {
+    PyObject *tokens_obj, *tiers_obj;
+    Py_buffer pre;
+    Py_ssize_t bs;
+    int raw_json, cbor;
+    if (!PyArg_ParseTuple(args, "Opny*pO", &tokens_obj, &raw_json, &bs, &pre, &cbor, &tiers_obj)) return NULL;
+    PyObject *result = NULL, *tiers = NULL;
+    Py_buffer tokbuf = {0};
+    int have_tokbuf = 0, ntiers = 0;
+    Table *tables[MAX_TIERS] = {0};
+    U64s pairs[MAX_TIERS];
+    memset(pairs, 0, sizeof pairs);
+    if (!crypto.loaded) { PyErr_SetString(PyExc_NotImplementedError, "no libcrypto sha256"); goto out; }
+    if (bs <= 0) { PyErr_SetString(PyExc_ValueError, "block_size must be positive"); goto out; }
+    if (pre.len < 32 || pre.len % 32) { PyErr_SetString(PyExc_ValueError, "pre: whole 32-byte digests"); goto out; }
+    tiers = PySequence_Fast(tiers_obj, "tiers must be a sequence");
+    if (!tiers) goto out;
+    if (PySequence_Fast_GET_SIZE(tiers) > MAX_TIERS) { PyErr_SetString(PyExc_ValueError, "too many tiers"); goto out; }
+    for (Py_ssize_t t = 0; t < PySequence_Fast_GET_SIZE(tiers); t++) {
+        PyObject *row = PySequence_Fast_GET_ITEM(tiers, t), *table, *wids;
+        if (!PyArg_ParseTuple(row, "OO", &table, &wids)) goto out;
+        if (table != Py_None && !PyObject_TypeCheck(table, &TableType)) {
+            PyErr_SetString(PyExc_TypeError, "tiers: (Table or None, wid/epoch pairs)");
+            goto out;
+        }
+        tables[t] = table == Py_None ? NULL : (Table *)table;
+        if (u64s_get(wids, &pairs[t]) < 0) goto out;
+        ntiers = (int)t + 1;
+        if (pairs[t].n % 2) { PyErr_SetString(PyExc_ValueError, "tiers: wid/epoch pairs"); goto out; }
+    }
+    if (PyObject_GetBuffer(tokens_obj, &tokbuf, PyBUF_SIMPLE) < 0) goto out;
+    have_tokbuf = 1;
+    if (!raw_json && tokbuf.len % 8) { PyErr_SetString(PyExc_ValueError, "tokens: whole uint64s"); goto out; }
+
+    nt_query_in in = {.bs = (size_t)bs, .cbor = cbor, .pre = pre.buf, .npre = (size_t)pre.len / 32,
+                      .ntiers = ntiers, .crypto = &crypto};
+    uint64_t *parsed = NULL;
+    size_t err_at = 0, n_tokens = 0;
+    const char *err = NULL;
+    uint64_t *lengths[MAX_TIERS] = {0};
+    int rc = 0;
+    for (int t = 0; t < ntiers; t++) {
+        in.tables[t] = tables[t] ? &tables[t]->t : NULL;
+        in.pairs[t] = pairs[t].data;
+        in.npairs[t] = pairs[t].n / 2;
+        lengths[t] = calloc(in.npairs[t] ? in.npairs[t] : 1, 8);
+        if (!lengths[t]) rc = -1;
+    }
+    nt_query_out res = {0};
+    Py_BEGIN_ALLOW_THREADS
+    if (rc == 0 && raw_json) {
+        err = bh_parse_u64_array(tokbuf.buf, (size_t)tokbuf.len, &parsed, &n_tokens, &err_at);
+        if (!err && !parsed && n_tokens) rc = -1;
+        in.tokens = parsed;
+    } else if (rc == 0) {
+        in.tokens = tokbuf.buf;
+        n_tokens = (size_t)tokbuf.len / 8;
+    }
+    in.n_tokens = n_tokens;
+    if (rc == 0 && !err) {
+        for (int t = 0; t < ntiers; t++) if (tables[t]) pthread_rwlock_rdlock(&tables[t]->lock);
+        rc = nt_query(&in, lengths, &res);
+        for (int t = ntiers; t-- > 0;) if (tables[t]) pthread_rwlock_unlock(&tables[t]->lock);
+    }
+    free(parsed);
+    Py_END_ALLOW_THREADS
+    if (err) PyErr_Format(PyExc_ValueError, "%s (at byte %zd of the array)", err, (Py_ssize_t)err_at);
+    else if (rc == -1) PyErr_NoMemory();
+    else if (rc == -2) PyErr_SetString(PyExc_NotImplementedError, "a pickle token over 2**31-1 or a huge block");
+    else if (rc == -3) PyErr_SetString(PyExc_RuntimeError, "libcrypto sha256 failed");
+    else {
+        PyObject *per_tier = PyList_New(ntiers);
+        for (int t = 0; per_tier && t < ntiers; t++) {
+            PyObject *l = PyList_New((Py_ssize_t)in.npairs[t]);
+            if (!l) { Py_CLEAR(per_tier); break; }
+            for (size_t i = 0; i < in.npairs[t]; i++) {
+                PyObject *v = PyLong_FromUnsignedLongLong(lengths[t][i]);
+                if (!v) { Py_DECREF(l); l = NULL; break; }
+                PyList_SET_ITEM(l, (Py_ssize_t)i, v);
+            }
+            if (!l) { Py_CLEAR(per_tier); break; }
+            PyList_SET_ITEM(per_tier, t, l);
+        }
+        if (per_tier) result = Py_BuildValue("(nnN)", (Py_ssize_t)n_tokens, (Py_ssize_t)res.hashed, per_tier);
+    }
+    for (int t = 0; t < MAX_TIERS; t++) free(lengths[t]);
+out:
+    for (int t = 0; t < MAX_TIERS; t++) u64s_release(&pairs[t]);
+    if (have_tokbuf) PyBuffer_Release(&tokbuf);
+    Py_XDECREF(tiers);
+    PyBuffer_Release(&pre);
+    return result;
+}
+
+static PyObject *sha256_available(PyObject *self, PyObject *unused) { return PyBool_FromLong(crypto.loaded); }
+
+static PyMethodDef methods[] = {
+    {"query", query, METH_VARARGS, "The hit-rate walk of a request over the tiers, hashing included, without the GIL."},
+    {"sha256_available", sha256_available, METH_NOARGS, "Whether the query can hash (libcrypto's sha256 loaded)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_index", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__native_index(void) {
+    bh_load_libcrypto(&crypto);
+    if (PyType_Ready(&TableType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&TableType);
+    if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0) { Py_DECREF(&TableType); Py_DECREF(m); return NULL; }
+    PyModule_AddIntConstant(m, "MAX_WORKERS", NT_MAX_WORKERS);
+    return m;
+}

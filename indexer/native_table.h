@@ -1,0 +1,440 @@
+/*
+ * The native block table and the hit-rate query over it, in plain C (no Python): included by
+ * indexer/_native_index.c, which adds the Python type and the locking, and by the ThreadSanitizer
+ * harness (tests/native/tsan_table.c), which drives it from threads directly.
+ *
+ * A chunk maps a block hash to the mask of the 64 workers (ids 64c .. 64c+63) holding it: linear
+ * probing over 16-byte slots, an empty slot has key 0 (the hash 0 is held aside), deletion shifts the
+ * following entries back (no tombstones), the load stays within 1/32 .. 7/8.
+ */
+#ifndef CACHE_INDEXER_NATIVE_TABLE_H
+#define CACHE_INDEXER_NATIVE_TABLE_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../schemas/_blockhash_core.h"
+
+#define NT_MAX_WORKERS (1 << 16)
+#define NT_MIN_CAP 16
+
+typedef struct {
+    uint64_t key, mask;
+} nt_slot;
+
+typedef struct {
+    nt_slot *slots;
+    size_t cap; /* a power of two, or 0 */
+    unsigned shift; /* 64 - log2(cap) */
+    size_t used; /* slots with a key */
+    int has_zero;
+    uint64_t zero_mask;
+} nt_chunk;
+
+typedef struct {
+    uint64_t *hashes; /* what the worker stored; may still list hashes removed since (see nt_compact) */
+    size_t len, cap;
+    uint64_t count; /* blocks held */
+    uint64_t epoch; /* clears so far */
+} nt_worker;
+
+typedef struct {
+    nt_chunk *chunks;
+    size_t nchunks;
+    nt_worker *workers;
+    size_t nworkers;
+    uint64_t entries; /* (block, worker) pairs */
+} nt_table;
+
+static inline size_t nt_home(const nt_chunk *ch, uint64_t key) {
+    return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> ch->shift);
+}
+
+static nt_slot *nt_find(const nt_chunk *ch, uint64_t key) { /* key != 0 */
+    if (!ch->cap) return NULL;
+    size_t m = ch->cap - 1, i = nt_home(ch, key);
+    for (;;) {
+        nt_slot *s = &ch->slots[i];
+        if (s->key == key) return s;
+        if (!s->key) return NULL;
+        i = (i + 1) & m;
+    }
+}
+
+static int nt_rehash(nt_chunk *ch, size_t cap) {
+    nt_slot *slots = calloc(cap, sizeof(nt_slot));
+    if (!slots) return -1;
+    unsigned shift = 64;
+    for (size_t c = cap; c > 1; c >>= 1) shift--;
+    nt_chunk next = {.slots = slots, .cap = cap, .shift = shift, .used = ch->used, .has_zero = ch->has_zero,
+                     .zero_mask = ch->zero_mask};
+    for (size_t i = 0; i < ch->cap; i++) {
+        if (!ch->slots[i].key) continue;
+        size_t j = nt_home(&next, ch->slots[i].key);
+        while (slots[j].key) j = (j + 1) & (cap - 1);
+        slots[j] = ch->slots[i];
+    }
+    free(ch->slots);
+    *ch = next;
+    return 0;
+}
+
+static nt_slot *nt_insert(nt_chunk *ch, uint64_t key) { /* key != 0; NULL: out of memory */
+    if ((ch->used + 1) * 8 > ch->cap * 7 && nt_rehash(ch, ch->cap ? ch->cap * 2 : NT_MIN_CAP) < 0) return NULL;
+    size_t m = ch->cap - 1, i = nt_home(ch, key);
+    for (;;) {
+        nt_slot *s = &ch->slots[i];
+        if (s->key == key) return s;
+        if (!s->key) {
+            s->key = key;
+            s->mask = 0;
+            ch->used++;
+            return s;
+        }
+        i = (i + 1) & m;
+    }
+}
+
+static void nt_delete(nt_chunk *ch, nt_slot *s) {
+    size_t m = ch->cap - 1, i = (size_t)(s - ch->slots), j = i;
+    for (;;) {
+        j = (j + 1) & m;
+        if (!ch->slots[j].key) break;
+        size_t k = nt_home(ch, ch->slots[j].key);
+        if (((j - k) & m) >= ((j - i) & m)) { /* the hole lies on j's probe path: move it back */
+            ch->slots[i] = ch->slots[j];
+            i = j;
+        }
+    }
+    ch->slots[i].key = ch->slots[i].mask = 0;
+    ch->used--;
+    if (ch->cap > NT_MIN_CAP && ch->used * 32 < ch->cap) nt_rehash(ch, ch->cap / 4); /* fails: stays larger */
+}
+
+static inline uint64_t nt_chunk_get(const nt_chunk *ch, uint64_t key) {
+    if (!key) return ch->has_zero ? ch->zero_mask : 0;
+    const nt_slot *s = nt_find(ch, key);
+    return s ? s->mask : 0;
+}
+
+/* mask |= bits; the mask before in *prev. -1: out of memory. */
+static int nt_chunk_or(nt_chunk *ch, uint64_t key, uint64_t bits, uint64_t *prev) {
+    if (!key) {
+        *prev = ch->has_zero ? ch->zero_mask : 0;
+        ch->has_zero = 1;
+        ch->zero_mask |= bits;
+        return 0;
+    }
+    nt_slot *s = nt_insert(ch, key);
+    if (!s) return -1;
+    *prev = s->mask;
+    s->mask |= bits;
+    return 0;
+}
+
+/* mask &= ~bits, the entry going when nobody is left; returns the mask before. */
+static uint64_t nt_chunk_andnot(nt_chunk *ch, uint64_t key, uint64_t bits) {
+    if (!key) {
+        uint64_t prev = ch->has_zero ? ch->zero_mask : 0;
+        ch->zero_mask &= ~bits;
+        ch->has_zero = ch->zero_mask != 0;
+        return prev;
+    }
+    nt_slot *s = nt_find(ch, key);
+    if (!s) return 0;
+    uint64_t prev = s->mask;
+    s->mask &= ~bits;
+    if (!s->mask) nt_delete(ch, s);
+    return prev;
+}
+
+static inline size_t nt_chunk_size(const nt_chunk *ch) { return ch->used + (ch->has_zero != 0); }
+
+/* Entry i of a chunk's iteration (0 .. cap; cap is the hash 0): 1 and its key and mask where one is. */
+static inline int nt_chunk_entry(const nt_chunk *ch, size_t i, uint64_t *key, uint64_t *mask) {
+    if (i == ch->cap) {
+        if (!ch->has_zero) return 0;
+        *key = 0;
+        *mask = ch->zero_mask;
+        return 1;
+    }
+    if (!ch->slots[i].key) return 0;
+    *key = ch->slots[i].key;
+    *mask = ch->slots[i].mask;
+    return 1;
+}
+
+static void nt_init(nt_table *t) { memset(t, 0, sizeof *t); }
+
+static void nt_free(nt_table *t) {
+    for (size_t c = 0; c < t->nchunks; c++) free(t->chunks[c].slots);
+    for (size_t w = 0; w < t->nworkers; w++) free(t->workers[w].hashes);
+    free(t->chunks);
+    free(t->workers);
+    nt_init(t);
+}
+
+static int nt_ensure_worker(nt_table *t, uint32_t wid) {
+    size_t nch = (size_t)(wid >> 6) + 1;
+    if (nch > t->nchunks) {
+        nt_chunk *c = realloc(t->chunks, nch * sizeof(nt_chunk));
+        if (!c) return -1;
+        memset(c + t->nchunks, 0, (nch - t->nchunks) * sizeof(nt_chunk));
+        t->chunks = c;
+        t->nchunks = nch;
+    }
+    if (wid >= t->nworkers) {
+        size_t n = (size_t)wid + 1;
+        if (n < t->nworkers * 2) n = t->nworkers * 2;
+        if (n > NT_MAX_WORKERS) n = NT_MAX_WORKERS;
+        nt_worker *w = realloc(t->workers, n * sizeof(nt_worker));
+        if (!w) return -1;
+        memset(w + t->nworkers, 0, (n - t->nworkers) * sizeof(nt_worker));
+        t->workers = w;
+        t->nworkers = n;
+    }
+    return 0;
+}
+
+static int nt_reserve(nt_worker *w, size_t extra) {
+    if (w->len + extra <= w->cap) return 0;
+    size_t cap = w->cap ? w->cap : 16;
+    while (cap < w->len + extra) cap *= 2;
+    uint64_t *h = realloc(w->hashes, cap * 8);
+    if (!h) return -1;
+    w->hashes = h;
+    w->cap = cap;
+    return 0;
+}
+
+/* Stores hashes for worker wid; flags[i] = 1 where it held hashes[i] already. The number added, -1:
+ * out of memory (what came before stays applied). */
+static long long nt_store(nt_table *t, uint32_t wid, const uint64_t *hs, size_t n, unsigned char *flags) {
+    if (nt_ensure_worker(t, wid) < 0) return -1;
+    nt_worker *w = &t->workers[wid];
+    uint64_t bit = 1ULL << (wid & 63);
+    nt_chunk *ch = &t->chunks[wid >> 6];
+    long long added = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t prev;
+        if (nt_reserve(w, 1) < 0 || nt_chunk_or(ch, hs[i], bit, &prev) < 0) return -1;
+        flags[i] = (prev & bit) != 0;
+        if (!flags[i]) {
+            w->hashes[w->len++] = hs[i];
+            w->count++;
+            added++;
+        }
+    }
+    t->entries += (uint64_t)added;
+    return added;
+}
+
+/* Drops what the worker's array lists but no longer holds, and repeats: each hash held stays once. */
+static void nt_compact(nt_table *t, uint32_t wid) {
+    nt_worker *w = &t->workers[wid];
+    nt_chunk *ch = &t->chunks[wid >> 6];
+    uint64_t bit = 1ULL << (wid & 63);
+    size_t j = 0;
+    for (size_t i = 0; i < w->len; i++) { /* the bit goes off at its first sight, so a repeat is dropped */
+        uint64_t h = w->hashes[i];
+        if (!h) {
+            if (ch->has_zero && ch->zero_mask & bit) { w->hashes[j++] = h; ch->zero_mask &= ~bit; }
+            continue;
+        }
+        nt_slot *s = nt_find(ch, h);
+        if (s && s->mask & bit) { w->hashes[j++] = h; s->mask &= ~bit; } /* the slot stays while its key does */
+    }
+    for (size_t i = 0; i < j; i++) { /* and back on */
+        uint64_t h = w->hashes[i];
+        if (!h) ch->zero_mask |= bit;
+        else nt_find(ch, h)->mask |= bit;
+    }
+    w->len = j;
+    if (w->cap > 64 && w->cap > 4 * j) {
+        size_t cap = j * 2 > 16 ? j * 2 : 16;
+        uint64_t *h = realloc(w->hashes, cap * 8);
+        if (h) { w->hashes = h; w->cap = cap; }
+    }
+}
+
+static long long nt_remove(nt_table *t, uint32_t wid, const uint64_t *hs, size_t n) {
+    if (wid >= t->nworkers) return 0;
+    nt_worker *w = &t->workers[wid];
+    uint64_t bit = 1ULL << (wid & 63);
+    nt_chunk *ch = &t->chunks[wid >> 6];
+    long long removed = 0;
+    for (size_t i = 0; i < n; i++)
+        if (nt_chunk_andnot(ch, hs[i], bit) & bit) removed++;
+    w->count -= (uint64_t)removed;
+    t->entries -= (uint64_t)removed;
+    if (w->len > 2 * w->count + 64) nt_compact(t, wid);
+    return removed;
+}
+
+static inline int nt_holds(const nt_table *t, uint32_t wid, uint64_t h) {
+    return wid < t->nworkers && (nt_chunk_get(&t->chunks[wid >> 6], h) >> (wid & 63) & 1);
+}
+
+/* Every block of the worker goes; its epoch moves on. Returns how many it held. */
+static uint64_t nt_clear(nt_table *t, uint32_t wid) {
+    if (wid >= t->nworkers) return 0;
+    nt_worker *w = &t->workers[wid];
+    nt_chunk *ch = &t->chunks[wid >> 6];
+    uint64_t bit = 1ULL << (wid & 63), held = w->count;
+    for (size_t i = 0; i < w->len; i++) nt_chunk_andnot(ch, w->hashes[i], bit);
+    free(w->hashes);
+    w->hashes = NULL;
+    w->len = w->cap = 0;
+    w->count = 0;
+    w->epoch++;
+    t->entries -= held;
+    return held;
+}
+
+/* Adds a chunk's (key, mask) pairs (snapshots); 0, or -1 out of memory. */
+static int nt_load(nt_table *t, size_t c, const uint64_t *keys, const uint64_t *masks, size_t n) {
+    if (nt_ensure_worker(t, (uint32_t)(c * 64)) < 0) return -1;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t prev, fresh;
+        if (!masks[i]) continue;
+        if (nt_chunk_or(&t->chunks[c], keys[i], masks[i], &prev) < 0) return -1;
+        for (fresh = masks[i] & ~prev; fresh; fresh &= fresh - 1) {
+            uint32_t wid = (uint32_t)(c * 64 + (unsigned)__builtin_ctzll(fresh));
+            if (nt_ensure_worker(t, wid) < 0 || nt_reserve(&t->workers[wid], 1) < 0) return -1;
+            nt_worker *w = &t->workers[wid];
+            w->hashes[w->len++] = keys[i];
+            w->count++;
+            t->entries++;
+        }
+    }
+    return 0;
+}
+
+/* Distinct hashes over all chunks (a hash held in two chunks counts once). */
+static uint64_t nt_distinct(const nt_table *t) {
+    uint64_t n = t->nchunks ? nt_chunk_size(&t->chunks[0]) : 0;
+    for (size_t c = 1; c < t->nchunks; c++) {
+        const nt_chunk *ch = &t->chunks[c];
+        for (size_t i = 0; i <= ch->cap; i++) {
+            uint64_t key, mask;
+            if (!nt_chunk_entry(ch, i, &key, &mask)) continue;
+            size_t d = 0;
+            while (d < c && !nt_chunk_get(&t->chunks[d], key)) d++;
+            n += d == c;
+        }
+    }
+    return n;
+}
+
+static uint64_t nt_bytes(const nt_table *t) {
+    uint64_t n = t->nchunks * sizeof(nt_chunk) + t->nworkers * sizeof(nt_worker);
+    for (size_t c = 0; c < t->nchunks; c++) n += t->chunks[c].cap * sizeof(nt_slot);
+    for (size_t w = 0; w < t->nworkers; w++) n += t->workers[w].cap * 8;
+    return n;
+}
+
+/* -- the query --------------------------------------------------------------------------------------- */
+#define NT_MAX_TIERS 4
+
+typedef struct {
+    const uint64_t *tokens;
+    size_t n_tokens, bs;
+    int cbor;
+    const unsigned char *pre; /* the parent of block 0, then digests of blocks given: 32 bytes each */
+    size_t npre; /* digests in pre, the parent included */
+    int ntiers;
+    const nt_table *tables[NT_MAX_TIERS]; /* NULL: a tier without a table */
+    const uint64_t *pairs[NT_MAX_TIERS]; /* (wid, epoch) of each candidate worker */
+    size_t npairs[NT_MAX_TIERS];
+    const bh_libcrypto *crypto;
+} nt_query_in;
+
+typedef struct {
+    size_t hashed;
+} nt_query_out;
+
+/* A candidate worker the query can count: known to the table, not cleared since the caller looked. */
+static inline int nt_candidate(const nt_table *tb, uint64_t wid, uint64_t epoch) {
+    return tb && wid < tb->nworkers && (wid >> 6) < tb->nchunks && tb->workers[wid].epoch == epoch;
+}
+
+/* lengths[t][i]: consecutive blocks from 0 that candidate i of tier t holds. 0, or -1 out of memory,
+ * -2 a block the encoder leaves to Python, -3 sha256 failed. The caller holds the tables' read locks. */
+static int nt_query(const nt_query_in *in, uint64_t **lengths, nt_query_out *out) {
+    int rc = 0, any = 0;
+    uint64_t *alive[NT_MAX_TIERS] = {0}, *rec[NT_MAX_TIERS] = {0};
+    unsigned char *buf = NULL;
+    void *ctx = NULL;
+    size_t n_blocks = in->n_tokens / in->bs, hashed = 0;
+    for (int t = 0; t < in->ntiers; t++) {
+        const nt_table *tb = in->tables[t];
+        size_t nch = tb ? tb->nchunks : 0;
+        alive[t] = calloc(nch ? nch : 1, 8);
+        rec[t] = calloc(nch ? nch * 64 : 1, 8);
+        if (!alive[t] || !rec[t]) { rc = -1; goto done; }
+        for (size_t i = 0; i < in->npairs[t]; i++) {
+            uint64_t wid = in->pairs[t][2 * i], epoch = in->pairs[t][2 * i + 1];
+            if (nt_candidate(tb, wid, epoch)) {
+                alive[t][wid >> 6] |= 1ULL << (wid & 63);
+                any = 1;
+            }
+        }
+    }
+    if (!any || !n_blocks) goto finish;
+    size_t cap = bh_block_capacity(32, in->bs);
+    if (!cap) { rc = -2; goto done; }
+    buf = malloc(cap);
+    ctx = in->crypto->ctx_new();
+    if (!buf || !ctx) { rc = -1; goto done; }
+    unsigned char digest[32];
+    const unsigned char *parent = in->pre;
+    for (size_t i = 0; i < n_blocks; i++) {
+        if (i + 1 < in->npre) {
+            parent = in->pre + 32 * (i + 1);
+        } else {
+            size_t len = bh_encode_block(buf, parent, 32, in->tokens + i * in->bs, in->bs, in->cbor);
+            if (!len) { rc = -2; goto done; }
+            if (!bh_sha256(in->crypto, ctx, buf, len, digest)) { rc = -3; goto done; }
+            parent = digest;
+        }
+        uint64_t key = 0;
+        for (int b = 24; b < 32; b++) key = key << 8 | parent[b];
+        any = 0;
+        for (int t = 0; t < in->ntiers; t++) {
+            const nt_table *tb = in->tables[t];
+            size_t nch = tb ? tb->nchunks : 0;
+            for (size_t c = 0; c < nch; c++) {
+                uint64_t a = alive[t][c];
+                if (!a) continue;
+                uint64_t m = nt_chunk_get(&tb->chunks[c], key) & a;
+                for (uint64_t dead = a & ~m; dead; dead &= dead - 1) rec[t][c * 64 + __builtin_ctzll(dead)] = i;
+                alive[t][c] = m;
+                any |= m != 0;
+            }
+        }
+        hashed = i + 1; /* (the next block's encoding copies its parent before digest is written again) */
+        if (!any) goto finish;
+    }
+    for (int t = 0; t < in->ntiers; t++) {
+        size_t nch = in->tables[t] ? in->tables[t]->nchunks : 0;
+        for (size_t c = 0; c < nch; c++)
+            for (uint64_t a = alive[t][c]; a; a &= a - 1) rec[t][c * 64 + __builtin_ctzll(a)] = n_blocks;
+    }
+finish:
+    for (int t = 0; t < in->ntiers; t++) {
+        const nt_table *tb = in->tables[t];
+        for (size_t i = 0; i < in->npairs[t]; i++) {
+            uint64_t wid = in->pairs[t][2 * i], epoch = in->pairs[t][2 * i + 1];
+            lengths[t][i] = nt_candidate(tb, wid, epoch) ? rec[t][wid] : 0;
+        }
+    }
+    out->hashed = hashed;
+done:
+    if (ctx) in->crypto->ctx_free(ctx);
+    free(buf);
+    for (int t = 0; t < NT_MAX_TIERS; t++) { free(alive[t]); free(rec[t]); }
+    return rc;
+}
+
+#endif

@@ -1,0 +1,244 @@
+/*
+ * The GIL-free core of vLLM's block hashing, shared by the C accelerators (schemas/_blockhash.c, the
+ * chain for Python callers; indexer/_native_index.c, the whole query off the GIL): no Python object is
+ * touched here, so a caller may run it with the GIL released.
+ *
+ * - encode_block(): the exact bytes cbor2 (canonical) or pickle protocol 5 produce for vLLM's block
+ *   tuple (parent_digest, tuple(tokens), None), for uint64 tokens;
+ * - the sha256 digest straight from the libcrypto hashlib uses (dlopen'ed: no OpenSSL headers needed
+ *   to build), with a context per caller, so threads can hash at once;
+ * - parse_u64_array(): a JSON array of non-negative integers into uint64s, without Python ints.
+ * The pure-Python hasher (schemas/block_hash.py) stays the reference; tests hold these equal to it.
+ */
+#ifndef CACHE_INDEXER_BLOCKHASH_CORE_H
+#define CACHE_INDEXER_BLOCKHASH_CORE_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__linux__)
+#include <dlfcn.h>
+#endif
+
+/* -- encoders ---------------------------------------------------------------------------------------- */
+static inline uint64_t bh_to_big_endian(uint64_t v) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return v;
+#else
+    return __builtin_bswap64(v);
+#endif
+}
+
+static inline uint64_t bh_to_little_endian(uint64_t v) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return __builtin_bswap64(v);
+#else
+    return v;
+#endif
+}
+
+/* CBOR head: major type (0..7 << 5) with argument v, minimal length (canonical); returns the new end. */
+static inline unsigned char *bh_cbor_head(unsigned char *w, unsigned char major, uint64_t v) {
+    if (v < 24) { *w++ = major | (unsigned char)v; }
+    else if (v < 0x100) { *w++ = major | 24; *w++ = (unsigned char)v; }
+    else if (v < 0x10000) { *w++ = major | 25; *w++ = (unsigned char)(v >> 8); *w++ = (unsigned char)v; }
+    else if (v < 0x100000000ULL) {
+        *w++ = major | 26;
+        for (int s = 24; s >= 0; s -= 8) *w++ = (unsigned char)(v >> s);
+    } else {
+        *w++ = major | 27;
+        for (int s = 56; s >= 0; s -= 8) *w++ = (unsigned char)(v >> s);
+    }
+    return w;
+}
+
+/* Branch-free encoders for one non-negative token: token ids are random enough that the length
+ * branches of the plain encoders mispredict about every other token, which cost more than the hash.
+ * Each writes up to 9 bytes past w (the callers reserve 10 per token) and returns the new end. */
+static inline unsigned char *bh_cbor_uint(unsigned char *w, uint64_t v) {
+    static const unsigned char nbytes[5] = {0, 1, 2, 4, 8};
+    unsigned c = (v >= 24) + (v >= 0x100) + (v >= 0x10000) + (v >= 0x100000000ULL);
+    unsigned n = nbytes[c];
+    w[0] = c ? (unsigned char)(23 + c) : (unsigned char)v; /* 24..27 = 1, 2, 4, 8 bytes follow */
+    uint64_t be = bh_to_big_endian(n ? v << (64 - 8 * n) : 0);
+    memcpy(w + 1, &be, 8);
+    return w + 1 + n;
+}
+
+/* pickle BININT1 'K' / BININT2 'M' / BININT 'J' for 0 <= v <= 2**31-1 (the caller checks the bound). */
+static inline unsigned char *bh_pickle_uint31(unsigned char *w, uint64_t v) {
+    static const unsigned char op[3] = {'K', 'M', 'J'}, nbytes[3] = {1, 2, 4};
+    unsigned c = (v >= 0x100) + (v >= 0x10000);
+    w[0] = op[c];
+    uint64_t le = bh_to_little_endian(v);
+    memcpy(w + 1, &le, 8);
+    return w + 1 + nbytes[c];
+}
+
+/* Bytes encode_block() may write for a block of bs tokens under a parent of plen bytes (0: too large). */
+static inline size_t bh_block_capacity(size_t plen, size_t bs) {
+    if (bs > (SIZE_MAX - 64 - plen) / 10) return 0;
+    return 64 + plen + 10 * bs;
+}
+
+/* The serialised block tuple (parent, tuple(tokens), None) into out (bh_block_capacity bytes); its
+ * length, or 0 where a pickle token needs LONG1 (> 2**31-1: left to the Python path). */
+static inline size_t bh_encode_block(unsigned char *out, const unsigned char *parent, size_t plen,
+                                     const uint64_t *tok, size_t bs, int cbor) {
+    unsigned char *w = out;
+    if (cbor) {
+        *w++ = 0x83;
+        w = bh_cbor_head(w, 0x40, (uint64_t)plen);
+        memcpy(w, parent, plen);
+        w += plen;
+        w = bh_cbor_head(w, 0x80, (uint64_t)bs);
+        for (size_t i = 0; i < bs; i++) w = bh_cbor_uint(w, tok[i]);
+        *w++ = 0xf6;
+        return (size_t)(w - out);
+    }
+    /* \x80\x05 \x95 <u64 frame len> | C <len> parent \x94 | tuple \x94 | N \x87 \x94 . */
+    *w++ = 0x80; *w++ = 0x05; *w++ = 0x95;
+    unsigned char *frame = w;
+    w += 8;
+    if (plen < 256) { *w++ = 'C'; *w++ = (unsigned char)plen; }
+    else { *w++ = 'B'; for (int s = 0; s < 32; s += 8) *w++ = (unsigned char)(plen >> s); }
+    memcpy(w, parent, plen);
+    w += plen;
+    *w++ = 0x94;
+    if (bs > 3) *w++ = '(';
+    for (size_t i = 0; i < bs; i++) {
+        if (tok[i] > 2147483647ULL) return 0;
+        w = bh_pickle_uint31(w, tok[i]);
+    }
+    if (bs > 3) *w++ = 't';
+    else *w++ = (unsigned char)(0x84 + bs); /* TUPLE1..3 = 0x85..0x87 */
+    *w++ = 0x94;
+    *w++ = 'N'; *w++ = 0x87; *w++ = 0x94; *w++ = '.';
+    uint64_t flen = (uint64_t)(w - frame - 8); /* everything after the length, STOP included */
+    for (int s = 0; s < 8; s++) frame[s] = (unsigned char)(flen >> (8 * s));
+    return (size_t)(w - out);
+}
+
+/* -- sha256 straight from libcrypto ------------------------------------------------------------------ */
+typedef int (*bh_digest_init_fn)(void *ctx, const void *md, void *engine);
+typedef int (*bh_digest_update_fn)(void *ctx, const void *data, size_t n);
+typedef int (*bh_digest_final_fn)(void *ctx, unsigned char *out, unsigned int *n);
+typedef void *(*bh_ctx_new_fn)(void);
+typedef void (*bh_ctx_free_fn)(void *);
+
+typedef struct {
+    const void *md;
+    bh_digest_init_fn init;
+    bh_digest_update_fn update;
+    bh_digest_final_fn final;
+    bh_ctx_new_fn ctx_new;
+    bh_ctx_free_fn ctx_free;
+    int loaded; /* the functions resolved and "abc" hashed right */
+} bh_libcrypto;
+
+static inline int bh_sha256(const bh_libcrypto *lc, void *ctx, const unsigned char *data, size_t n,
+                            unsigned char out[32]) {
+    unsigned int len = 0;
+    return lc->init(ctx, lc->md, NULL) == 1 && lc->update(ctx, data, n) == 1 && lc->final(ctx, out, &len) == 1 &&
+           len == 32;
+}
+
+/* Resolves sha256 in the libcrypto hashlib uses; lc->loaded says whether it works. */
+static void bh_load_libcrypto(bh_libcrypto *lc) {
+    memset(lc, 0, sizeof *lc);
+#if defined(__linux__)
+    static const char *names[] = {"libcrypto.so.3", "libcrypto.so.1.1", "libcrypto.so", NULL};
+    void *h = NULL;
+    for (int i = 0; names[i] && !h; i++) h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!h) return;
+    typedef void *(*fetch_fn)(void *, const char *, const char *);
+    typedef const void *(*legacy_md_fn)(void);
+    fetch_fn fetch = (fetch_fn)dlsym(h, "EVP_MD_fetch");     /* OpenSSL 3: fetched once, not per init */
+    legacy_md_fn sha256 = (legacy_md_fn)dlsym(h, "EVP_sha256"); /* OpenSSL 1.1 */
+    lc->ctx_new = (bh_ctx_new_fn)dlsym(h, "EVP_MD_CTX_new");
+    lc->ctx_free = (bh_ctx_free_fn)dlsym(h, "EVP_MD_CTX_free");
+    lc->init = (bh_digest_init_fn)dlsym(h, "EVP_DigestInit_ex");
+    lc->update = (bh_digest_update_fn)dlsym(h, "EVP_DigestUpdate");
+    lc->final = (bh_digest_final_fn)dlsym(h, "EVP_DigestFinal_ex");
+    lc->md = fetch ? fetch(NULL, "SHA256", NULL) : NULL;
+    if (!lc->md && sha256) lc->md = sha256();
+    if (!lc->md || !lc->ctx_new || !lc->ctx_free || !lc->init || !lc->update || !lc->final) return;
+    void *ctx = lc->ctx_new();
+    if (!ctx) return;
+    static const unsigned char abc[32] = {
+        0xba, 0x78, 0x16, 0xbf, 0x8f, 0x01, 0xcf, 0xea, 0x41, 0x41, 0x40, 0xde, 0x5d, 0xae, 0x22, 0x23,
+        0xb0, 0x03, 0x61, 0xa3, 0x96, 0x17, 0x7a, 0x9c, 0xb4, 0x10, 0xff, 0x61, 0xf2, 0x00, 0x15, 0xad};
+    unsigned char out[32];
+    lc->loaded = bh_sha256(lc, ctx, (const unsigned char *)"abc", 3, out) && memcmp(out, abc, 32) == 0;
+    lc->ctx_free(ctx);
+#endif
+}
+
+/* -- JSON token arrays ------------------------------------------------------------------------------- */
+/* A JSON array of non-negative integers (no sign but -0, no fraction, exponent or other type) into a
+ * malloc'ed uint64 array (*out, *count; free() it). NULL on success, else what is wrong, with *at the
+ * byte offset; NULL with *out NULL and *count nonzero when memory ran out. */
+static const char *bh_parse_u64_array(const unsigned char *p, size_t len, uint64_t **out, size_t *count,
+                                      size_t *at) {
+    const unsigned char *start = p, *end = p + len;
+    uint64_t *buf = NULL;
+    size_t n = 0, cap = 0;
+    const char *err = NULL;
+    *out = NULL;
+    *count = 0;
+#define BH_WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
+    BH_WS();
+    if (p >= end || *p != '[') { err = "token_ids must be an array"; goto done; }
+    p++;
+    BH_WS();
+    if (p < end && *p == ']') { p++; goto tail; }
+    for (;;) {
+        BH_WS();
+        if (p >= end) { err = "unterminated token_ids array"; goto done; }
+        if (*p == '-') { /* -0 is JSON's zero (json.loads and the contract take it); any other sign is not */
+            if (p + 1 < end && p[1] == '0' && !(p + 2 < end && p[2] >= '0' && p[2] <= '9')) p++;
+            else { err = "token_ids must be non-negative integers"; goto done; }
+        }
+        if (*p < '0' || *p > '9') { err = "token_ids must be integers"; goto done; }
+        if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') { err = "invalid number in token_ids"; goto done; }
+        uint64_t v = 0;
+        const unsigned char *digits = p;
+        while (p < end && *p >= '0' && *p <= '9' && p - digits < 19) v = v * 10 + (unsigned)(*p++ - '0');
+        if (p < end && *p >= '0' && *p <= '9') { /* a 20th digit: the only place uint64 can overflow */
+            unsigned d = *p - '0';
+            if (v > (UINT64_MAX - d) / 10 || (p + 1 < end && p[1] >= '0' && p[1] <= '9')) {
+                err = "token id out of range";
+                goto done;
+            }
+            v = v * 10 + d;
+            p++;
+        }
+        if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) { err = "token_ids must be integers"; goto done; }
+        if (n == cap) {
+            /* at most one token per two bytes of what is left, so one reservation usually does */
+            size_t want = cap ? cap * 2 : (size_t)(end - p) / 2 + 1;
+            uint64_t *nb = want <= SIZE_MAX / 8 ? realloc(buf, want * 8) : NULL;
+            if (!nb) { free(buf); *count = 1; return NULL; }
+            buf = nb;
+            cap = want;
+        }
+        buf[n++] = v;
+        BH_WS();
+        if (p < end && *p == ',') { p++; continue; }
+        if (p < end && *p == ']') { p++; break; }
+        err = "invalid token_ids array";
+        goto done;
+    }
+tail:
+    BH_WS();
+    if (p != end) err = "trailing data after token_ids";
+done:
+#undef BH_WS
+    *at = (size_t)(p - start);
+    if (err) { free(buf); return err; }
+    *out = buf;
+    *count = n;
+    return NULL;
+}
+
+#endif

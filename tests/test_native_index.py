@@ -1,0 +1,239 @@
+"""The native index (``indexer._native_index``) against the pure-Python reference (``BlockIndex``,
+``hit_rate.score``): random streams of stores, removals and clears over KV-cache groups, duplicate
+copies and worker ids past 64, with snapshots taken and loaded across the two; queries of every hash
+mode answered alike; and queries on threads, without the GIL, while events are applied and snapshots
+taken. Hypothesis prints the failing example (its seed: ``--hypothesis-seed``)."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from array import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer import block_index, hit_rate
+from indexer.block_index import BlockIndex, NativeBlockIndex
+from indexer.hit_rate import NativeQuery, score
+from indexer.l1_state import L1State
+from indexer.snapshot import decode_l1, encode_l1
+from schemas.block_hash import BlockHasher
+from tests.conftest import needs_native
+
+
+@pytest.fixture(autouse=True)
+def _native():
+    needs_native(hit_rate.NATIVE_QUERY, "the native index and query")
+
+
+WIDS = [0, 1, 2, 63, 64, 65, 130]
+HASHES = [0, 1, 2, 3, 5, 8, (1 << 63) + 7, (1 << 64) - 1]
+op = st.one_of(
+    st.tuples(st.just("store"), st.sampled_from(WIDS), st.lists(st.sampled_from(HASHES), max_size=6),
+              st.sampled_from([None, 0, 1, 2])),
+    st.tuples(st.just("remove"), st.sampled_from(WIDS), st.lists(st.sampled_from(HASHES), max_size=6),
+              st.sampled_from([None, 0, 1, 2])),
+    st.tuples(st.just("clear"), st.sampled_from(WIDS), st.just([]), st.just(None)),
+    st.tuples(st.just("reload"), st.just(0), st.just([]), st.just(None)),
+)
+
+
+def _same(ref: BlockIndex, nat: NativeBlockIndex) -> None:
+    assert nat.blocks == ref.blocks
+    assert nat.worker_blocks == {w: n for w, n in ref.worker_blocks.items() if n}
+    assert nat.groups == ref.groups and nat.copies == ref.copies
+    assert len(nat) == len(ref) and nat.entries() == ref.entries()
+
+
+def _reloaded(index: BlockIndex, into: type) -> BlockIndex:
+    out = into()
+    out.restore_chunks(index.export_chunks(), index.worker_blocks, index.groups, index.copies)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(op, max_size=40))
+def test_the_native_index_holds_what_the_reference_holds(ops):
+    ref, nat = BlockIndex(), NativeBlockIndex()
+    for kind, wid, hashes, group in ops:
+        if kind == "store":
+            ref.store(wid, hashes, group)
+            nat.store(wid, hashes, group)
+        elif kind == "remove":
+            ref.remove(wid, hashes, group)
+            nat.remove(wid, hashes, group)
+        elif kind == "clear":
+            assert nat.clear(wid) == ref.clear(wid)
+        else:  # a snapshot, loaded crosswise: each kind reads what the other wrote
+            ref, nat = _reloaded(nat, BlockIndex), _reloaded(ref, NativeBlockIndex)
+        _same(ref, nat)
+
+
+def test_churn_keeps_a_workers_list_bounded_and_a_clear_exact():
+    """A worker's hash list keeps removed hashes until it is compacted: a store/remove churn of the same
+    hashes must not grow it (or the memory) without bound, and a clear after it drops exactly what is held."""
+    nat, rng = NativeBlockIndex(), random.Random(5)
+    nat.store(1, [10**9 + i for i in range(1000)])  # another worker's blocks stay untouched
+    for _ in range(2000):
+        hs = [rng.randrange(1, 300) for _ in range(20)]
+        nat.store(0, hs)
+        nat.remove(0, hs[:15])
+    memory = nat.memory_bytes()
+    for _ in range(2000):
+        hs = [rng.randrange(1, 300) for _ in range(20)]
+        nat.store(0, hs)
+        nat.remove(0, hs[:15])
+    assert nat.memory_bytes() <= memory * 1.5
+    held = {h for h, m in nat.blocks.items() if m & 1}
+    assert nat.clear(0) == len(held) and nat.entries() == 1000
+    assert set(nat.blocks) == {10**9 + i for i in range(1000)}
+
+
+def _states(events: list[tuple[str, int, list[int]]]) -> tuple[L1State, L1State]:
+    ref, nat = L1State(), L1State()
+    ref.index = BlockIndex()
+    assert isinstance(nat.index, NativeBlockIndex)
+    for i, (pod, rank, hashes) in enumerate(events):
+        msg = {"type": "batch", "pod": pod, "rank": rank, "gen": 1, "seq": 0,
+               "events": [{"kind": "stored", "hashes": hashes, "medium": "GPU"}]}
+        ref.apply(msg)
+        nat.apply(msg)
+    return ref, nat
+
+
+def _native_answer(hasher, tokens, bs, salt, pods, tiers, raw: bool):
+    query = NativeQuery.prepare(hasher, json.dumps(tokens).encode() if raw else array("Q", tokens), bs, salt,
+                                pods, tiers)
+    assert query is not None
+    return query.result(query.run())
+
+
+@settings(max_examples=80, deadline=None)
+@given(algo=st.sampled_from(["sha256_cbor", "sha256"]), bs=st.sampled_from([1, 3, 4, 16]),
+       salt=st.sampled_from(["", "s"]), extra=st.sampled_from([0, 70]), raw=st.booleans(),
+       l1=st.lists(st.tuples(st.integers(1, 12), st.lists(st.integers(0, 19), max_size=20)), max_size=8),
+       l3=st.lists(st.tuples(st.integers(1, 12), st.lists(st.integers(0, 19), max_size=20)), max_size=8),
+       n_tokens=st.integers(0, 20 * 16), big=st.booleans())
+def test_the_native_query_answers_as_the_reference(algo, bs, salt, extra, raw, l1, l3, n_tokens, big):
+    hasher = BlockHasher(algo, "0")
+    rng = random.Random(n_tokens)
+    tokens = [rng.randrange(1 << 32 if big else 50_000) for _ in range(n_tokens)]
+    chain = hasher.event_hashes(tokens, bs, cache_salt=salt or None)
+    events = [(f"10.9.{w // 250}.{w % 250}", 0, [w + 1]) for w in range(extra)]  # ids past 64 for the rest
+    tiers = []
+    for holdings in (l1, l3):
+        tiers.append(_states(events + [(f"10.0.0.{p}", p % 2, [chain[i] for i in held if i < len(chain)])
+                                       for p, held in holdings]))
+    pods = [f"10.0.0.{i}" for i in range(1, 13)] + ["10.0.0.1"]
+    reference = score(hasher, tokens, bs, salt, pods, [ref for ref, _ in tiers])
+    try:
+        native = _native_answer(hasher, tokens, bs, salt, pods, [nat for _, nat in tiers], raw)
+    except NotImplementedError:
+        assert algo == "sha256" and any(t > 2**31 - 1 for t in tokens), "only pickle's LONG1 tokens are left to Python"
+        return
+    assert native == reference
+
+
+def test_a_malformed_token_array_is_refused_by_the_native_query():
+    _, nat = _states([("10.0.0.1", 0, [1])])
+    query = NativeQuery.prepare(BlockHasher("sha256_cbor", "0"), b"[1, 2, -3]", 1, "", ["10.0.0.1"], [nat, None])
+    with pytest.raises(ValueError, match="non-negative"):
+        query.run()
+
+
+def test_a_query_prepared_before_a_clear_does_not_count_the_next_owner_of_the_worker_id():
+    """The worker id of a pod cleared between prepare (on the loop) and run (on a thread) may be given to
+    another pod at once: the run must not count that pod's blocks for the first."""
+    hasher = BlockHasher("sha256_cbor", "0")
+    tokens = list(range(64))
+    chain = hasher.event_hashes(tokens, 16)
+    _, nat = _states([("10.0.0.1", 0, chain)])
+    query = NativeQuery.prepare(hasher, array("Q", tokens), 16, "", ["10.0.0.1"], [nat, None])
+    nat.apply({"type": "pod_removed", "pod": "10.0.0.1"})
+    nat.apply({"type": "batch", "pod": "10.0.0.2", "rank": 0, "gen": 1, "seq": 0,
+               "events": [{"kind": "stored", "hashes": chain, "medium": "GPU"}]})
+    assert nat.workers.get("10.0.0.2", 0) == 0, "the id was reused"
+    assert query.result(query.run()).scores[0].ratios == [0.0, 0.0]
+
+
+def test_snapshots_of_the_v1_format_still_load():
+    """A replica upgraded while an older one wrote the newest snapshot (v1: one mask array, wider masks
+    in the header) starts from it."""
+    import msgpack
+
+    ref, _ = _states([(f"10.0.{w // 250}.{w % 250}", 0, [7, 8, w + 100]) for w in range(70)])
+    keys, masks = list(ref.index.blocks), list(ref.index.blocks.values())
+    wide = {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in enumerate(masks) if m >= 1 << 64}
+    header = {"format": "cache-indexer-l1-v1", "stream_seq": 9, "count": len(keys),
+              "workers": [[pod, rank, wid] for (pod, rank), wid in ref.workers.items()],
+              "worker_blocks": list(ref.index.worker_blocks.items()), "cursors": ref.cursor_rows(),
+              "wide": wide, "groups": [], "copies": []}
+    head = msgpack.packb(header)
+    blob = (len(head).to_bytes(8, "little") + head + array("Q", keys).tobytes()
+            + array("Q", [0 if m >= 1 << 64 else m for m in masks]).tobytes())
+    loaded, seq = decode_l1(blob)
+    assert seq == 9 and loaded.index.blocks == ref.index.blocks
+    again, _ = decode_l1(encode_l1(loaded, 9))
+    assert again.index.blocks == ref.index.blocks
+
+
+def test_queries_on_threads_see_whole_messages_while_events_and_snapshots_go_on():
+    """Four threads query without the GIL while the main thread applies messages (each storing a whole
+    chain for one pod, or removing the pod) and takes snapshots: a query sees a pod's chain wholly or
+    not at all (never part of a message), and at the end every answer equals the reference's."""
+    hasher = BlockHasher("sha256_cbor", "0")
+    tokens = list(range(16 * 64))
+    chain = hasher.event_hashes(tokens, 16)
+    pods = [f"10.0.0.{i}" for i in range(1, 9)]
+    _, nat = _states([])
+    stop, errors, answered = threading.Event(), [], [0]
+
+    def ask() -> None:
+        try:
+            while not stop.is_set():
+                query = NativeQuery.prepare(hasher, array("Q", tokens), 16, "", pods, [nat, None])
+                for s in query.result(query.run()).scores:
+                    if s.ratios[0] not in (0.0, 1.0):
+                        errors.append(f"{s.pod}: {s.ratios[0]} (part of a message)")
+                answered[0] += 1
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    rng = random.Random(11)
+    try:
+        for i in range(3000):
+            pod = rng.choice(pods)
+            if rng.random() < 0.5:
+                nat.apply({"type": "batch", "pod": pod, "rank": 0, "gen": i + 1, "seq": 0,
+                           "events": [{"kind": "stored", "hashes": chain[:32], "medium": "GPU"},
+                                      {"kind": "stored", "hashes": chain[32:], "medium": "GPU"}]})
+            else:
+                nat.apply({"type": "pod_removed", "pod": pod})
+            if i % 500 == 0:
+                nat, _ = decode_l1(encode_l1(nat, i))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors[:5]
+    assert answered[0] > 0
+    reference = score(hasher, tokens, 16, "", pods, [_as_reference(nat), None])
+    assert _native_answer(hasher, tokens, 16, "", pods, [nat, None], raw=False) == reference
+
+
+def _as_reference(state: L1State) -> L1State:
+    """The same state over the pure-Python index (through a snapshot)."""
+    ref, _ = decode_l1(encode_l1(state, 0))
+    ref.index = _reloaded(state.index, BlockIndex)
+    return ref
+
+
+def test_without_the_native_module_the_pure_index_is_used(monkeypatch):
+    monkeypatch.setattr(block_index, "_native_index", None)
+    assert type(block_index.new_block_index()) is BlockIndex
