@@ -21,10 +21,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from api.hit_rate_request import RequestError, decode_hit_rate_request
+from api.hit_rate_request import (SPLIT_MIN_BYTES, HitRateQuery, RequestError, decode_hit_rate_request,
+                                  decode_split_request)
 from api.ops import add_ops_routes
 from infra.metrics import Metrics
-from schemas.block_hash import BlockHasher
+from schemas.block_hash import BlockHasher, split_request
 from indexer.hit_rate import NativeQuery, ScoreResult, Tier, score
 from schemas.config import HttpConfig
 
@@ -99,20 +100,34 @@ class HitRateApi:
         if unknown:
             self.metrics.unknown_candidates.inc(unknown)
 
-    async def _score(self, req) -> ScoreResult:
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            self._pool = ThreadPoolExecutor(max_workers=threads or 2, thread_name_prefix="hit-rate")
+        return self._pool
+
+    async def _decode(self, body: bytes) -> HitRateQuery:
+        """A large body's token array is found and parsed on a worker thread, the rest decoded here."""
+        if split_request is not None and len(body) >= SPLIT_MIN_BYTES:
+            try:
+                cut = await asyncio.get_running_loop().run_in_executor(self._threads(), split_request, body)
+            except ValueError as exc:
+                raise RequestError(f"body.token_ids: {exc}") from None
+            if cut is not None:
+                return decode_split_request(body, cut, self.http.maxCandidates)
+        return decode_hit_rate_request(body, self.http.maxCandidates)
+
+    async def _score(self, req: HitRateQuery) -> ScoreResult:
         """On a worker thread where the native query covers the request, else here (``score``)."""
         tiers = self.tiers()
         try:
-            query = NativeQuery.prepare(self.hasher, req.token_json, req.block_size, req.cache_salt, req.server_ip,
-                                        tiers)
+            tokens = req.token_array if req.token_array is not None else req.token_json
+            query = NativeQuery.prepare(self.hasher, tokens, req.block_size, req.cache_salt, req.server_ip, tiers)
         except ValueError as exc:
             raise RequestError(f"body.token_ids: {exc}") from None
         if query is not None:
-            if self._pool is None:
-                threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-                self._pool = ThreadPoolExecutor(max_workers=threads or 2, thread_name_prefix="hit-rate")
             try:
-                return query.result(await asyncio.get_running_loop().run_in_executor(self._pool, query.run))
+                return query.result(await asyncio.get_running_loop().run_in_executor(self._threads(), query.run))
             except ValueError as exc:
                 raise RequestError(f"body.token_ids: {exc}") from None
             except NotImplementedError:
@@ -162,8 +177,7 @@ class HitRateApi:
         if not body.strip():
             return _error(400, "empty request body")
         try:
-            req = decode_hit_rate_request(body, self.http.maxCandidates)
-            result = await self._score(req)
+            result = await self._score(await self._decode(body))
         except RequestError as exc:
             return _error(400, str(exc))
         except Exception as exc:

@@ -20,6 +20,10 @@ import msgspec
 
 from schemas.block_hash import parse_token_array
 
+#: Bodies from this size on have their token array found and parsed on a worker thread (``split_request``)
+#: before the rest is decoded here: what is left for the event loop is the small envelope.
+SPLIT_MIN_BYTES = 16 * 1024
+
 _U64_LIMIT = 1 << 64
 
 
@@ -44,13 +48,14 @@ class RequestError(ValueError):
 @dataclass(slots=True)
 class HitRateQuery:
     server_ip: list[str]
-    token_json: bytes  # the token_ids array's JSON text, not yet parsed
+    token_json: bytes  # the token_ids array's JSON text, not yet parsed ...
     block_size: int
     cache_salt: str
+    token_array: array | memoryview | None = None  # ... or its tokens, parsed already (format 'Q')
 
-    def tokens(self) -> array:
-        """The token ids (typecode 'Q'); RequestError where the array is malformed."""
-        return _tokens(self.token_json)
+    def tokens(self) -> array | memoryview:
+        """The token ids (format 'Q'); RequestError where the array is malformed."""
+        return self.token_array if self.token_array is not None else _tokens(self.token_json)
 
 
 def _tokens(raw: bytes) -> array:
@@ -87,3 +92,12 @@ def decode_hit_rate_request(body: bytes, max_candidates: int | None = None) -> H
         raise RequestError(f"server_ip: {len(req.server_ip)} candidates exceed http.maxCandidates ({max_candidates})")
     return HitRateQuery(server_ip=req.server_ip, token_json=bytes(req.body.token_ids),
                         block_size=req.body.block_size, cache_salt=req.body.cache_salt)
+
+
+def decode_split_request(body: bytes, cut: tuple[int, int, bytes], max_candidates: int | None = None) -> HitRateQuery:
+    """A request whose token array ``split_request`` found and parsed (``cut``): the rest of it decoded
+    here, as ``decode_hit_rate_request`` decodes a whole one."""
+    start, stop, raw = cut
+    req = decode_hit_rate_request(body[:start] + b"[]" + body[stop:], max_candidates)
+    req.token_array = memoryview(raw).cast("Q")  # no copy
+    return req

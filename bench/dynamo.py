@@ -306,14 +306,14 @@ async def _equal(system, session, pods, prompt, expected) -> bool:
         return False
 
 
-def _in_namespace(quick: bool) -> list[dict] | None:
+def _in_namespace(quick: bool, only: str | None = None) -> list[dict] | None:
     """Re-run this benchmark inside a loopback-only network namespace; None when already inside."""
     if os.environ.get("BENCH_NETNS") == "1":
         return None
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
         raise RuntimeError("needs root, unshare and ip (Dynamo listens on all interfaces: it runs in a "
                            "loopback-only network namespace)")
-    code = f"import json, bench.dynamo as d; print('RESULT ' + json.dumps(d.run({quick})))"
+    code = f"import json, bench.dynamo as d; print('RESULT ' + json.dumps(d.run({quick}, {only!r})))"
     r = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {sys.executable} -c \"{code}\""],
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "BENCH_NETNS": "1",
                                                                     "PYTHONPATH": str(ROOT)})
@@ -323,16 +323,17 @@ def _in_namespace(quick: bool) -> list[dict] | None:
     raise RuntimeError(f"side-by-side run failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
 
 
-def run(quick: bool = False) -> list[dict]:
+def run(quick: bool = False, only: str | None = None) -> list[dict]:
+    """``only``: "ingest", "durability" or "query" (all three when None)."""
     if not dynamo_python():
         return [{"skipped": "Dynamo's indexer is not installed: pip install -e '.[bench]' (ai-dynamo-runtime), "
                             "or set DYNAMO_PYTHON to a Python that has it"}]
-    inside = _in_namespace(quick)
+    inside = _in_namespace(quick, only)
     if inside is not None:
         return inside
     rows = []
     shapes = INGEST_SHAPES if not quick else [(8, 500)]
-    for events, batches in shapes:
+    for events, batches in shapes if only in (None, "ingest") else ():
         best: dict = {}
         for _ in range(1 if quick else 2):
             for kind in (Ours, Dynamo):
@@ -341,10 +342,11 @@ def run(quick: bool = False) -> list[dict]:
                     best[kind.name] = r
         rows.append({"kind": "ingest", "events": events, **{f"{k}_{m}": v for k, r in best.items() for m, v in r.items()}})
     events, batches = shapes[0]
-    durable = {kind.name: asyncio.run(_ingest_once(kind, events, batches, recovery=True)) for kind in (Ours, Dynamo)}
-    rows.append({"kind": "durability", "events": events, "entries": ENGINES * events * batches,
-                 **{f"{k}_{m}": v for k, r in durable.items() for m, v in r.items()}})
-    for pods, tokens, block in QUERY_SHAPES if not quick else QUERY_SHAPES[:1]:
+    if only in (None, "durability"):
+        durable = {kind.name: asyncio.run(_ingest_once(kind, events, batches, recovery=True)) for kind in (Ours, Dynamo)}
+        rows.append({"kind": "durability", "events": events, "entries": ENGINES * events * batches,
+                     **{f"{k}_{m}": v for k, r in durable.items() for m, v in r.items()}})
+    for pods, tokens, block in (QUERY_SHAPES if not quick else QUERY_SHAPES[:1]) if only in (None, "query") else ():
         q = asyncio.run(_query(pods, tokens, block))
         rows.append({"kind": "query", "shape": f"{tokens // 1024}k tokens, bs {block}, {pods} pods",
                      **{f"{k}_{m}": v for k, r in q.items() for m, v in r.items()}})
@@ -383,4 +385,5 @@ def table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    print(table(run(quick="--quick" in sys.argv)))
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    print(table(run(quick="--quick" in sys.argv, only=only)))

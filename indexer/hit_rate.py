@@ -135,17 +135,18 @@ class NativeQuery:
 
     __slots__ = ("_args", "_pods", "_slots", "_known")
 
-    def __init__(self, args: tuple, pods: Sequence[str], slots: list[list[range]], known: list[bool]) -> None:
+    def __init__(self, args: tuple, pods: Sequence[str], slots: list[list[tuple[int, int]]], known: list[bool]) -> None:
         self._args = args
         self._pods = pods
-        self._slots = slots  # per pod, per tier: its workers' positions in that tier's candidate list
+        self._slots = slots  # per pod, per tier: its workers' [start, stop) in that tier's candidate list
         self._known = known
 
     @classmethod
-    def prepare(cls, hasher: BlockHasher, tokens: bytes | array, block_size: int, cache_salt: str,
+    def prepare(cls, hasher: BlockHasher, tokens: bytes | array | memoryview, block_size: int, cache_salt: str,
                 pods: Sequence[str], tiers: Sequence[Tier | None]) -> "NativeQuery | None":
         """None where only ``score`` answers: an index or hash the native query does not cover.
-        ``tokens``: the JSON text of the token array (parsed, and checked, by ``run``) or uint64s. A
+        ``tokens``: the JSON text of the token array (bytes: parsed, and checked, by ``run``) or uint64s
+        (an array or a memoryview of format 'Q'). A
         salted first block is hashed here (its extra keys are Python objects); the ValueError of a
         malformed array then comes from here."""
         if not NATIVE_QUERY or not hasher.algo.startswith("sha256") or len(hasher.none_hash) != 32:
@@ -156,30 +157,34 @@ class NativeQuery:
             return None
         pre = hasher.none_hash
         if cache_salt:
-            if isinstance(tokens, (bytes, bytearray, memoryview)):
+            if isinstance(tokens, (bytes, bytearray)):
                 if parse_token_array is None:
                     return None
                 tokens = array("Q", parse_token_array(tokens))
             if len(tokens) >= block_size > 0:
                 pre += hasher.hash_block(pre, tokens[:block_size].tolist(),
                                          hasher.block_extra_keys(0, block_size, cache_salt))
-        raw = not isinstance(tokens, array)
+        raw = isinstance(tokens, (bytes, bytearray))
+        if isinstance(tokens, memoryview):
+            tokens = tokens.obj  # the query reads the bytes under it
         per_tier = []
-        slots: list[list[range]] = [[] for _ in pods]
-        known = []
-        for ti, t in enumerate(tiers):
-            pairs = array("Q")
-            for pi, pod in enumerate(pods):
-                start = len(pairs) // 2
-                if t is not None:
-                    table = t.index.table
-                    for wid in t.pod_workers(pod).values():
-                        pairs.append(wid)
-                        pairs.append(table.epoch(wid))
-                slots[pi].append(range(start, len(pairs) // 2))
-            per_tier.append((t.index.table if t is not None else None, pairs))
-        for pi, pod in enumerate(pods):
-            known.append(any(len(r) for r in slots[pi]) or any(t is not None and t.knows(pod) for t in tiers))
+        slots: list[list[tuple[int, int]]] = [[] for _ in pods]
+        for t in tiers:
+            wids: list[int] = []
+            if t is not None:
+                for pi, pod in enumerate(pods):
+                    start = len(wids)
+                    wids += t.pod_workers(pod).values()
+                    slots[pi].append((start, len(wids)))
+                table = t.index.table
+                pairs = array("Q", [v for wid in wids for v in (wid, table.epoch(wid))])
+                per_tier.append((table, pairs))
+            else:
+                for pi in range(len(pods)):
+                    slots[pi].append((0, 0))
+                per_tier.append((None, array("Q")))
+        known = [any(a != b for a, b in slots[pi]) or any(t is not None and t.knows(pod) for t in tiers)
+                 for pi, pod in enumerate(pods)]
         args = (tokens, raw, block_size, pre, hasher.algo.endswith("_cbor"), per_tier)
         return cls(args, pods, slots, known)
 
@@ -193,7 +198,7 @@ class NativeQuery:
         n_blocks = n_tokens // self._args[2]
         scores = []
         for pod, slots, known in zip(self._pods, self._slots, self._known):
-            ratios = [max((lengths[ti][i] for i in r), default=0) / n_blocks if n_blocks else 0.0
-                      for ti, r in enumerate(slots)]
+            ratios = [max(lengths[ti][a:b], default=0) / n_blocks if n_blocks else 0.0
+                      for ti, (a, b) in enumerate(slots)]
             scores.append(PodScore(pod=pod, ratios=ratios, known=known))
         return ScoreResult(full_blocks=n_blocks, hashed_blocks=hashed, scores=scores)

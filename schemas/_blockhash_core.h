@@ -136,6 +136,8 @@ typedef struct {
     int loaded; /* the functions resolved and "abc" hashed right */
 } bh_libcrypto;
 
+/* sha256 of data (ctx: a context of the caller's, from lc->ctx_new). libcrypto uses the CPU's SHA
+ * extensions where there are any; what it costs beyond them is its set-up per message, small. */
 static inline int bh_sha256(const bh_libcrypto *lc, void *ctx, const unsigned char *data, size_t n,
                             unsigned char out[32]) {
     unsigned int len = 0;
@@ -175,6 +177,25 @@ static void bh_load_libcrypto(bh_libcrypto *lc) {
 }
 
 /* -- JSON token arrays ------------------------------------------------------------------------------- */
+/* Up to 7 leading ASCII digits of the 8 bytes at p (SWAR): how many (8: all eight are digits, left to
+ * the scalar loop) and, for 1..7, their value. A byte is a digit where neither byte + 0x46 nor byte -
+ * 0x30 sets its top bit; carries and borrows only travel to later bytes, past the first non-digit. */
+static inline unsigned bh_swar_digits(const unsigned char *p, uint64_t *value) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    v = bh_to_little_endian(v);
+    uint64_t nondigit = ((v + 0x4646464646464646ULL) | (v - 0x3030303030303030ULL)) & 0x8080808080808080ULL;
+    if (!nondigit) return 8;
+    unsigned n = (unsigned)__builtin_ctzll(nondigit) >> 3;
+    if (!n) return 0;
+    uint64_t d = (v - 0x3030303030303030ULL) << (8 * (8 - n)); /* the digits, as leading zeros pad them */
+    d = d * 10 + (d >> 8);                                     /* pairs */
+    d = (((d & 0x000000FF000000FFULL) * (100 + (1000000ULL << 32))) +
+         (((d >> 16) & 0x000000FF000000FFULL) * (1 + (10000ULL << 32)))) >> 32;
+    *value = d;
+    return n;
+}
+
 /* A JSON array of non-negative integers (no sign but -0, no fraction, exponent or other type) into a
  * malloc'ed uint64 array (*out, *count; free() it). NULL on success, else what is wrong, with *at the
  * byte offset; NULL with *out NULL and *count nonzero when memory ran out. */
@@ -202,6 +223,12 @@ static const char *bh_parse_u64_array(const unsigned char *p, size_t len, uint64
         if (*p < '0' || *p > '9') { err = "token_ids must be integers"; goto done; }
         if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') { err = "invalid number in token_ids"; goto done; }
         uint64_t v = 0;
+        unsigned short_digits = end - p >= 8 ? bh_swar_digits(p, &v) : 8;
+        if (short_digits < 8) { /* the usual token: up to 7 digits, in a few instructions */
+            p += short_digits;
+            goto number_done;
+        }
+        v = 0;
         const unsigned char *digits = p;
         while (p < end && *p >= '0' && *p <= '9' && p - digits < 19) v = v * 10 + (unsigned)(*p++ - '0');
         if (p < end && *p >= '0' && *p <= '9') { /* a 20th digit: the only place uint64 can overflow */
@@ -213,6 +240,7 @@ static const char *bh_parse_u64_array(const unsigned char *p, size_t len, uint64
             v = v * 10 + d;
             p++;
         }
+    number_done:
         if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) { err = "token_ids must be integers"; goto done; }
         if (n == cap) {
             /* at most one token per two bytes of what is left, so one reservation usually does */
@@ -239,6 +267,107 @@ done:
     *out = buf;
     *count = n;
     return NULL;
+}
+
+/* -- the request's token array within its body --------------------------------------------------------- */
+#define BH_MAX_DEPTH 64
+
+static const unsigned char *bh_ws(const unsigned char *p, const unsigned char *end) {
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    return p;
+}
+
+/* Past one JSON string starting at p ('"'); NULL where it does not end. *escaped: it holds a backslash. */
+static const unsigned char *bh_skip_string(const unsigned char *p, const unsigned char *end, int *escaped) {
+    for (p++; p < end; p++) {
+        if (*p == '"') return p + 1;
+        if (*p == '\\') { *escaped = 1; p++; }
+    }
+    return NULL;
+}
+
+/* Past one JSON value (its syntax only loosely checked: the caller's decoder checks what is kept); NULL
+ * where it is cut short or nested deeper than BH_MAX_DEPTH. */
+static const unsigned char *bh_skip_value(const unsigned char *p, const unsigned char *end, int depth) {
+    int escaped = 0;
+    if (p >= end || depth > BH_MAX_DEPTH) return NULL;
+    if (*p == '"') return bh_skip_string(p, end, &escaped);
+    if (*p == '{' || *p == '[') {
+        unsigned char close = *p == '{' ? '}' : ']';
+        p = bh_ws(p + 1, end);
+        if (p < end && *p == close) return p + 1;
+        for (;;) {
+            if (close == '}') {
+                if (p >= end || *p != '"' || !(p = bh_skip_string(p, end, &escaped))) return NULL;
+                p = bh_ws(p, end);
+                if (p >= end || *p != ':') return NULL;
+                p = bh_ws(p + 1, end);
+            }
+            if (!(p = bh_skip_value(p, end, depth + 1))) return NULL;
+            p = bh_ws(p, end);
+            if (p < end && *p == ',') { p = bh_ws(p + 1, end); continue; }
+            if (p < end && *p == close) return p + 1;
+            return NULL;
+        }
+    }
+    const unsigned char *start = p; /* a number or literal: up to the next delimiter */
+    while (p < end && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') p++;
+    return p > start ? p : NULL;
+}
+
+/* The span [*start, *stop) of the array under body.token_ids in a hit-rate request, found by one scan of
+ * its structure. 0 where the request has the plain shape (each key once, none escaped, token_ids an
+ * array), else -1: the caller decodes the request whole, and its decoder says what is wrong. */
+static inline int bh_find_token_ids(const unsigned char *p, size_t len, size_t *start, size_t *stop) {
+    const unsigned char *begin = p, *end = p + len;
+    int found = 0, body_seen = 0, escaped = 0;
+    p = bh_ws(p, end);
+    if (p >= end || *p != '{') return -1;
+    p = bh_ws(p + 1, end);
+    while (p < end && *p == '"') {
+        const unsigned char *key = p + 1, *after = bh_skip_string(p, end, &escaped);
+        if (!after || escaped) return -1;
+        size_t klen = (size_t)(after - 1 - key);
+        p = bh_ws(after, end);
+        if (p >= end || *p != ':') return -1;
+        p = bh_ws(p + 1, end);
+        if (klen == 4 && !memcmp(key, "body", 4)) {
+            if (body_seen++ || p >= end || *p != '{') return -1;
+            p = bh_ws(p + 1, end);
+            while (p < end && *p == '"') {
+                const unsigned char *k2 = p + 1, *a2 = bh_skip_string(p, end, &escaped);
+                if (!a2 || escaped) return -1;
+                size_t k2len = (size_t)(a2 - 1 - k2);
+                p = bh_ws(a2, end);
+                if (p >= end || *p != ':') return -1;
+                p = bh_ws(p + 1, end);
+                if (k2len == 9 && !memcmp(k2, "token_ids", 9) && p < end && *p == '[') {
+                    /* A flat array of numbers ends at its first ']'; one that is not flat fails the parse of
+                     * [start, stop), as the whole decode refuses it. */
+                    const unsigned char *close = memchr(p, ']', (size_t)(end - p));
+                    if (found++ || !close) return -1;
+                    *start = (size_t)(p - begin);
+                    *stop = (size_t)(close + 1 - begin);
+                    p = close + 1;
+                } else if (!(p = bh_skip_value(p, end, 2))) {
+                    return -1;
+                }
+                p = bh_ws(p, end);
+                if (p < end && *p == ',') { p = bh_ws(p + 1, end); continue; }
+                break;
+            }
+            if (p >= end || *p != '}') return -1;
+            p++;
+        } else if (!(p = bh_skip_value(p, end, 1))) {
+            return -1;
+        }
+        p = bh_ws(p, end);
+        if (p < end && *p == ',') { p = bh_ws(p + 1, end); continue; }
+        break;
+    }
+    if (p >= end || *p != '}') return -1;
+    p = bh_ws(p + 1, end);
+    return p == end && found ? 0 : -1;
 }
 
 #endif

@@ -33,6 +33,10 @@ except ImportError:  # built optionally (setup.py); the pure-Python path is exac
 #: ``array('Q').frombytes``; ValueError saying what is wrong), which the hasher reads without creating a
 #: Python int per token; None without the accelerator (the caller decodes the JSON itself).
 parse_token_array = _blockhash.parse_token_array if _blockhash is not None else None
+#: The accelerator's ``split_request(body) -> (start, stop, uint64 bytes) | None``: where a hit-rate request's
+#: token array lies and its tokens, found and parsed with the GIL released (None: not the plain shape; the
+#: caller decodes the request whole). None without the accelerator.
+split_request = getattr(_blockhash, "split_request", None)
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 ExtraKeysEncoding = Literal["tagged", "untagged"]
@@ -200,6 +204,8 @@ class BlockHasher:
             yield [parent]
             start = 1
         if self._accel is not None and start < n_blocks and (self._cbor or block_size <= PICKLE_ONE_FRAME_TOKENS):
+            if isinstance(token_ids, memoryview) and token_ids.format == "Q":
+                token_ids = array("Q", token_ids.tobytes())
             if not isinstance(token_ids, (list, tuple)) and not (isinstance(token_ids, array) and token_ids.typecode == "Q"):
                 token_ids = list(token_ids)
             digest_fn, sha_mode = (hashlib.sha256, True) if self._sha else (self._digest, False)

@@ -306,3 +306,27 @@ async def test_a_pod_that_cleared_its_cache_is_known_and_holds_nothing(api):
     cleared, unknown = body["server_score_list"]
     assert cleared["l1_hit_ratio"] == 0.0 and cleared["message"] == "", "AllBlocksCleared: known, empty"
     assert unknown["message"] == UNKNOWN_POD_MESSAGE
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+async def test_bad_large_requests_get_400_through_the_split_path(api, name):
+    """Bodies of SPLIT_MIN_BYTES or more have their token array found and parsed on a worker thread: a
+    bad request padded past that size is refused as the small one is."""
+    from api.hit_rate_request import SPLIT_MIN_BYTES
+
+    session, _ = api
+    status, body = await post(session, None, raw=BAD_REQUESTS[name] + b" " * SPLIT_MIN_BYTES)
+    assert status == 400 and body["status"] == 400, body
+
+
+async def test_large_requests_answer_as_small_ones(api):
+    """The same requests, padded past SPLIT_MIN_BYTES (split on a worker thread), get the same answers."""
+    from api.hit_rate_request import SPLIT_MIN_BYTES
+
+    session, _ = api
+    for payload in (req(["127.0.1.2", "127.0.1.9", "127.0.1.1", "127.0.1.3"]), req(["127.0.1.4"], salt="tenant-a"),
+                    req(["127.0.1.1"], tokens=TOKENS + [1, 2, 3]), req(["127.0.1.1"], tokens=[])):
+        raw = json.dumps(payload).encode()
+        small = await post(session, None, raw=raw)
+        large = await post(session, None, raw=b" " * SPLIT_MIN_BYTES + raw)
+        assert small == large and small[0] == 200

@@ -105,6 +105,40 @@ def test_the_token_array_parser_equals_the_json_reference(rng):
             assert n_tokens == (None if want is None else len(want)), raw[:200]
 
 
+def _decoded(decode, *args):
+    """(server_ip, tokens, block_size, cache_salt) of a decoded request, or None where it is refused."""
+    from api.hit_rate_request import RequestError
+
+    try:
+        req = decode(*args)
+        return req.server_ip, req.tokens().tolist(), req.block_size, req.cache_salt
+    except RequestError:
+        return None
+
+
+def test_the_request_split_equals_the_whole_decode(rng):
+    """``split_request`` finds and parses the token array off the event loop and the rest is decoded
+    alone: the same requests accepted, with the same values, as decoding the whole body."""
+    from api.hit_rate_request import decode_hit_rate_request, decode_split_request
+
+    needs_native(block_hash.split_request is not None, "the request splitter's C accelerator")
+    corpus = [p.read_bytes() for p in sorted((DATA / "fuzz" / "requests").glob("*.json"))]
+    split = 0
+    for n in budget():
+        raw = mutate(rng, rng.choice(corpus), corpus) if n >= len(corpus) else corpus[n]
+        want = _decoded(decode_hit_rate_request, raw)
+        try:
+            cut = block_hash.split_request(raw)
+        except ValueError:
+            assert want is None, f"{raw[:300]!r}: the split refused the tokens, the whole decode took {want}"
+            continue
+        if cut is None:
+            continue  # not the plain shape: decoded whole, as before
+        split += 1
+        assert _decoded(decode_split_request, raw, cut) == want, raw[:300]
+    assert split >= min(n, len(corpus)), "the plain requests of the corpus were split"
+
+
 @pytest.mark.parametrize("algo", ["sha256_cbor", "sha256", "xxhash_cbor", "xxhash"])
 def test_the_hash_chain_equals_the_python_reference(rng, algo):
     fast, reference = BlockHasher(algo, "0"), BlockHasher(algo, "0", accelerate=False)
