@@ -234,26 +234,42 @@ static PyObject *Table_as_dict(Table *self, PyObject *unused) {
     return d;
 }
 
-/* export() -> [(chunk, keys bytes, masks bytes)]: native uint64 arrays, straight from the tables. */
-static PyObject *Table_export(Table *self, PyObject *unused) {
-    PyObject *out = PyList_New(0);
-    if (!out) return NULL;
-    for (size_t c = 0; c < self->t.nchunks; c++) {
-        nt_chunk *ch = &self->t.chunks[c];
-        size_t n = nt_chunk_size(ch);
-        if (!n) continue;
-        PyObject *keys = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
-        PyObject *masks = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
-        if (!keys || !masks) { Py_XDECREF(keys); Py_XDECREF(masks); Py_DECREF(out); return NULL; }
-        uint64_t *k = (uint64_t *)PyBytes_AS_STRING(keys), *m = (uint64_t *)PyBytes_AS_STRING(masks);
-        size_t j = 0;
-        for (size_t i = 0; i <= ch->cap && j < n; i++)
-            if (nt_chunk_entry(ch, i, &k[j], &m[j])) j++;
-        PyObject *row = Py_BuildValue("(nNN)", (Py_ssize_t)c, keys, masks);
-        if (!row || PyList_Append(out, row) < 0) { Py_XDECREF(row); Py_DECREF(out); return NULL; }
-        Py_DECREF(row);
+/* export_merged() -> (keys bytes, masks bytes, [(index, mask)]): every distinct hash once with the low
+ * 64 bits of its worker mask (native uint64 arrays), and the whole mask of those held by a worker past
+ * 63 (the snapshot format's "wide" masks). */
+static PyObject *Table_export_merged(Table *self, PyObject *unused) {
+    nt_table *t = &self->t;
+    size_t n = (size_t)nt_distinct(t), j = 0;
+    PyObject *keys = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
+    PyObject *masks = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
+    PyObject *wide = PyList_New(0);
+    if (!keys || !masks || !wide) goto fail;
+    uint64_t *k = (uint64_t *)PyBytes_AS_STRING(keys), *m = (uint64_t *)PyBytes_AS_STRING(masks);
+    for (size_t c = 0; c < t->nchunks; c++) {
+        nt_chunk *ch = &t->chunks[c];
+        for (size_t i = 0; i <= ch->cap; i++) {
+            uint64_t key, mask;
+            if (!nt_chunk_entry(ch, i, &key, &mask)) continue;
+            size_t d = 0;
+            while (d < c && !nt_chunk_get(&t->chunks[d], key)) d++;
+            if (d < c || j >= n) continue; /* listed with the first chunk holding it */
+            k[j] = key;
+            m[j] = c == 0 ? mask : 0;
+            int is_wide = c > 0;
+            for (size_t e = c + 1; e < t->nchunks && !is_wide; e++) is_wide = nt_chunk_get(&t->chunks[e], key) != 0;
+            if (is_wide) {
+                PyObject *full = mask_of(self, key);
+                PyObject *row = full ? Py_BuildValue("(nN)", (Py_ssize_t)j, full) : NULL;
+                if (!row || PyList_Append(wide, row) < 0) { Py_XDECREF(row); goto fail; }
+                Py_DECREF(row);
+            }
+            j++;
+        }
     }
-    return out;
+    return Py_BuildValue("(NNN)", keys, masks, wide);
+fail:
+    Py_XDECREF(keys); Py_XDECREF(masks); Py_XDECREF(wide);
+    return NULL;
 }
 
 /* load(chunk, keys, masks): adds a chunk's entries (snapshot loading; OR-ed into what is there). */
@@ -305,7 +321,8 @@ static PyObject *Table_stats(Table *self, PyObject *unused) {
 static PyObject *Table_batch_begin(Table *self, PyObject *unused) {
     if (self->batch_depth == 0) write_lock(self);
     self->batch_depth++;
-    Py_RETURN_NONE;
+    Py_INCREF(self);
+    return (PyObject *)self;
 }
 
 static PyObject *Table_batch_end(Table *self, PyObject *unused) {
@@ -313,6 +330,8 @@ static PyObject *Table_batch_end(Table *self, PyObject *unused) {
     if (--self->batch_depth == 0) pthread_rwlock_unlock(&self->lock);
     Py_RETURN_NONE;
 }
+
+static PyObject *Table_exit(Table *self, PyObject *args) { return Table_batch_end(self, NULL); }
 
 static Py_ssize_t Table_len(Table *self) { return (Py_ssize_t)nt_distinct(&self->t); }
 
@@ -325,13 +344,15 @@ static PyMethodDef Table_methods[] = {
     {"clear", (PyCFunction)Table_clear, METH_O, "clear(wid) -> blocks the worker held"},
     {"get", (PyCFunction)Table_get, METH_VARARGS, "get(hash, default=None) -> mask of the workers holding it"},
     {"as_dict", (PyCFunction)Table_as_dict, METH_NOARGS, "{hash: mask} of the whole table"},
-    {"export", (PyCFunction)Table_export, METH_NOARGS, "[(chunk, keys, masks)] as native uint64 bytes"},
     {"load", (PyCFunction)Table_load, METH_VARARGS, "load(chunk, keys, masks): add a chunk's entries"},
+    {"export_merged", (PyCFunction)Table_export_merged, METH_NOARGS, "(keys, low masks, [(index, wide mask)])"},
     {"worker_counts", (PyCFunction)Table_worker_counts, METH_NOARGS, "{wid: blocks held}"},
     {"epoch", (PyCFunction)Table_epoch, METH_O, "how many times the worker id was cleared"},
     {"stats", (PyCFunction)Table_stats, METH_NOARGS, "(distinct hashes, entries, bytes allocated)"},
     {"batch_begin", (PyCFunction)Table_batch_begin, METH_NOARGS, "hold the write lock until batch_end"},
     {"batch_end", (PyCFunction)Table_batch_end, METH_NOARGS, "release what batch_begin took"},
+    {"__enter__", (PyCFunction)Table_batch_begin, METH_NOARGS, "batch_begin (with table: ...)"},
+    {"__exit__", (PyCFunction)Table_exit, METH_VARARGS, "batch_end"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -18,8 +18,8 @@ all of them, pay nothing for it.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable
+from contextlib import nullcontext
 
 try:  # the index in native memory (indexer/_native_index.c); without a compiler, BlockIndex alone
     from indexer import _native_index
@@ -27,6 +27,7 @@ except ImportError:
     _native_index = None
 
 _U64 = (1 << 64) - 1
+_NO_BATCH = nullcontext()
 #: A snapshot's view of an index: per chunk of 64 worker ids, its hashes and masks (native uint64 bytes).
 Chunks = list[tuple[int, bytes, bytes]]
 
@@ -116,6 +117,24 @@ class BlockIndex:
                 del self.copies[wid]
         return True
 
+    def _leaves(self, wid: int, h: int, gbit: int, held_by: dict[int, int] | None) -> bool:
+        """A removal of held block ``h`` from KV-cache group ``gbit``: whether the block leaves the worker
+        (False: another physical copy, or another group, still holds it; the bookkeeping is updated)."""
+        if held_by is None:
+            return not self._copy_removed(wid, h)
+        groups = held_by.get(h, 1)
+        if not groups & gbit or self._copy_removed(wid, h if gbit == 1 else (h, gbit)):
+            return False
+        groups ^= gbit
+        if groups:  # another group of this worker still holds it
+            if groups == 1:
+                del held_by[h]
+            else:
+                held_by[h] = groups
+            return False
+        held_by.pop(h, None)
+        return True
+
     def _bit(self, wid: int) -> int:
         bits = self._bits
         while len(bits) <= wid:
@@ -162,21 +181,8 @@ class BlockIndex:
             m = get(h)
             if m is None or not m & bit:
                 continue
-            if held_by is None:
-                if wid in copies and self._copy_removed(wid, h):
-                    continue  # another physical copy stays
-            else:
-                groups = held_by.get(h, 1)
-                if not groups & gbit or self._copy_removed(wid, h if gbit == 1 else (h, gbit)):
-                    continue
-                groups ^= gbit
-                if groups:  # another group of this worker still holds it
-                    if groups == 1:
-                        del held_by[h]
-                    else:
-                        held_by[h] = groups
-                    continue
-                held_by.pop(h, None)
+            if (held_by is not None or wid in copies) and not self._leaves(wid, h, gbit, held_by):
+                continue
             self._drop(h, m ^ bit)
             removed += 1
         if removed:
@@ -210,21 +216,15 @@ class BlockIndex:
         self.groups = {wid: dict(held_by) for wid, held_by in (groups or {}).items()}
         self.copies = {wid: dict(extra) for wid, extra in (copies or {}).items() if extra}
 
-    def export_chunks(self) -> Chunks:
-        """The table by chunks of 64 workers, as snapshots store it."""
-        keys: dict[int, array] = {0: array("Q")}
-        masks: dict[int, array] = {0: array("Q")}
-        for h, m in self.blocks.items():
-            c = 0
-            while m:
-                if m & _U64:
-                    if c not in keys:
-                        keys[c], masks[c] = array("Q"), array("Q")
-                    keys[c].append(h)
-                    masks[c].append(m & _U64)
-                m >>= 64
-                c += 1
-        return [(c, keys[c].tobytes(), masks[c].tobytes()) for c in sorted(keys) if keys[c]]
+    def export_merged(self) -> tuple[bytes, bytes, list[tuple[int, int]]]:
+        """Every hash once with the low 64 bits of its mask (native uint64 arrays), and the whole mask
+        of those held by a worker past 63, by position: as snapshots store them."""
+        keys, masks, wide = array("Q", self.blocks.keys()), array("Q"), []
+        for i, m in enumerate(self.blocks.values()):
+            masks.append(m & _U64)
+            if m > _U64:
+                wide.append((i, m))
+        return keys.tobytes(), masks.tobytes(), wide
 
     @property
     def masks(self):
@@ -234,7 +234,7 @@ class BlockIndex:
     def batch(self):
         """Changes made within appear to concurrent queries at once (nothing to do: queries on this index
         run on the event loop, between messages)."""
-        return nullcontext()
+        return _NO_BATCH
 
     def clear(self, wid: int) -> int:
         """Drop every block of one worker; returns how many it held."""
@@ -320,22 +320,8 @@ class NativeBlockIndex(BlockIndex):
         for h, held in zip(hashes, self.table.holds(wid, hashes)):
             if not held or h in drop:
                 continue
-            if held_by is None:
-                if self._copy_removed(wid, h):
-                    continue  # another physical copy stays
-            else:
-                groups = held_by.get(h, 1)
-                if not groups & gbit or self._copy_removed(wid, h if gbit == 1 else (h, gbit)):
-                    continue
-                groups ^= gbit
-                if groups:  # another group of this worker still holds it
-                    if groups == 1:
-                        del held_by[h]
-                    else:
-                        held_by[h] = groups
-                    continue
-                held_by.pop(h, None)
-            drop[h] = None
+            if self._leaves(wid, h, gbit, held_by):
+                drop[h] = None
         if drop:
             self.table.remove(wid, list(drop))
 
@@ -353,18 +339,13 @@ class NativeBlockIndex(BlockIndex):
         self.groups = {wid: dict(held_by) for wid, held_by in (groups or {}).items()}
         self.copies = {wid: dict(extra) for wid, extra in (copies or {}).items() if extra}
 
-    def export_chunks(self) -> Chunks:
-        return self.table.export()
+    def export_merged(self) -> tuple[bytes, bytes, list[tuple[int, int]]]:
+        return self.table.export_merged()
 
-    @contextmanager
-    def batch(self) -> Iterator[None]:
-        """Queries on other threads see the changes made within all at once (the table's write lock is
-        held throughout)."""
-        self.table.batch_begin()
-        try:
-            yield
-        finally:
-            self.table.batch_end()
+    def batch(self):
+        """Queries on other threads see the changes made within all at once: the table, as a context
+        manager, holds its write lock throughout (one C call each way)."""
+        return self.table
 
     def __len__(self) -> int:
         return len(self.table)

@@ -5,7 +5,9 @@
  *
  * A chunk maps a block hash to the mask of the 64 workers (ids 64c .. 64c+63) holding it: linear
  * probing over 16-byte slots, an empty slot has key 0 (the hash 0 is held aside), deletion shifts the
- * following entries back (no tombstones), the load stays within 1/32 .. 7/8.
+ * following entries back (no tombstones). The capacity is any size (a slot is found by multiplying,
+ * not masking), so it grows by half, not double: the load stays within 7/12 .. 7/8 (1/32 after
+ * removals, when it shrinks), about 22 bytes a distinct hash.
  */
 #ifndef CACHE_INDEXER_NATIVE_TABLE_H
 #define CACHE_INDEXER_NATIVE_TABLE_H
@@ -25,8 +27,7 @@ typedef struct {
 
 typedef struct {
     nt_slot *slots;
-    size_t cap; /* a power of two, or 0 */
-    unsigned shift; /* 64 - log2(cap) */
+    size_t cap; /* slots, or 0 */
     size_t used; /* slots with a key */
     int has_zero;
     uint64_t zero_mask;
@@ -47,32 +48,36 @@ typedef struct {
     uint64_t entries; /* (block, worker) pairs */
 } nt_table;
 
+/* The first slot probed for key: its mixed bits scaled to the capacity (Lemire's reduction). */
 static inline size_t nt_home(const nt_chunk *ch, uint64_t key) {
-    return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> ch->shift);
+    return (size_t)(((unsigned __int128)(key * 0x9E3779B97F4A7C15ULL) * ch->cap) >> 64);
 }
+
+static inline size_t nt_next(const nt_chunk *ch, size_t i) { return i + 1 == ch->cap ? 0 : i + 1; }
+
+/* Slots from a forward to b, around the end. */
+static inline size_t nt_dist(const nt_chunk *ch, size_t a, size_t b) { return b >= a ? b - a : b + ch->cap - a; }
 
 static nt_slot *nt_find(const nt_chunk *ch, uint64_t key) { /* key != 0 */
     if (!ch->cap) return NULL;
-    size_t m = ch->cap - 1, i = nt_home(ch, key);
+    size_t i = nt_home(ch, key);
     for (;;) {
         nt_slot *s = &ch->slots[i];
         if (s->key == key) return s;
         if (!s->key) return NULL;
-        i = (i + 1) & m;
+        i = nt_next(ch, i);
     }
 }
 
 static int nt_rehash(nt_chunk *ch, size_t cap) {
     nt_slot *slots = calloc(cap, sizeof(nt_slot));
     if (!slots) return -1;
-    unsigned shift = 64;
-    for (size_t c = cap; c > 1; c >>= 1) shift--;
-    nt_chunk next = {.slots = slots, .cap = cap, .shift = shift, .used = ch->used, .has_zero = ch->has_zero,
+    nt_chunk next = {.slots = slots, .cap = cap, .used = ch->used, .has_zero = ch->has_zero,
                      .zero_mask = ch->zero_mask};
     for (size_t i = 0; i < ch->cap; i++) {
         if (!ch->slots[i].key) continue;
         size_t j = nt_home(&next, ch->slots[i].key);
-        while (slots[j].key) j = (j + 1) & (cap - 1);
+        while (slots[j].key) j = nt_next(&next, j);
         slots[j] = ch->slots[i];
     }
     free(ch->slots);
@@ -81,8 +86,9 @@ static int nt_rehash(nt_chunk *ch, size_t cap) {
 }
 
 static nt_slot *nt_insert(nt_chunk *ch, uint64_t key) { /* key != 0; NULL: out of memory */
-    if ((ch->used + 1) * 8 > ch->cap * 7 && nt_rehash(ch, ch->cap ? ch->cap * 2 : NT_MIN_CAP) < 0) return NULL;
-    size_t m = ch->cap - 1, i = nt_home(ch, key);
+    if ((ch->used + 1) * 8 > ch->cap * 7 && nt_rehash(ch, ch->cap ? ch->cap + ch->cap / 2 : NT_MIN_CAP) < 0)
+        return NULL;
+    size_t i = nt_home(ch, key);
     for (;;) {
         nt_slot *s = &ch->slots[i];
         if (s->key == key) return s;
@@ -92,17 +98,17 @@ static nt_slot *nt_insert(nt_chunk *ch, uint64_t key) { /* key != 0; NULL: out o
             ch->used++;
             return s;
         }
-        i = (i + 1) & m;
+        i = nt_next(ch, i);
     }
 }
 
 static void nt_delete(nt_chunk *ch, nt_slot *s) {
-    size_t m = ch->cap - 1, i = (size_t)(s - ch->slots), j = i;
+    size_t i = (size_t)(s - ch->slots), j = i;
     for (;;) {
-        j = (j + 1) & m;
+        j = nt_next(ch, j);
         if (!ch->slots[j].key) break;
         size_t k = nt_home(ch, ch->slots[j].key);
-        if (((j - k) & m) >= ((j - i) & m)) { /* the hole lies on j's probe path: move it back */
+        if (nt_dist(ch, k, j) >= nt_dist(ch, i, j)) { /* the hole lies on j's probe path: move it back */
             ch->slots[i] = ch->slots[j];
             i = j;
         }
@@ -197,10 +203,10 @@ static int nt_ensure_worker(nt_table *t, uint32_t wid) {
     return 0;
 }
 
-static int nt_reserve(nt_worker *w, size_t extra) {
+static int nt_reserve(nt_worker *w, size_t extra) { /* grows by half: 8 bytes an entry, about 10 with slack */
     if (w->len + extra <= w->cap) return 0;
     size_t cap = w->cap ? w->cap : 16;
-    while (cap < w->len + extra) cap *= 2;
+    while (cap < w->len + extra) cap += cap / 2;
     uint64_t *h = realloc(w->hashes, cap * 8);
     if (!h) return -1;
     w->hashes = h;

@@ -1,11 +1,11 @@
 """L1 index snapshots: a compact, fast-loading encoding and their store in NATS.
 
-Encoding (v2): a msgpack header (stream sequence covered, workers, per-worker stream cursors, the
-chunks) followed by, per chunk of 64 worker ids, two raw little-endian uint64 arrays (block hashes,
-the chunk's worker masks): the native index writes and loads them straight from its tables, the
-pure-Python one with two ``array`` conversions and a ``dict(zip())``, no per-entry parsing. v1 (one
-pair of arrays, masks wider than 64 bits in the header) is still read: a replica upgraded while an
-older one wrote the newest snapshot starts from it.
+Encoding: a msgpack header (stream sequence covered, workers, per-worker stream cursors) followed by
+two raw little-endian uint64 arrays (block hashes, worker bitmasks; bitmasks wider than 64 bits go in
+the header). The native index writes and loads the arrays straight from its tables (by chunks of 64
+workers), the pure-Python one with two ``array`` conversions and a ``dict(zip())``: no per-entry
+parsing either way. The format is the one earlier versions write and read, so replicas of both can
+share snapshots during a rolling upgrade.
 
 Store: the object store bucket holds ``l1-<seq>`` objects; the KV key ``snapshot.l1`` points at the
 newest one and is moved with compare-and-set, so a reader always finds a complete snapshot and an
@@ -40,35 +40,28 @@ from indexer.l1_state import L1State
 
 log = logging.getLogger(__name__)
 
-FORMAT = "cache-indexer-l1-v2"
-FORMAT_V1 = "cache-indexer-l1-v1"
+FORMAT = "cache-indexer-l1-v1"
 CHUNK_SIZE = 512 * 1024  # below the default 1 MB max_payload; fewer chunks than nats-py's 128 KiB
 POINTER_KEY = "snapshot.l1"
 
 
-def _little_endian(raw: bytes | memoryview) -> bytes | memoryview:
-    """Native uint64s to little-endian ones, and back (the identity on little-endian machines)."""
-    if sys.byteorder == "little":
-        return raw
-    a = array("Q", raw)
-    a.byteswap()
-    return a.tobytes()
-
-
 def encode_l1(state: L1State, stream_seq: int) -> bytes:
-    chunks = state.index.export_chunks()
+    keys, masks, wide = state.index.export_merged()
+    if sys.byteorder != "little":
+        keys, masks = array("Q", keys), array("Q", masks)
+        keys.byteswap()
+        masks.byteswap()
     header = {
-        "format": FORMAT, "stream_seq": stream_seq,
-        "chunks": [[c, len(keys) // 8] for c, keys, _ in chunks],
+        "format": FORMAT, "stream_seq": stream_seq, "count": len(keys) // (8 if isinstance(keys, bytes) else 1),
         "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
         "worker_blocks": list(state.index.worker_blocks.items()),
         "cursors": state.cursor_rows(),
+        "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in wide},
         "groups": [[wid, list(held_by.items())] for wid, held_by in state.index.groups.items()],
         "copies": [[wid, list(extra.items())] for wid, extra in state.index.copies.items()],
     }
     head = msgpack.packb(header)
-    body = [part for _, keys, masks in chunks for part in (_little_endian(keys), _little_endian(masks))]
-    return b"".join([len(head).to_bytes(8, "little"), head, *body])
+    return b"".join([len(head).to_bytes(8, "little"), head, keys, masks])
 
 
 def decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
@@ -84,16 +77,9 @@ def decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
 def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     n = int.from_bytes(data[:8], "little")
     header = msgpack.unpackb(bytes(data[8:8 + n]), raw=False, strict_map_key=False)
-    body = memoryview(data)[8 + n:]
-    if header.get("format") == FORMAT:
-        chunks, at = [], 0
-        for c, count in header["chunks"]:
-            chunks.append((c, _little_endian(body[at:at + count * 8]), _little_endian(body[at + count * 8:at + count * 16])))
-            at += count * 16
-    elif header.get("format") == FORMAT_V1:
-        chunks = _v1_chunks(header, body)
-    else:
+    if header.get("format") != FORMAT:
         raise ValueError(f"unknown snapshot format {header.get('format')!r}")
+    chunks = _chunks(header, memoryview(data)[8 + n:])
     state = L1State()
     for pod, rank, wid in header["workers"]:
         state.workers.restore(pod, rank, wid)
@@ -106,8 +92,9 @@ def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     return state, header["stream_seq"]
 
 
-def _v1_chunks(header: dict, body: memoryview) -> list[tuple[int, bytes, bytes]]:
-    """A v1 body (one array of hashes, one of 64-bit masks, wider masks in the header) by chunks."""
+def _chunks(header: dict, body: memoryview) -> list[tuple[int, bytes, bytes]]:
+    """The body (one array of hashes, one of 64-bit masks, wider masks in the header) by chunks of 64
+    workers, as the index loads them."""
     count = header["count"]
     keys, masks = array("Q"), array("Q")
     keys.frombytes(body[:count * 8])

@@ -318,30 +318,37 @@ static const unsigned char *bh_skip_value(const unsigned char *p, const unsigned
 /* The span [*start, *stop) of the array under body.token_ids in a hit-rate request, found by one scan of
  * its structure. 0 where the request has the plain shape (each key once, none escaped, token_ids an
  * array), else -1: the caller decodes the request whole, and its decoder says what is wrong. */
+/* Past a member's key (p at its '"') and ':' to its value; NULL where the key is escaped or it is not a
+ * member. */
+static inline const unsigned char *bh_member(const unsigned char *p, const unsigned char *end,
+                                             const unsigned char **key, size_t *klen) {
+    int escaped = 0;
+    const unsigned char *after = bh_skip_string(p, end, &escaped);
+    if (!after || escaped) return NULL;
+    *key = p + 1;
+    *klen = (size_t)(after - 1 - *key);
+    p = bh_ws(after, end);
+    return p < end && *p == ':' ? bh_ws(p + 1, end) : NULL;
+}
+
+/* The span [*start, *stop) of the array under body.token_ids in a hit-rate request, found by one scan of
+ * its structure. 0 where the request has the plain shape (each key once, none escaped, token_ids an
+ * array), else -1: the caller decodes the request whole, and its decoder says what is wrong. */
 static inline int bh_find_token_ids(const unsigned char *p, size_t len, size_t *start, size_t *stop) {
-    const unsigned char *begin = p, *end = p + len;
-    int found = 0, body_seen = 0, escaped = 0;
+    const unsigned char *begin = p, *end = p + len, *key;
+    size_t klen;
+    int found = 0, body_seen = 0;
     p = bh_ws(p, end);
     if (p >= end || *p != '{') return -1;
     p = bh_ws(p + 1, end);
     while (p < end && *p == '"') {
-        const unsigned char *key = p + 1, *after = bh_skip_string(p, end, &escaped);
-        if (!after || escaped) return -1;
-        size_t klen = (size_t)(after - 1 - key);
-        p = bh_ws(after, end);
-        if (p >= end || *p != ':') return -1;
-        p = bh_ws(p + 1, end);
+        if (!(p = bh_member(p, end, &key, &klen))) return -1;
         if (klen == 4 && !memcmp(key, "body", 4)) {
             if (body_seen++ || p >= end || *p != '{') return -1;
             p = bh_ws(p + 1, end);
             while (p < end && *p == '"') {
-                const unsigned char *k2 = p + 1, *a2 = bh_skip_string(p, end, &escaped);
-                if (!a2 || escaped) return -1;
-                size_t k2len = (size_t)(a2 - 1 - k2);
-                p = bh_ws(a2, end);
-                if (p >= end || *p != ':') return -1;
-                p = bh_ws(p + 1, end);
-                if (k2len == 9 && !memcmp(k2, "token_ids", 9) && p < end && *p == '[') {
+                if (!(p = bh_member(p, end, &key, &klen))) return -1;
+                if (klen == 9 && !memcmp(key, "token_ids", 9) && p < end && *p == '[') {
                     /* A flat array of numbers ends at its first ']'; one that is not flat fails the parse of
                      * [start, stop), as the whole decode refuses it. */
                     const unsigned char *close = memchr(p, ']', (size_t)(end - p));

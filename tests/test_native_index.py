@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+
+import msgpack
 import threading
 from array import array
 
@@ -19,7 +21,7 @@ from indexer import block_index, hit_rate
 from indexer.block_index import BlockIndex, NativeBlockIndex
 from indexer.hit_rate import NativeQuery, score
 from indexer.l1_state import L1State
-from indexer.snapshot import decode_l1, encode_l1
+from indexer.snapshot import _chunks, decode_l1, encode_l1
 from schemas.block_hash import BlockHasher
 from tests.conftest import needs_native
 
@@ -49,8 +51,11 @@ def _same(ref: BlockIndex, nat: NativeBlockIndex) -> None:
 
 
 def _reloaded(index: BlockIndex, into: type) -> BlockIndex:
+    """``index`` through the snapshot encoding into an index of type ``into``."""
+    keys, masks, wide = index.export_merged()
+    header = {"count": len(keys) // 8, "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in wide}}
     out = into()
-    out.restore_chunks(index.export_chunks(), index.worker_blocks, index.groups, index.copies)
+    out.restore_chunks(_chunks(header, memoryview(keys + masks)), index.worker_blocks, index.groups, index.copies)
     return out
 
 
@@ -70,6 +75,36 @@ def test_the_native_index_holds_what_the_reference_holds(ops):
         else:  # a snapshot, loaded crosswise: each kind reads what the other wrote
             ref, nat = _reloaded(nat, BlockIndex), _reloaded(ref, NativeBlockIndex)
         _same(ref, nat)
+
+
+def test_large_tables_grow_shrink_and_delete_as_the_reference():
+    """Thousands of hashes per worker through growth, deletions (entries shifted back, around the end of
+    the table) and shrinking, checked against the reference as they go. The seed is printed."""
+    seed = random.SystemRandom().randrange(1 << 32)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    ref, nat = BlockIndex(), NativeBlockIndex()
+    pool = [rng.getrandbits(64) for _ in range(20_000)]
+    for step in range(60):
+        wid = rng.choice([0, 5, 64, 70])
+        hashes = rng.sample(pool, rng.randrange(1, 3000))
+        if rng.random() < 0.55:
+            ref.store(wid, hashes)
+            nat.store(wid, hashes)
+        elif rng.random() < 0.9:
+            ref.remove(wid, hashes)
+            nat.remove(wid, hashes)
+        else:
+            assert nat.clear(wid) == ref.clear(wid)
+        if step % 10 == 9:
+            _same(ref, nat)
+    for wid in (0, 5, 64, 70):  # down to empty (copies stored twice stay after one removal): the tables shrink
+        ref.remove(wid, pool)
+        nat.remove(wid, pool)
+        _same(ref, nat)
+        assert nat.clear(wid) == ref.clear(wid)
+    _same(ref, nat)
+    assert nat.entries() == 0 and nat.memory_bytes() < 64 * 1024
 
 
 def test_churn_keeps_a_workers_list_bounded_and_a_clear_exact():
@@ -159,25 +194,21 @@ def test_a_query_prepared_before_a_clear_does_not_count_the_next_owner_of_the_wo
     assert query.result(query.run()).scores[0].ratios == [0.0, 0.0]
 
 
-def test_snapshots_of_the_v1_format_still_load():
-    """A replica upgraded while an older one wrote the newest snapshot (v1: one mask array, wider masks
-    in the header) starts from it."""
-    import msgpack
-
-    ref, _ = _states([(f"10.0.{w // 250}.{w % 250}", 0, [7, 8, w + 100]) for w in range(70)])
-    keys, masks = list(ref.index.blocks), list(ref.index.blocks.values())
-    wide = {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in enumerate(masks) if m >= 1 << 64}
-    header = {"format": "cache-indexer-l1-v1", "stream_seq": 9, "count": len(keys),
-              "workers": [[pod, rank, wid] for (pod, rank), wid in ref.workers.items()],
-              "worker_blocks": list(ref.index.worker_blocks.items()), "cursors": ref.cursor_rows(),
-              "wide": wide, "groups": [], "copies": []}
-    head = msgpack.packb(header)
-    blob = (len(head).to_bytes(8, "little") + head + array("Q", keys).tobytes()
-            + array("Q", [0 if m >= 1 << 64 else m for m in masks]).tobytes())
-    loaded, seq = decode_l1(blob)
-    assert seq == 9 and loaded.index.blocks == ref.index.blocks
-    again, _ = decode_l1(encode_l1(loaded, 9))
-    assert again.index.blocks == ref.index.blocks
+def test_snapshots_are_written_as_earlier_versions_write_them():
+    """Replicas of this version and earlier ones share snapshots during a rolling upgrade: the native
+    index writes the format the pure-Python one writes (one array of hashes, one of 64-bit masks, wider
+    masks in the header), workers past 63 included, and either's snapshot loads into the native one."""
+    events = [(f"10.0.{w // 250}.{w % 250}", 0, [7, 8, w + 100]) for w in range(70)]
+    ref, nat = _states(events)
+    ref_blob, nat_blob = encode_l1(ref, 9), encode_l1(nat, 9)
+    n = int.from_bytes(ref_blob[:8], "little")
+    ref_head, nat_head = msgpack.unpackb(ref_blob[8:8 + n]), msgpack.unpackb(nat_blob[8:8 + int.from_bytes(nat_blob[:8], "little")])
+    assert ref_head["format"] == nat_head["format"] == "cache-indexer-l1-v1"
+    assert ref_head["count"] == nat_head["count"] == len(ref.index.blocks) and len(nat_head["wide"]) == 2 + 6
+    for blob in (ref_blob, nat_blob):
+        loaded, seq = decode_l1(blob)
+        assert seq == 9 and loaded.index.blocks == ref.index.blocks
+        assert type(loaded.index) is NativeBlockIndex
 
 
 def test_queries_on_threads_see_whole_messages_while_events_and_snapshots_go_on():
