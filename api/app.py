@@ -9,7 +9,6 @@ that cannot be written within ``http.writeTimeout`` closes the connection.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -17,6 +16,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 HIT_RATE_PATH = "/kv-cache/hit-rate"
 _KNOWN_PATHS = {HIT_RATE_PATH, "/healthz", "/readyz", "/metrics"}
 UNKNOWN_POD_MESSAGE = "no KV-cache events seen for this server"
+#: Bodies up to this size are answered on the event loop when no other request is in flight (the
+#: native code releases the GIL all the same); larger ones, or any under load, on the query threads.
+INLINE_MAX_BYTES = 1 << 20
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
@@ -53,6 +56,7 @@ class HitRateApi:
         self.metrics = metrics
         #: Native queries run here, one thread per core, while the loop goes on serving I/O
         self._pool: ThreadPoolExecutor | None = None
+        self._in_flight = 0  # hit-rate requests being answered
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
@@ -106,18 +110,26 @@ class HitRateApi:
             self._pool = ThreadPoolExecutor(max_workers=threads or 2, thread_name_prefix="hit-rate")
         return self._pool
 
+    async def _native(self, size: int, fn, *args):
+        """``fn`` (native, GIL released inside) on a worker thread, or here at once where this is the only
+        request in flight and its body at most INLINE_MAX_BYTES: then nothing waits for the loop, and the
+        two hand-offs would only add their latency."""
+        if self._in_flight <= 1 and size <= INLINE_MAX_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._threads(), fn, *args)
+
     async def _decode(self, body: bytes) -> HitRateQuery:
         """A large body's token array is found and parsed on a worker thread, the rest decoded here."""
         if split_request is not None and len(body) >= SPLIT_MIN_BYTES:
             try:
-                cut = await asyncio.get_running_loop().run_in_executor(self._threads(), split_request, body)
+                cut = await self._native(len(body), split_request, body)
             except ValueError as exc:
                 raise RequestError(f"body.token_ids: {exc}") from None
             if cut is not None:
                 return decode_split_request(body, cut, self.http.maxCandidates)
         return decode_hit_rate_request(body, self.http.maxCandidates)
 
-    async def _score(self, req: HitRateQuery) -> ScoreResult:
+    async def _score(self, req: HitRateQuery, size: int) -> ScoreResult:
         """On a worker thread where the native query covers the request, else here (``score``)."""
         tiers = self.tiers()
         try:
@@ -127,7 +139,7 @@ class HitRateApi:
             raise RequestError(f"body.token_ids: {exc}") from None
         if query is not None:
             try:
-                return query.result(await asyncio.get_running_loop().run_in_executor(self._threads(), query.run))
+                return query.result(await self._native(size, query.run))
             except ValueError as exc:
                 raise RequestError(f"body.token_ids: {exc}") from None
             except NotImplementedError:
@@ -160,6 +172,13 @@ class HitRateApi:
         return None
 
     async def hit_rate(self, request: web.Request) -> web.Response:
+        self._in_flight += 1
+        try:
+            return await self._hit_rate(request)
+        finally:
+            self._in_flight -= 1
+
+    async def _hit_rate(self, request: web.Request) -> web.Response:
         if request.method != "POST":
             return _error(405, f"method {request.method} not allowed; use POST", Allow="POST")
         too_large = self._too_large(request)
@@ -177,7 +196,8 @@ class HitRateApi:
         if not body.strip():
             return _error(400, "empty request body")
         try:
-            result = await self._score(await self._decode(body))
+            req = await self._decode(body)
+            result = await self._score(req, len(body))
         except RequestError as exc:
             return _error(400, str(exc))
         except Exception as exc:
@@ -187,5 +207,5 @@ class HitRateApi:
         items = [{"server_ip": s.pod, "l1_hit_ratio": s.ratios[0], "l3_hit_ratio": s.ratios[1],
                   "message": "" if s.known else UNKNOWN_POD_MESSAGE, "status": 0} for s in result.scores]
         self._observe_answer(result.scores)
-        return web.Response(body=json.dumps({"status": 0, "message": "", "server_score_list": items}),
+        return web.Response(body=msgspec.json.encode({"status": 0, "message": "", "server_score_list": items}),
                             content_type="application/json")

@@ -28,6 +28,19 @@
 
 static bh_libcrypto crypto;
 
+/* The digest memo of each query thread (schemas/_blockhash_core.h): MEMO_SLOTS slots and up to
+ * memo_max_bytes of messages a thread ($CACHE_INDEXER_DIGEST_MEMO_BYTES, default 8 MiB; 0: none). A
+ * thread's memo lives as long as the thread (the query pool's threads live as long as the process). */
+#define MEMO_SLOTS 16384
+static size_t memo_max_bytes = 8u << 20;
+static __thread bh_memo *thread_memo;
+
+static bh_memo *query_memo(void) {
+    if (!memo_max_bytes) return NULL;
+    if (!thread_memo) thread_memo = bh_memo_new(MEMO_SLOTS, memo_max_bytes);
+    return thread_memo;
+}
+
 /* -- the Python type --------------------------------------------------------------------------------- */
 typedef struct {
     PyObject_HEAD
@@ -306,6 +319,23 @@ static PyObject *Table_worker_counts(Table *self, PyObject *unused) {
     return d;
 }
 
+/* candidates(wids) -> bytes of (wid, epoch) uint64 pairs: the query's view of these workers. */
+static PyObject *Table_candidates(Table *self, PyObject *arg) {
+    U64s wids;
+    if (u64s_get(arg, &wids) < 0) return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(wids.n * 16));
+    if (out) {
+        uint64_t *p = (uint64_t *)PyBytes_AS_STRING(out);
+        for (size_t i = 0; i < wids.n; i++) {
+            uint64_t w = wids.data[i];
+            p[2 * i] = w;
+            p[2 * i + 1] = w < self->t.nworkers ? self->t.workers[w].epoch : 0;
+        }
+    }
+    u64s_release(&wids);
+    return out;
+}
+
 static PyObject *Table_epoch(Table *self, PyObject *arg) {
     uint32_t wid;
     if (wid_arg(arg, &wid) < 0) return NULL;
@@ -348,6 +378,7 @@ static PyMethodDef Table_methods[] = {
     {"export_merged", (PyCFunction)Table_export_merged, METH_NOARGS, "(keys, low masks, [(index, wide mask)])"},
     {"worker_counts", (PyCFunction)Table_worker_counts, METH_NOARGS, "{wid: blocks held}"},
     {"epoch", (PyCFunction)Table_epoch, METH_O, "how many times the worker id was cleared"},
+    {"candidates", (PyCFunction)Table_candidates, METH_O, "(wid, epoch) pairs of these workers, as uint64 bytes"},
     {"stats", (PyCFunction)Table_stats, METH_NOARGS, "(distinct hashes, entries, bytes allocated)"},
     {"batch_begin", (PyCFunction)Table_batch_begin, METH_NOARGS, "hold the write lock until batch_end"},
     {"batch_end", (PyCFunction)Table_batch_end, METH_NOARGS, "release what batch_begin took"},
@@ -429,6 +460,7 @@ static PyObject *query(PyObject *self, PyObject *args) {
         if (!lengths[t]) rc = -1;
     }
     nt_query_out res = {0};
+    in.memo = query_memo();
     Py_BEGIN_ALLOW_THREADS
     if (rc == 0 && raw_json) {
         err = bh_parse_u64_array(tokbuf.buf, (size_t)tokbuf.len, &parsed, &n_tokens, &err_at);
@@ -476,9 +508,17 @@ out:
 
 static PyObject *sha256_available(PyObject *self, PyObject *unused) { return PyBool_FromLong(crypto.loaded); }
 
+/* memo_stats() -> (hits, misses, bytes kept) of the calling thread's digest memo. */
+static PyObject *memo_stats(PyObject *self, PyObject *unused) {
+    bh_memo *m = thread_memo;
+    return Py_BuildValue("(KKK)", m ? (unsigned long long)m->hits : 0ULL, m ? (unsigned long long)m->misses : 0ULL,
+                         m ? (unsigned long long)m->bytes : 0ULL);
+}
+
 static PyMethodDef methods[] = {
     {"query", query, METH_VARARGS, "The hit-rate walk of a request over the tiers, hashing included, without the GIL."},
     {"sha256_available", sha256_available, METH_NOARGS, "Whether the query can hash (libcrypto's sha256 loaded)."},
+    {"memo_stats", memo_stats, METH_NOARGS, "(hits, misses, bytes kept) of this thread's digest memo."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -486,6 +526,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_index", NULL
 
 PyMODINIT_FUNC PyInit__native_index(void) {
     bh_load_libcrypto(&crypto);
+    const char *memo_env = getenv("CACHE_INDEXER_DIGEST_MEMO_BYTES");
+    if (memo_env && *memo_env) memo_max_bytes = (size_t)strtoull(memo_env, NULL, 10);
     if (PyType_Ready(&TableType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

@@ -176,13 +176,11 @@ class NativeQuery:
                     start = len(wids)
                     wids += t.pod_workers(pod).values()
                     slots[pi].append((start, len(wids)))
-                table = t.index.table
-                pairs = array("Q", [v for wid in wids for v in (wid, table.epoch(wid))])
-                per_tier.append((table, pairs))
+                per_tier.append((t.index.table, t.index.table.candidates(wids)))
             else:
                 for pi in range(len(pods)):
                     slots[pi].append((0, 0))
-                per_tier.append((None, array("Q")))
+                per_tier.append((None, b""))
         known = [any(a != b for a, b in slots[pi]) or any(t is not None and t.knows(pod) for t in tiers)
                  for pi, pod in enumerate(pods)]
         args = (tokens, raw, block_size, pre, hasher.algo.endswith("_cbor"), per_tier)

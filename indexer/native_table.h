@@ -354,6 +354,7 @@ typedef struct {
     const uint64_t *pairs[NT_MAX_TIERS]; /* (wid, epoch) of each candidate worker */
     size_t npairs[NT_MAX_TIERS];
     const bh_libcrypto *crypto;
+    bh_memo *memo; /* the calling thread's memo of digests, or NULL */
 } nt_query_in;
 
 typedef struct {
@@ -401,7 +402,7 @@ static int nt_query(const nt_query_in *in, uint64_t **lengths, nt_query_out *out
         } else {
             size_t len = bh_encode_block(buf, parent, 32, in->tokens + i * in->bs, in->bs, in->cbor);
             if (!len) { rc = -2; goto done; }
-            if (!bh_sha256(in->crypto, ctx, buf, len, digest)) { rc = -3; goto done; }
+            if (!bh_memo_sha256(in->memo, in->crypto, ctx, buf, len, digest)) { rc = -3; goto done; }
             parent = digest;
         }
         uint64_t key = 0;

@@ -176,6 +176,77 @@ static void bh_load_libcrypto(bh_libcrypto *lc) {
 #endif
 }
 
+/* -- a memo of digests --------------------------------------------------------------------------------- */
+/* Routers ask about the same prefixes again and again (a system prompt, a conversation's earlier turns):
+ * a direct-mapped memo of sha256(message), keyed by the message itself (compared whole, so a hit is
+ * exact), saves the hash where a block was asked about before. A slot keeps the last message that fell
+ * in it; messages are kept up to max_bytes in all, beyond which new ones are hashed but not kept. One
+ * memo per thread: no locking. */
+typedef struct {
+    unsigned char *msg;
+    uint32_t len, cap;
+    unsigned char digest[32];
+} bh_memo_slot;
+
+typedef struct {
+    bh_memo_slot *slots;
+    size_t n; /* a power of two */
+    size_t bytes, max_bytes;
+    uint64_t hits, misses;
+} bh_memo;
+
+static inline uint64_t bh_memo_index(const unsigned char *m, size_t len) {
+    uint64_t h = 0x9E3779B97F4A7C15ULL ^ len, w;
+    size_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        memcpy(&w, m + i, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdULL;
+        h ^= h >> 32;
+    }
+    w = 0;
+    memcpy(&w, m + i, len - i);
+    h = (h ^ w) * 0xc4ceb9fe1a85ec53ULL;
+    return h ^ (h >> 29);
+}
+
+/* sha256 of msg, from the memo where it holds msg (memo NULL: no memo); 0 where the hash failed. */
+static inline int bh_memo_sha256(bh_memo *memo, const bh_libcrypto *lc, void *ctx, const unsigned char *msg,
+                                 size_t len, unsigned char out[32]) {
+    if (!memo) return bh_sha256(lc, ctx, msg, len, out);
+    bh_memo_slot *s = &memo->slots[bh_memo_index(msg, len) & (memo->n - 1)];
+    if (s->len == len && s->msg && !memcmp(s->msg, msg, len)) {
+        memcpy(out, s->digest, 32);
+        memo->hits++;
+        return 1;
+    }
+    memo->misses++;
+    if (!bh_sha256(lc, ctx, msg, len, out)) return 0;
+    if (len > UINT32_MAX) return 1;
+    if (len > s->cap) {
+        if (memo->bytes + (len - s->cap) > memo->max_bytes) return 1; /* full: hashed, not kept */
+        unsigned char *m = realloc(s->msg, len);
+        if (!m) return 1;
+        memo->bytes += len - s->cap;
+        s->msg = m;
+        s->cap = (uint32_t)len;
+    }
+    memcpy(s->msg, msg, len);
+    s->len = (uint32_t)len;
+    memcpy(s->digest, out, 32);
+    return 1;
+}
+
+/* A memo of n slots (a power of two) keeping up to max_bytes of messages; NULL where memory ran out. */
+static inline bh_memo *bh_memo_new(size_t n, size_t max_bytes) {
+    bh_memo *memo = calloc(1, sizeof *memo);
+    if (!memo) return NULL;
+    memo->slots = calloc(n, sizeof(bh_memo_slot));
+    if (!memo->slots) { free(memo); return NULL; }
+    memo->n = n;
+    memo->max_bytes = max_bytes;
+    return memo;
+}
+
 /* -- JSON token arrays ------------------------------------------------------------------------------- */
 /* Up to 7 leading ASCII digits of the 8 bytes at p (SWAR): how many (8: all eight are digits, left to
  * the scalar loop) and, for 1..7, their value. A byte is a digit where neither byte + 0x46 nor byte -

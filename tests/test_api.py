@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -330,3 +331,18 @@ async def test_large_requests_answer_as_small_ones(api):
         small = await post(session, None, raw=raw)
         large = await post(session, None, raw=b" " * SPLIT_MIN_BYTES + raw)
         assert small == large and small[0] == 200
+
+
+async def test_concurrent_large_requests_are_answered_on_the_query_threads_alike(api):
+    """Under load the split and the query run on the worker threads (one request alone runs them on the
+    loop): sixteen large requests at once get the answers one gets alone."""
+    from api.hit_rate_request import SPLIT_MIN_BYTES
+
+    session, _ = api
+    payloads = [req(["127.0.1.2", "127.0.1.9", "127.0.1.1", "127.0.1.3"]), req(["127.0.1.4", "127.0.1.1"], salt="tenant-a"),
+                req(["127.0.1.3"], tokens=TOKENS + [1, 2, 3]), req(["127.0.1.5"])]
+    raws = [b" " * SPLIT_MIN_BYTES + json.dumps(p).encode() for p in payloads]
+    alone = [await post(session, None, raw=raw) for raw in raws]
+    together = await asyncio.gather(*(post(session, None, raw=raws[i % 4]) for i in range(16)))
+    assert list(together) == [alone[i % 4] for i in range(16)]
+    assert all(status == 200 for status, _ in alone)

@@ -7,11 +7,13 @@ taken. Hypothesis prints the failing example (its seed: ``--hypothesis-seed``)."
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import msgpack
 import threading
 from array import array
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -268,3 +270,61 @@ def _as_reference(state: L1State) -> L1State:
 def test_without_the_native_module_the_pure_index_is_used(monkeypatch):
     monkeypatch.setattr(block_index, "_native_index", None)
     assert type(block_index.new_block_index()) is BlockIndex
+
+
+def test_the_digest_memo_answers_a_repeated_query_exactly():
+    """A query thread remembers the digests of the blocks it hashed (keyed by the whole serialised block,
+    so a hit is exact): asked again, it hashes nothing and answers the same; other salts, block sizes and
+    encodings are other messages, answered as the reference answers them."""
+    from indexer import _native_index
+
+    tokens = list(range(1000, 1000 + 64 * 16))
+    answers = {}
+    for algo in ("sha256_cbor", "sha256"):
+        hasher = BlockHasher(algo, "0")
+        for bs, salt in ((16, ""), (16, "s"), (32, "")):
+            chain = hasher.event_hashes(tokens, bs, cache_salt=salt or None)
+            ref, nat = _states([("10.0.0.1", 0, chain[:40]), ("10.0.0.2", 0, chain)])
+            pods = ["10.0.0.1", "10.0.0.2"]
+            want = score(hasher, tokens, bs, salt, pods, [ref, None])
+            hits = _native_index.memo_stats()[0]
+            first = _native_answer(hasher, tokens, bs, salt, pods, [nat, None], raw=False)
+            again = _native_answer(hasher, tokens, bs, salt, pods, [nat, None], raw=True)
+            assert first == again == want
+            assert _native_index.memo_stats()[0] - hits >= len(chain) - 1, "the second query hashed nothing again"
+            answers[(algo, bs, salt)] = [s.ratios[0] for s in want.scores]
+    assert len(set(map(tuple, answers.values()))) > 1
+
+
+def test_the_digest_memo_keeps_within_its_bound():
+    """$CACHE_INDEXER_DIGEST_MEMO_BYTES bounds the messages a thread's memo keeps; past it blocks are
+    hashed, not kept, and answers do not change."""
+    import subprocess
+    import sys
+
+    code = """
+import random
+from array import array
+from indexer import _native_index
+from indexer.hit_rate import NativeQuery, score
+from indexer.l1_state import L1State
+from indexer.block_index import BlockIndex
+from schemas.block_hash import BlockHasher
+h = BlockHasher("sha256_cbor", "0")
+tokens = [random.Random(1).randrange(150000) for _ in range(32768)]
+chain = h.event_hashes(tokens, 16)
+ref, nat = L1State(), L1State()
+ref.index = BlockIndex()
+for s in (ref, nat):
+    s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0,
+             "events": [{"kind": "stored", "hashes": chain, "medium": "GPU"}]})
+q = NativeQuery.prepare(h, array("Q", tokens), 16, "", ["p"], [nat, None])
+assert q.result(q.run()) == score(h, tokens, 16, "", ["p"], [ref, None])
+hits, misses, kept = _native_index.memo_stats()
+assert misses == 2048 and 0 < kept <= 100_000, (hits, misses, kept)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ, "CACHE_INDEXER_DIGEST_MEMO_BYTES": "100000"})
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
