@@ -132,11 +132,13 @@ class HitRateApi:
     async def _score(self, req: HitRateQuery, size: int) -> ScoreResult:
         """On a worker thread where the native query covers the request, else here (``score``)."""
         tiers = self.tiers()
-        try:
-            tokens = req.token_array if req.token_array is not None else req.token_json
-            query = NativeQuery.prepare(self.hasher, tokens, req.block_size, req.cache_salt, req.server_ip, tiers)
-        except ValueError as exc:
-            raise RequestError(f"body.token_ids: {exc}") from None
+        query = None
+        if req.lora is None and not req.mm_features:  # extra keys on every block: the Python hasher's
+            try:
+                tokens = req.token_array if req.token_array is not None else req.token_json
+                query = NativeQuery.prepare(self.hasher, tokens, req.block_size, req.cache_salt, req.server_ip, tiers)
+            except ValueError as exc:
+                raise RequestError(f"body.token_ids: {exc}") from None
         if query is not None:
             try:
                 return query.result(await self._native(size, query.run))
@@ -144,7 +146,8 @@ class HitRateApi:
                 raise RequestError(f"body.token_ids: {exc}") from None
             except NotImplementedError:
                 pass  # a request only the Python path hashes
-        return score(self.hasher, req.tokens(), req.block_size, req.cache_salt, req.server_ip, tiers)
+        return score(self.hasher, req.tokens(), req.block_size, req.cache_salt, req.server_ip, tiers, req.lora,
+                     req.mm_features)
 
     async def _close_pool(self, app: web.Application) -> None:
         if self._pool is not None:

@@ -18,7 +18,8 @@ from typing import Annotated
 
 import msgspec
 
-from schemas.block_hash import parse_token_array
+from schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
+from schemas.block_hash import LoRAKey, MultiModalKey, parse_token_array
 
 #: Bodies from this size on have their token array found and parsed on a worker thread (``split_request``)
 #: before the rest is decoded here: what is left for the event loop is the small envelope.
@@ -27,10 +28,22 @@ SPLIT_MIN_BYTES = 16 * 1024
 _U64_LIMIT = 1 << 64
 
 
+_Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+
+
+class _MultiModal(msgspec.Struct, forbid_unknown_fields=True):
+    identifier: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    offset: Annotated[int, msgspec.Meta(ge=0)]
+    length: Annotated[int, msgspec.Meta(gt=0)]
+
+
 class _Body(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: msgspec.Raw
     block_size: Annotated[int, msgspec.Meta(gt=0)]
     cache_salt: str = ""
+    lora_name: _Name = ""
+    lora_path: _Name = ""
+    mm_features: Annotated[list[_MultiModal], msgspec.Meta(max_length=MAX_MM_FEATURES)] = []
 
 
 class _Request(msgspec.Struct, forbid_unknown_fields=True):
@@ -52,6 +65,8 @@ class HitRateQuery:
     block_size: int
     cache_salt: str
     token_array: array | memoryview | None = None  # ... or its tokens, parsed already (format 'Q')
+    lora: LoRAKey | None = None
+    mm_features: tuple[MultiModalKey, ...] = ()
 
     def tokens(self) -> array | memoryview:
         """The token ids (format 'Q'); RequestError where the array is malformed."""
@@ -90,8 +105,11 @@ def decode_hit_rate_request(body: bytes, max_candidates: int | None = None) -> H
         raise RequestError("invalid JSON: nested too deeply") from None
     if max_candidates is not None and len(req.server_ip) > max_candidates:
         raise RequestError(f"server_ip: {len(req.server_ip)} candidates exceed http.maxCandidates ({max_candidates})")
-    return HitRateQuery(server_ip=req.server_ip, token_json=bytes(req.body.token_ids),
-                        block_size=req.body.block_size, cache_salt=req.body.cache_salt)
+    body = req.body
+    return HitRateQuery(server_ip=req.server_ip, token_json=bytes(body.token_ids), block_size=body.block_size,
+                        cache_salt=body.cache_salt,
+                        lora=LoRAKey(body.lora_name, body.lora_path) if body.lora_name else None,
+                        mm_features=tuple(MultiModalKey(m.identifier, m.offset, m.length) for m in body.mm_features))
 
 
 def decode_split_request(body: bytes, cut: tuple[int, int, bytes], max_candidates: int | None = None) -> HitRateQuery:

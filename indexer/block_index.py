@@ -1,11 +1,15 @@
 """The in-memory block index of a tier (L1 and L3 alike): which workers hold which block hashes. An L1
 worker is a (pod, data-parallel rank) pair, an L3 one a (pod, Mooncake master) pair.
 
-Layout, chosen for memory and for the query walk: one dict ``block hash (uint64) -> bitmask of worker
-ids``. A worker is a (pod, rank) pair interned to a small integer; single-bit masks are shared int
-objects, so an entry costs the dict slot plus the hash's int object (about 80 bytes), and a block held
-by several workers costs one entry, not one per worker. Clearing a worker walks the dict once: clears
-are rare (engine reset, gap, pod removal) and a reverse map would double the memory.
+Two implementations of one index, held equal by tests/test_native_index.py:
+- ``NativeBlockIndex`` (where the C module was built, the one replicas use): the tables in native
+  memory (indexer/native_table.h: per chunk of 64 workers, hash -> mask; per worker, its hashes, so a
+  clear costs the worker's blocks), about 32 bytes an entry, queried without the GIL;
+- ``BlockIndex``, the pure-Python reference and fallback: one dict ``block hash (uint64) -> bitmask of
+  worker ids``; single-bit masks are shared int objects, so an entry costs the dict slot plus the
+  hash's int object (about 80 bytes). Clearing a worker walks the dict once.
+A worker is a (pod, rank) pair interned to a small integer; a block held by several workers costs one
+entry, not one per worker.
 
 KV-cache groups: a hybrid model (full attention plus sliding-window layers, say) stores the same block
 hash once per group and evicts it per group; the sliding-window group drops old blocks long before the
@@ -28,7 +32,8 @@ except ImportError:
 
 _U64 = (1 << 64) - 1
 _NO_BATCH = nullcontext()
-#: A snapshot's view of an index: per chunk of 64 worker ids, its hashes and masks (native uint64 bytes).
+#: A loaded snapshot's view of an index: per chunk of 64 worker ids, its hashes and masks (native uint64
+#: bytes), as ``restore_chunks`` takes them.
 Chunks = list[tuple[int, bytes, bytes]]
 
 

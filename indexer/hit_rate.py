@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from indexer.block_index import BlockIndex, NativeBlockIndex, _native_index
-from schemas.block_hash import PICKLE_ONE_FRAME_TOKENS, BlockHasher, parse_token_array
+from schemas.block_hash import PICKLE_ONE_FRAME_TOKENS, BlockHasher, LoRAKey, MultiModalKey, parse_token_array
 
 try:  # the C accelerator's fast path of the walk (blocks where no worker drops out)
     from indexer._prefix_walk import walk as _walk_c
@@ -63,7 +63,10 @@ def _set_bits(mask: int):
 
 
 def score(hasher: BlockHasher, token_ids: Sequence[int], block_size: int, cache_salt: str,
-          pods: Sequence[str], tiers: Sequence[Tier | None]) -> ScoreResult:
+          pods: Sequence[str], tiers: Sequence[Tier | None], lora: LoRAKey | None = None,
+          mm_features: Sequence[MultiModalKey] = ()) -> ScoreResult:
+    """``lora`` and ``mm_features``: the request's adapter and multimodal items, which vLLM mixes into the
+    blocks' extra keys (hashed by the Python path, block by block)."""
     n_blocks = len(token_ids) // block_size
     pod_workers = [[t.pod_workers(p) if t is not None else {} for t in tiers] for p in pods]
     alive: list[int] = []
@@ -78,7 +81,8 @@ def score(hasher: BlockHasher, token_ids: Sequence[int], block_size: int, cache_
     if n_blocks and any(alive):
         blocks = [t.index.masks if t is not None else {} for t in tiers]
         walk_c = _walk_c if all(type(b) is dict for b in blocks) else None
-        for chunk in hasher.iter_block_hash_chunks(token_ids, block_size, cache_salt=cache_salt or None):
+        for chunk in hasher.iter_block_hash_chunks(token_ids, block_size, cache_salt=cache_salt or None, lora=lora,
+                                                   mm_features=mm_features):
             i = 0
             while i < len(chunk):
                 if walk_c is not None:  # skip, in C, the blocks where every alive worker stays alive

@@ -11,6 +11,21 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 TokenId = Annotated[int, Field(ge=0, lt=1 << 64)]
+#: Bounds of the optional LoRA and multimodal fields (each counted, as every input from outside)
+MAX_NAME_CHARS = 4096
+MAX_MM_FEATURES = 1024
+
+
+class MultiModalFeature(BaseModel):
+    """A multimodal item of the prompt (an image, an audio clip), as vLLM hashes it into the extra keys of
+    every block its placeholder tokens overlap."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    identifier: str = Field(min_length=1, max_length=MAX_NAME_CHARS,
+                            description="vLLM's mm hash of the item (its `identifier`, as the engine computed it).")
+    offset: int = Field(ge=0, description="First token of the item's placeholder in token_ids.")
+    length: int = Field(gt=0, description="Tokens of the placeholder.")
 
 
 class HitRateBody(BaseModel):
@@ -21,6 +36,15 @@ class HitRateBody(BaseModel):
     token_ids: list[TokenId] = Field(description="Prompt token ids; only full blocks are scored.")
     cache_salt: str = Field("", description="vLLM cache_salt of the request; hashed into the first block only.")
     block_size: int = Field(gt=0, description="The engines' KV-cache block size in tokens.")
+    lora_name: str = Field("", max_length=MAX_NAME_CHARS,
+                           description="The LoRA adapter serving the request (vLLM mixes it into every block's "
+                                       "hash); empty: the base model. An extension of this project.")
+    lora_path: str = Field("", max_length=MAX_NAME_CHARS,
+                           description="The adapter's path as the engine loaded it (vLLM >= 0.31 hashes it too).")
+    mm_features: list[MultiModalFeature] = Field(
+        [], max_length=MAX_MM_FEATURES,
+        description="Multimodal items with their placeholder ranges (vLLM mixes them into the blocks they "
+                    "overlap); empty: a text-only prompt. An extension of this project.")
 
 
 class HitRateRequest(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -129,6 +130,19 @@ BAD_REQUESTS = {
     "token_ids not a list": json.dumps(req(["a"], tokens=5)).encode(),
     "token_ids too large": json.dumps(req(["a"], tokens=[1 << 64])).encode(),
     "missing block_size": json.dumps({"server_ip": ["a"], "body": {"token_ids": [1]}}).encode(),
+    "lora_name number": json.dumps({**req(["a"]), "body": {**req(["a"])["body"], "lora_name": 7}}).encode(),
+    "lora_name too long": json.dumps({**req(["a"]), "body": {**req(["a"])["body"], "lora_name": "x" * 5000}}).encode(),
+    "mm_features not a list": json.dumps({**req(["a"]), "body": {**req(["a"])["body"], "mm_features": {}}}).encode(),
+    "mm offset negative": json.dumps({**req(["a"]), "body": {**req(["a"])["body"], "mm_features": [
+        {"identifier": "h", "offset": -1, "length": 4}]}}).encode(),
+    "mm length zero": json.dumps({**req(["a"]), "body": {**req(["a"])["body"], "mm_features": [
+        {"identifier": "h", "offset": 0, "length": 0}]}}).encode(),
+    "mm identifier empty": json.dumps({**req(["a"]), "body": {**req(["a"])["body"], "mm_features": [
+        {"identifier": "", "offset": 0, "length": 4}]}}).encode(),
+    "mm unknown field": json.dumps({**req(["a"]), "body": {**req(["a"])["body"], "mm_features": [
+        {"identifier": "h", "offset": 0, "length": 4, "modality": "image"}]}}).encode(),
+    "mm too many": json.dumps({**req(["a"]), "body": {**req(["a"])["body"], "mm_features": [
+        {"identifier": "h", "offset": 0, "length": 4}] * 1025}}).encode(),
 }
 
 
@@ -154,13 +168,19 @@ def test_fast_decoder_accepts_what_the_contract_accepts(accelerated, monkeypatch
 
     if not accelerated:
         monkeypatch.setattr(hit_rate_request, "parse_token_array", None)
-    for payload in (req(["a", "b"]), req(["a"], tokens=[], salt="s", bs=1),
+    lora_mm = req(["a"])
+    lora_mm["body"].update(lora_name="adapter", lora_path="/a", mm_features=[{"identifier": "img", "offset": 2, "length": 3}])
+    for payload in (req(["a", "b"]), req(["a"], tokens=[], salt="s", bs=1), lora_mm,
                     req(["a"], tokens=[0, 23, 24, (1 << 64) - 1]), {"server_ip": ["x"], "body": {"token_ids": [1], "block_size": 4}}):
         raw = json.dumps(payload).encode()
         ref = HitRateRequest.model_validate_json(raw)
         got = decode_hit_rate_request(raw)
         assert (got.server_ip, list(got.tokens()), got.block_size, got.cache_salt) == \
             (ref.server_ip, ref.body.token_ids, ref.body.block_size, ref.body.cache_salt)
+        assert (got.lora.name if got.lora else "", got.lora.path if got.lora else "") == \
+            (ref.body.lora_name, ref.body.lora_path if ref.body.lora_name else "")
+        assert [(m.identifier, m.offset, m.length) for m in got.mm_features] == \
+            [(m.identifier, m.offset, m.length) for m in ref.body.mm_features]
 
 
 @pytest.mark.parametrize("accelerated", [True, False])
@@ -346,3 +366,36 @@ async def test_concurrent_large_requests_are_answered_on_the_query_threads_alike
     together = await asyncio.gather(*(post(session, None, raw=raws[i % 4]) for i in range(16)))
     assert list(together) == [alone[i % 4] for i in range(16)]
     assert all(status == 200 for status, _ in alone)
+
+
+
+VECTORS = json.loads((Path(__file__).parent / "data" / "vllm" / "vllm-block-hashes.json").read_text())
+EXTRA_KEY_CASES = [(c, e) for key, e in (("primary_cases", "tagged"), ("legacy_untagged_cases", "untagged"))
+                   for c in VECTORS[key] if (c["lora"] or c["mm_features"]) and not c["num_hash_lookahead_tokens"]]
+
+
+@pytest.mark.parametrize("case,encoding", EXTRA_KEY_CASES, ids=[f"{e}:{c['id']}" for c, e in EXTRA_KEY_CASES])
+async def test_lora_and_multimodal_requests_score_the_engines_blocks(case, encoding):
+    """A pod holding the blocks vLLM hashed for a LoRA or multimodal request (vLLM's own vectors) scores 1
+    when the request names its adapter or items, and not when it does not (other hashes)."""
+    hasher = BlockHasher(case["hash_algo"], case["PYTHONHASHSEED"], encoding)
+    l1 = L1State()
+    l1.apply(batch("127.0.1.1", 0, 0, [b["event_block_hash_int"] for b in case["blocks"]]))
+    http = HttpConfig(host="127.0.0.1", port=0, maxHitRateBodyBytes=64 * 1024, readTimeout=2)
+    server = HttpServer(HitRateApi(http, hasher, tiers=lambda: (l1, None), ready=lambda: True,
+                                   metrics=Metrics()).make_app(), http)
+    await server.start()
+    try:
+        body = {"token_ids": case["token_ids"], "block_size": case["block_size"], "cache_salt": case["cache_salt"] or ""}
+        if case["lora"]:
+            body.update(lora_name=case["lora"]["lora_name"], lora_path=case["lora"]["lora_path"])
+        if case["mm_features"]:
+            body["mm_features"] = [{k: m[k] for k in ("identifier", "offset", "length")} for m in case["mm_features"]]
+        plain = {k: v for k, v in body.items() if k not in ("lora_name", "lora_path", "mm_features")}
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{server.port}") as session:
+            status, named = await post(session, {"server_ip": ["127.0.1.1"], "body": body})
+            assert status == 200 and named["server_score_list"][0]["l1_hit_ratio"] == 1.0, named
+            _, unnamed = await post(session, {"server_ip": ["127.0.1.1"], "body": plain})
+            assert unnamed["server_score_list"][0]["l1_hit_ratio"] < 1.0
+    finally:
+        await server.stop()

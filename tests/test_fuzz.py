@@ -106,12 +106,12 @@ def test_the_token_array_parser_equals_the_json_reference(rng):
 
 
 def _decoded(decode, *args):
-    """(server_ip, tokens, block_size, cache_salt) of a decoded request, or None where it is refused."""
+    """What a decoded request asks, or None where it is refused."""
     from api.hit_rate_request import RequestError
 
     try:
         req = decode(*args)
-        return req.server_ip, req.tokens().tolist(), req.block_size, req.cache_salt
+        return req.server_ip, req.tokens().tolist(), req.block_size, req.cache_salt, req.lora, req.mm_features
     except RequestError:
         return None
 
