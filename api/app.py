@@ -26,7 +26,7 @@ from api.hit_rate_request import (SPLIT_MIN_BYTES, HitRateQuery, RequestError, d
 from api.ops import add_ops_routes
 from infra.metrics import Metrics
 from schemas.block_hash import BlockHasher, split_request
-from indexer.hit_rate import NativeQuery, ScoreResult, Tier, score
+from indexer.hit_rate import NativeQuery, ScoreResult, Tier, configure_native_query, score
 from schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class HitRateApi:
         #: Native queries run here, one thread per core, while the loop goes on serving I/O
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight = 0  # hit-rate requests being answered
+        configure_native_query(http.digestMemoBytes)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
@@ -106,7 +107,8 @@ class HitRateApi:
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            threads = self.http.queryThreads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                                 else os.cpu_count())
             self._pool = ThreadPoolExecutor(max_workers=threads or 2, thread_name_prefix="hit-rate")
         return self._pool
 

@@ -29,11 +29,18 @@
 static bh_libcrypto crypto;
 
 /* The digest memo of each query thread (schemas/_blockhash_core.h): MEMO_SLOTS slots and up to
- * memo_max_bytes of messages a thread ($CACHE_INDEXER_DIGEST_MEMO_BYTES, default 8 MiB; 0: none). A
- * thread's memo lives as long as the thread (the query pool's threads live as long as the process). */
+ * memo_max_bytes of messages a thread (set_memo_bytes, from http.digestMemoBytes; 0: none). A thread's
+ * memo lives as long as the thread (the query pool's threads live as long as the process). */
 #define MEMO_SLOTS 16384
 static size_t memo_max_bytes = 8u << 20;
 static __thread bh_memo *thread_memo;
+
+static void memo_free(bh_memo *m) {
+    if (!m) return;
+    for (size_t i = 0; i < m->n; i++) free(m->slots[i].msg);
+    free(m->slots);
+    free(m);
+}
 
 static bh_memo *query_memo(void) {
     if (!memo_max_bytes) return NULL;
@@ -508,6 +515,17 @@ out:
 
 static PyObject *sha256_available(PyObject *self, PyObject *unused) { return PyBool_FromLong(crypto.loaded); }
 
+/* set_memo_bytes(n): the bound of the memos made from now on; the calling thread's own memo starts again. */
+static PyObject *set_memo_bytes(PyObject *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "memo bytes must be >= 0");
+    memo_max_bytes = (size_t)n;
+    memo_free(thread_memo);
+    thread_memo = NULL;
+    Py_RETURN_NONE;
+}
+
 /* memo_stats() -> (hits, misses, bytes kept) of the calling thread's digest memo. */
 static PyObject *memo_stats(PyObject *self, PyObject *unused) {
     bh_memo *m = thread_memo;
@@ -519,6 +537,7 @@ static PyMethodDef methods[] = {
     {"query", query, METH_VARARGS, "The hit-rate walk of a request over the tiers, hashing included, without the GIL."},
     {"sha256_available", sha256_available, METH_NOARGS, "Whether the query can hash (libcrypto's sha256 loaded)."},
     {"memo_stats", memo_stats, METH_NOARGS, "(hits, misses, bytes kept) of this thread's digest memo."},
+    {"set_memo_bytes", set_memo_bytes, METH_O, "Bound of the digest memos made from now on (0: none)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -526,8 +545,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_index", NULL
 
 PyMODINIT_FUNC PyInit__native_index(void) {
     bh_load_libcrypto(&crypto);
-    const char *memo_env = getenv("CACHE_INDEXER_DIGEST_MEMO_BYTES");
-    if (memo_env && *memo_env) memo_max_bytes = (size_t)strtoull(memo_env, NULL, 10);
     if (PyType_Ready(&TableType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

@@ -132,6 +132,13 @@ def _result(n_blocks: int, hashed: int, pods: Sequence[str], pod_workers, tiers,
     return ScoreResult(full_blocks=n_blocks, hashed_blocks=hashed, scores=scores)
 
 
+def configure_native_query(digest_memo_bytes: int) -> None:
+    """The bound of each query thread's digest memo (``http.digestMemoBytes``; 0: none), for the threads
+    that start querying from now on."""
+    if NATIVE_QUERY:
+        _native_index.set_memo_bytes(digest_memo_bytes)
+
+
 class NativeQuery:
     """A request's hit-rate query for the native index: ``prepare`` on the event loop, ``run`` on any
     thread (it holds no Python state the loop changes, and releases the GIL throughout), ``result``

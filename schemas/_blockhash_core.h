@@ -352,7 +352,10 @@ static const unsigned char *bh_ws(const unsigned char *p, const unsigned char *e
 static const unsigned char *bh_skip_string(const unsigned char *p, const unsigned char *end, int *escaped) {
     for (p++; p < end; p++) {
         if (*p == '"') return p + 1;
-        if (*p == '\\') { *escaped = 1; p++; }
+        if (*p == '\\') {
+            *escaped = 1;
+            if (++p == end) return NULL; /* not one past the end: a backslash last */
+        }
     }
     return NULL;
 }

@@ -7,13 +7,11 @@ taken. Hypothesis prints the failing example (its seed: ``--hypothesis-seed``)."
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import msgpack
 import threading
 from array import array
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -297,34 +295,23 @@ def test_the_digest_memo_answers_a_repeated_query_exactly():
 
 
 def test_the_digest_memo_keeps_within_its_bound():
-    """$CACHE_INDEXER_DIGEST_MEMO_BYTES bounds the messages a thread's memo keeps; past it blocks are
-    hashed, not kept, and answers do not change."""
-    import subprocess
-    import sys
+    """http.digestMemoBytes bounds the blocks a thread's memo keeps; past it blocks are hashed, not kept,
+    and answers do not change. 0: no memo at all."""
+    from indexer import _native_index
+    from indexer.hit_rate import configure_native_query
 
-    code = """
-import random
-from array import array
-from indexer import _native_index
-from indexer.hit_rate import NativeQuery, score
-from indexer.l1_state import L1State
-from indexer.block_index import BlockIndex
-from schemas.block_hash import BlockHasher
-h = BlockHasher("sha256_cbor", "0")
-tokens = [random.Random(1).randrange(150000) for _ in range(32768)]
-chain = h.event_hashes(tokens, 16)
-ref, nat = L1State(), L1State()
-ref.index = BlockIndex()
-for s in (ref, nat):
-    s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0,
-             "events": [{"kind": "stored", "hashes": chain, "medium": "GPU"}]})
-q = NativeQuery.prepare(h, array("Q", tokens), 16, "", ["p"], [nat, None])
-assert q.result(q.run()) == score(h, tokens, 16, "", ["p"], [ref, None])
-hits, misses, kept = _native_index.memo_stats()
-assert misses == 2048 and 0 < kept <= 100_000, (hits, misses, kept)
-print("ok")
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1],
-                         env={**os.environ, "CACHE_INDEXER_DIGEST_MEMO_BYTES": "100000"})
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    hasher = BlockHasher("sha256_cbor", "0")
+    tokens = [random.Random(1).randrange(150000) for _ in range(32768)]
+    chain = hasher.event_hashes(tokens, 16)
+    ref, nat = _states([("10.0.0.1", 0, chain)])
+    want = score(hasher, tokens, 16, "", ["10.0.0.1"], [ref, None])
+    try:
+        configure_native_query(100_000)
+        assert _native_answer(hasher, tokens, 16, "", ["10.0.0.1"], [nat, None], raw=False) == want
+        hits, misses, kept = _native_index.memo_stats()
+        assert misses == 2048 and 0 < kept <= 100_000, (hits, misses, kept)
+        configure_native_query(0)
+        assert _native_answer(hasher, tokens, 16, "", ["10.0.0.1"], [nat, None], raw=False) == want
+        assert _native_index.memo_stats() == (0, 0, 0)
+    finally:
+        configure_native_query(8 << 20)
