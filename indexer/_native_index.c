@@ -349,10 +349,10 @@ static PyObject *Table_epoch(Table *self, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(wid < self->t.nworkers ? self->t.workers[wid].epoch : 0);
 }
 
-/* stats() -> (distinct hashes, (block, worker) entries, bytes allocated) */
+/* stats() -> (distinct hashes, (block, worker) entries, bytes allocated, hashes looked at by clears) */
 static PyObject *Table_stats(Table *self, PyObject *unused) {
-    return Py_BuildValue("(KKK)", (unsigned long long)nt_distinct(&self->t), (unsigned long long)self->t.entries,
-                         (unsigned long long)nt_bytes(&self->t));
+    return Py_BuildValue("(KKKK)", (unsigned long long)nt_distinct(&self->t), (unsigned long long)self->t.entries,
+                         (unsigned long long)nt_bytes(&self->t), (unsigned long long)self->t.clear_visits);
 }
 
 static PyObject *Table_batch_begin(Table *self, PyObject *unused) {
@@ -386,7 +386,7 @@ static PyMethodDef Table_methods[] = {
     {"worker_counts", (PyCFunction)Table_worker_counts, METH_NOARGS, "{wid: blocks held}"},
     {"epoch", (PyCFunction)Table_epoch, METH_O, "how many times the worker id was cleared"},
     {"candidates", (PyCFunction)Table_candidates, METH_O, "(wid, epoch) pairs of these workers, as uint64 bytes"},
-    {"stats", (PyCFunction)Table_stats, METH_NOARGS, "(distinct hashes, entries, bytes allocated)"},
+    {"stats", (PyCFunction)Table_stats, METH_NOARGS, "(distinct hashes, entries, bytes allocated, clear visits)"},
     {"batch_begin", (PyCFunction)Table_batch_begin, METH_NOARGS, "hold the write lock until batch_end"},
     {"batch_end", (PyCFunction)Table_batch_end, METH_NOARGS, "release what batch_begin took"},
     {"__enter__", (PyCFunction)Table_batch_begin, METH_NOARGS, "batch_begin (with table: ...)"},

@@ -356,7 +356,7 @@ class NativeBlockIndex(BlockIndex):
         return len(self.table)
 
     def entries(self) -> int:
-        return self.table.stats()[1]
+        return self.table.stats()[1]  # (distinct, entries, bytes, clear visits)
 
     def memory_bytes(self) -> int:
         """Bytes the native table allocated (the Python side maps excluded)."""

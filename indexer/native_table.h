@@ -46,6 +46,7 @@ typedef struct {
     nt_worker *workers;
     size_t nworkers;
     uint64_t entries; /* (block, worker) pairs */
+    uint64_t clear_visits; /* hashes looked at by clears so far: what a clear costs (tests check its shape) */
 } nt_table;
 
 /* The first slot probed for key: its mixed bits scaled to the capacity (Lemire's reduction). */
@@ -289,6 +290,7 @@ static uint64_t nt_clear(nt_table *t, uint32_t wid) {
     nt_chunk *ch = &t->chunks[wid >> 6];
     uint64_t bit = 1ULL << (wid & 63), held = w->count;
     for (size_t i = 0; i < w->len; i++) nt_chunk_andnot(ch, w->hashes[i], bit);
+    t->clear_visits += w->len;
     free(w->hashes);
     w->hashes = NULL;
     w->len = w->cap = 0;

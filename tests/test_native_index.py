@@ -127,6 +127,29 @@ def test_churn_keeps_a_workers_list_bounded_and_a_clear_exact():
     assert set(nat.blocks) == {10**9 + i for i in range(1000)}
 
 
+def test_a_clear_costs_the_workers_own_blocks_not_the_tables():
+    """Clearing a worker (pod removal, AllBlocksCleared, a gap) looks at that worker's hashes only: the
+    same for a worker of 100 blocks in a table of 1,000 entries and of 200,000, and at most twice what it
+    holds (plus a constant) after any churn of stores and removals. A count, not a time."""
+    rng = random.Random(3)
+    visits = []
+    for others in (1_000, 200_000):
+        nat = NativeBlockIndex()
+        for wid in range(10):
+            nat.store(wid, [rng.getrandbits(64) for _ in range(others // 10)])
+        mine = [rng.getrandbits(64) for _ in range(400)]
+        for _ in range(50):  # churn: the worker's list gathers removed hashes until it is compacted
+            nat.store(50, rng.sample(mine, 100))
+            nat.remove(50, rng.sample(mine, 100))
+        nat.store(50, mine[:100])
+        held = nat.worker_blocks[50]
+        before = nat.table.stats()[3]
+        assert nat.clear(50) == held
+        visits.append(nat.table.stats()[3] - before)
+        assert visits[-1] <= 2 * held + 64 + 100, (visits[-1], held)
+    assert visits[1] <= visits[0] * 2, f"a clear looked at {visits} hashes: it grew with the table"
+
+
 def _states(events: list[tuple[str, int, list[int]]]) -> tuple[L1State, L1State]:
     ref, nat = L1State(), L1State()
     ref.index = BlockIndex()
