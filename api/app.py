@@ -26,7 +26,7 @@ from api.hit_rate_request import (SPLIT_MIN_BYTES, HitRateQuery, RequestError, d
 from api.ops import add_ops_routes
 from infra.metrics import Metrics
 from schemas.block_hash import BlockHasher, split_request
-from indexer.hit_rate import NativeQuery, ScoreResult, Tier, configure_native_query, score
+from indexer.hit_rate import NATIVE_QUERY, NativeQuery, ScoreResult, Tier, configure_native_query, score
 from schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,29 @@ class HitRateApi:
         return score(self.hasher, req.tokens(), req.block_size, req.cache_salt, req.server_ip, tiers, req.lora,
                      req.mm_features)
 
+    def _answer_on_thread(self, body: bytes) -> ScoreResult | HitRateQuery:
+        """Under load, a large request in one hand-off to a query thread: split, decode, the candidates,
+        the walk. The candidates are read with the GIL held (each tier's worker table in single C-level
+        reads; per-worker epochs keep a worker cleared meanwhile out). Returns the decoded request where
+        only ``_score`` on the loop answers it (LoRA, multimodal, the Python hasher)."""
+        try:
+            cut = split_request(body)
+        except ValueError as exc:
+            raise RequestError(f"body.token_ids: {exc}") from None
+        req = (decode_split_request(body, cut, self.http.maxCandidates) if cut is not None
+               else decode_hit_rate_request(body, self.http.maxCandidates))
+        if req.lora is not None or req.mm_features:
+            return req
+        try:
+            tokens = req.token_array if req.token_array is not None else req.token_json
+            query = NativeQuery.prepare(self.hasher, tokens, req.block_size, req.cache_salt, req.server_ip,
+                                        self.tiers())
+            return req if query is None else query.result(query.run())
+        except NotImplementedError:
+            return req  # a request only the Python path hashes
+        except ValueError as exc:
+            raise RequestError(f"body.token_ids: {exc}") from None
+
     async def _close_pool(self, app: web.Application) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -201,8 +224,12 @@ class HitRateApi:
         if not body.strip():
             return _error(400, "empty request body")
         try:
-            req = await self._decode(body)
-            result = await self._score(req, len(body))
+            if self._in_flight > 1 and NATIVE_QUERY and split_request is not None and len(body) >= SPLIT_MIN_BYTES:
+                # under load: one hand-off, and the loop keeps only the HTTP work
+                out = await asyncio.get_running_loop().run_in_executor(self._threads(), self._answer_on_thread, body)
+                result = out if isinstance(out, ScoreResult) else await self._score(out, len(body))
+            else:
+                result = await self._score(await self._decode(body), len(body))
         except RequestError as exc:
             return _error(400, str(exc))
         except Exception as exc:

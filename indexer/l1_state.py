@@ -339,8 +339,9 @@ class L1State(TierIndex):
     # -- queries -----------------------------------------------------------------------------------
     def knows(self, pod: str) -> bool:
         """Events were seen for the pod and it was not removed, though it may hold nothing now (after
-        AllBlocksCleared or a reset). Scans the cursors: asked only for pods without workers."""
-        return any(key[0] == pod and cur.next_seq != _DEAD for key, cur in self.cursors.items())
+        AllBlocksCleared or a reset). Scans the cursors: asked only for pods without workers. A copy of
+        them first (one C call): a query thread may ask while the event loop applies a message."""
+        return any(key[0] == pod and cur.next_seq != _DEAD for key, cur in list(self.cursors.items()))
 
 
 def _check_plausible(msg: dict, stored_ns: int) -> None:

@@ -399,3 +399,52 @@ async def test_lora_and_multimodal_requests_score_the_engines_blocks(case, encod
             assert unnamed["server_score_list"][0]["l1_hit_ratio"] < 1.0
     finally:
         await server.stop()
+
+
+async def test_bad_large_requests_under_load_get_400(api):
+    """Under load a large request goes to a query thread whole (split, decode, candidates, walk): the bad
+    ones are refused there as on the loop."""
+    from api.hit_rate_request import SPLIT_MIN_BYTES
+
+    session, _ = api
+    bad = [raw + b" " * SPLIT_MIN_BYTES for raw in BAD_REQUESTS.values() if len(raw) < 40_000]
+    answers = await asyncio.gather(*(post(session, None, raw=raw) for raw in bad))
+    assert all(status == 400 and body["status"] == 400 for status, body in answers), answers
+
+
+async def test_answers_under_load_see_whole_messages_while_the_loop_applies_them(api):
+    """Queries answered on the query threads (their candidates read there too) while the event loop
+    applies messages that store a pod's whole chain or remove it block by block: a ratio is 0 or 1, never
+    part of a message (tests/test_native_index.py's threaded test is the sensitive one: it fails with
+    the batch lock taken out)."""
+    from api.hit_rate_request import SPLIT_MIN_BYTES
+
+    session, state = api
+    l1 = state["tiers"][0]
+    chain = HASHER.event_hashes(TOKENS, 16)
+    raw = b" " * SPLIT_MIN_BYTES + json.dumps(req(["127.0.1.7", "127.0.1.1"])).encode()
+    stop = asyncio.Event()
+
+    async def churn() -> None:
+        gen = 10
+        while not stop.is_set():
+            gen += 1
+            l1.apply({"type": "batch", "pod": "127.0.1.7", "rank": 0, "gen": gen, "seq": 0,
+                      "events": [{"kind": "stored", "hashes": chain[:2], "medium": "GPU"},
+                                 {"kind": "stored", "hashes": chain[2:], "medium": "GPU"}]})
+            await asyncio.sleep(0)
+            l1.apply({"type": "batch", "pod": "127.0.1.7", "rank": 0, "gen": gen, "seq": 1,
+                      "events": [{"kind": "removed", "hashes": [h], "medium": "GPU"} for h in chain[::-1]]})
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(churn())
+    try:
+        for _ in range(10):
+            answers = await asyncio.gather(*(post(session, None, raw=raw) for _ in range(16)))
+            for status, body in answers:
+                assert status == 200, body
+                assert body["server_score_list"][0]["l1_hit_ratio"] in (0.0, 1.0), body
+                assert body["server_score_list"][1]["l1_hit_ratio"] == 0.75
+    finally:
+        stop.set()
+        await task

@@ -260,15 +260,22 @@ def test_queries_on_threads_see_whole_messages_while_events_and_snapshots_go_on(
     for t in threads:
         t.start()
     rng = random.Random(11)
+    seqs, gens, holding = dict.fromkeys(pods, 0), dict.fromkeys(pods, 1), dict.fromkeys(pods, False)
     try:
         for i in range(3000):
             pod = rng.choice(pods)
-            if rng.random() < 0.5:
-                nat.apply({"type": "batch", "pod": pod, "rank": 0, "gen": i + 1, "seq": 0,
-                           "events": [{"kind": "stored", "hashes": chain[:32], "medium": "GPU"},
-                                      {"kind": "stored", "hashes": chain[32:], "medium": "GPU"}]})
-            else:
+            if rng.random() < 0.05:
                 nat.apply({"type": "pod_removed", "pod": pod})
+                seqs[pod], gens[pod], holding[pod] = 0, i + 2, False
+                nat.apply({"type": "reset", "pod": pod, "rank": 0, "gen": gens[pod], "next_seq": 0})
+                continue
+            # a message of 64 one-block events (a prefix growing or shrinking block by block as it is
+            # applied): a query that saw part of it would answer k/64
+            kind, hashes = ("removed", chain[::-1]) if holding[pod] else ("stored", chain)
+            nat.apply({"type": "batch", "pod": pod, "rank": 0, "gen": gens[pod], "seq": seqs[pod],
+                       "events": [{"kind": kind, "hashes": [h], "medium": "GPU"} for h in hashes]})
+            seqs[pod] += 1
+            holding[pod] = not holding[pod]
             if i % 500 == 0:
                 nat, _ = decode_l1(encode_l1(nat, i))
     finally:
