@@ -120,34 +120,54 @@ class HitRateApi:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._threads(), fn, *args)
 
+    @staticmethod
+    def _split(body: bytes) -> tuple[int, int, bytes] | None:
+        """``split_request`` (the GIL released inside: any thread), a malformed token array a 400."""
+        try:
+            return split_request(body)
+        except ValueError as exc:
+            raise RequestError(f"body.token_ids: {exc}") from None
+
+    def _decoded(self, body: bytes, cut: tuple[int, int, bytes] | None) -> HitRateQuery:
+        return (decode_split_request(body, cut, self.http.maxCandidates) if cut is not None
+                else decode_hit_rate_request(body, self.http.maxCandidates))
+
+    def _prepare(self, req: HitRateQuery, tiers: Sequence[Tier | None]) -> NativeQuery | None:
+        """The request's native query; None where only ``score`` answers it (LoRA or multimodal: extra keys
+        on every block, hashed in Python; the Python index or hasher)."""
+        if req.lora is not None or req.mm_features:
+            return None
+        try:
+            tokens = req.token_array if req.token_array is not None else req.token_json
+            return NativeQuery.prepare(self.hasher, tokens, req.block_size, req.cache_salt, req.server_ip, tiers)
+        except ValueError as exc:
+            raise RequestError(f"body.token_ids: {exc}") from None
+
+    @staticmethod
+    def _walk(query: NativeQuery) -> ScoreResult | None:
+        """The query's answer (any thread: the walk releases the GIL); None where only ``score`` can hash
+        the request (a pickle token over 2**31-1)."""
+        try:
+            return query.result(query.run())
+        except NotImplementedError:
+            return None
+        except ValueError as exc:
+            raise RequestError(f"body.token_ids: {exc}") from None
+
     async def _decode(self, body: bytes) -> HitRateQuery:
         """A large body's token array is found and parsed on a worker thread, the rest decoded here."""
+        cut = None
         if split_request is not None and len(body) >= SPLIT_MIN_BYTES:
-            try:
-                cut = await self._native(len(body), split_request, body)
-            except ValueError as exc:
-                raise RequestError(f"body.token_ids: {exc}") from None
-            if cut is not None:
-                return decode_split_request(body, cut, self.http.maxCandidates)
-        return decode_hit_rate_request(body, self.http.maxCandidates)
+            cut = await self._native(len(body), self._split, body)
+        return self._decoded(body, cut)
 
     async def _score(self, req: HitRateQuery, size: int) -> ScoreResult:
         """On a worker thread where the native query covers the request, else here (``score``)."""
         tiers = self.tiers()
-        query = None
-        if req.lora is None and not req.mm_features:  # extra keys on every block: the Python hasher's
-            try:
-                tokens = req.token_array if req.token_array is not None else req.token_json
-                query = NativeQuery.prepare(self.hasher, tokens, req.block_size, req.cache_salt, req.server_ip, tiers)
-            except ValueError as exc:
-                raise RequestError(f"body.token_ids: {exc}") from None
-        if query is not None:
-            try:
-                return query.result(await self._native(size, query.run))
-            except ValueError as exc:
-                raise RequestError(f"body.token_ids: {exc}") from None
-            except NotImplementedError:
-                pass  # a request only the Python path hashes
+        query = self._prepare(req, tiers)
+        result = await self._native(size, self._walk, query) if query is not None else None
+        if result is not None:
+            return result
         return score(self.hasher, req.tokens(), req.block_size, req.cache_salt, req.server_ip, tiers, req.lora,
                      req.mm_features)
 
@@ -156,23 +176,10 @@ class HitRateApi:
         the walk. The candidates are read with the GIL held (each tier's worker table in single C-level
         reads; per-worker epochs keep a worker cleared meanwhile out). Returns the decoded request where
         only ``_score`` on the loop answers it (LoRA, multimodal, the Python hasher)."""
-        try:
-            cut = split_request(body)
-        except ValueError as exc:
-            raise RequestError(f"body.token_ids: {exc}") from None
-        req = (decode_split_request(body, cut, self.http.maxCandidates) if cut is not None
-               else decode_hit_rate_request(body, self.http.maxCandidates))
-        if req.lora is not None or req.mm_features:
-            return req
-        try:
-            tokens = req.token_array if req.token_array is not None else req.token_json
-            query = NativeQuery.prepare(self.hasher, tokens, req.block_size, req.cache_salt, req.server_ip,
-                                        self.tiers())
-            return req if query is None else query.result(query.run())
-        except NotImplementedError:
-            return req  # a request only the Python path hashes
-        except ValueError as exc:
-            raise RequestError(f"body.token_ids: {exc}") from None
+        req = self._decoded(body, self._split(body))
+        query = self._prepare(req, self.tiers())
+        result = self._walk(query) if query is not None else None
+        return req if result is None else result
 
     async def _close_pool(self, app: web.Application) -> None:
         if self._pool is not None:

@@ -12,8 +12,8 @@
  * worker id reused since) cannot count another worker's blocks.
  *
  * Concurrency: one writer (the event loop, with the GIL) and any number of query threads (without the
- * GIL) share a table through a writer-preferring readers-writer lock. A batch() holds the write lock
- * across calls, so a query sees a stream message applied wholly or not at all. A thread never waits
+ * GIL) share a table through a writer-preferring readers-writer lock. The table as a context manager
+ * (NativeBlockIndex.batch) holds the write lock across calls, so a query sees a stream message applied wholly or not at all. A thread never waits
  * for the lock while holding the GIL, and never takes the GIL while holding the lock.
  */
 #define PY_SSIZE_T_CLEAN
@@ -92,6 +92,7 @@ static void Table_dealloc(Table *self) {
 /* A buffer of native uint64 (array('Q'), bytes of a multiple of 8) or any iterable of ints, as uint64s. */
 typedef struct {
     Py_buffer view;
+    int has_view; /* view holds a buffer to release */
     uint64_t *owned;
     const uint64_t *data;
     size_t n;
@@ -131,14 +132,16 @@ static int u64s_get(PyObject *o, U64s *out) {
         PyErr_SetString(PyExc_ValueError, "a hash buffer holds whole uint64s");
         return -1;
     }
+    out->has_view = 1;
     out->data = (const uint64_t *)out->view.buf;
     out->n = (size_t)out->view.len / 8;
     return 0;
 }
 
 static void u64s_release(U64s *u) {
-    if (u->owned) free(u->owned);
-    else if (u->data) PyBuffer_Release(&u->view);
+    free(u->owned);
+    if (u->has_view) PyBuffer_Release(&u->view);
+    memset(u, 0, sizeof *u);
 }
 
 static int wid_arg(PyObject *o, uint32_t *wid) {
@@ -152,13 +155,19 @@ static int wid_arg(PyObject *o, uint32_t *wid) {
     return 0;
 }
 
+/* The (wid, hashes) arguments of store, remove and holds; -1 with an exception. */
+static int wid_hashes_args(PyObject *args, uint32_t *wid, U64s *hs) {
+    PyObject *w, *h;
+    if (!PyArg_ParseTuple(args, "OO", &w, &h) || wid_arg(w, wid) < 0) return -1;
+    return u64s_get(h, hs);
+}
+
 /* store(wid, hashes) -> (added, flags): flags[i] is 1 where the worker held hashes[i] already (another
  * physical copy, or a second KV-cache group: the caller's bookkeeping), else 0. */
 static PyObject *Table_store(Table *self, PyObject *args) {
-    PyObject *w, *h;
     uint32_t wid;
     U64s hs;
-    if (!PyArg_ParseTuple(args, "OO", &w, &h) || wid_arg(w, &wid) < 0 || u64s_get(h, &hs) < 0) return NULL;
+    if (wid_hashes_args(args, &wid, &hs) < 0) return NULL;
     PyObject *flags = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)hs.n);
     if (!flags) { u64s_release(&hs); return NULL; }
     write_lock(self);
@@ -171,10 +180,9 @@ static PyObject *Table_store(Table *self, PyObject *args) {
 
 /* remove(wid, hashes) -> how many of them the worker held (and no longer does). */
 static PyObject *Table_remove(Table *self, PyObject *args) {
-    PyObject *w, *h;
     uint32_t wid;
     U64s hs;
-    if (!PyArg_ParseTuple(args, "OO", &w, &h) || wid_arg(w, &wid) < 0 || u64s_get(h, &hs) < 0) return NULL;
+    if (wid_hashes_args(args, &wid, &hs) < 0) return NULL;
     write_lock(self);
     long long removed = nt_remove(&self->t, wid, hs.data, hs.n);
     write_unlock(self);
@@ -185,10 +193,9 @@ static PyObject *Table_remove(Table *self, PyObject *args) {
 
 /* holds(wid, hashes) -> bytes: 1 where the worker holds the hash. */
 static PyObject *Table_holds(Table *self, PyObject *args) {
-    PyObject *w, *h;
     uint32_t wid;
     U64s hs;
-    if (!PyArg_ParseTuple(args, "OO", &w, &h) || wid_arg(w, &wid) < 0 || u64s_get(h, &hs) < 0) return NULL;
+    if (wid_hashes_args(args, &wid, &hs) < 0) return NULL;
     PyObject *flags = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)hs.n);
     if (flags) {
         unsigned char *f = (unsigned char *)PyBytes_AS_STRING(flags);
@@ -343,12 +350,6 @@ static PyObject *Table_candidates(Table *self, PyObject *arg) {
     return out;
 }
 
-static PyObject *Table_epoch(Table *self, PyObject *arg) {
-    uint32_t wid;
-    if (wid_arg(arg, &wid) < 0) return NULL;
-    return PyLong_FromUnsignedLongLong(wid < self->t.nworkers ? self->t.workers[wid].epoch : 0);
-}
-
 /* stats() -> (distinct hashes, (block, worker) entries, bytes allocated, hashes looked at by clears) */
 static PyObject *Table_stats(Table *self, PyObject *unused) {
     return Py_BuildValue("(KKKK)", (unsigned long long)nt_distinct(&self->t), (unsigned long long)self->t.entries,
@@ -362,13 +363,11 @@ static PyObject *Table_batch_begin(Table *self, PyObject *unused) {
     return (PyObject *)self;
 }
 
-static PyObject *Table_batch_end(Table *self, PyObject *unused) {
-    if (self->batch_depth <= 0) return PyErr_Format(PyExc_RuntimeError, "batch_end without batch_begin");
+static PyObject *Table_exit(Table *self, PyObject *args) {
+    if (self->batch_depth <= 0) return PyErr_Format(PyExc_RuntimeError, "__exit__ without __enter__");
     if (--self->batch_depth == 0) pthread_rwlock_unlock(&self->lock);
     Py_RETURN_NONE;
 }
-
-static PyObject *Table_exit(Table *self, PyObject *args) { return Table_batch_end(self, NULL); }
 
 static Py_ssize_t Table_len(Table *self) { return (Py_ssize_t)nt_distinct(&self->t); }
 
@@ -384,13 +383,10 @@ static PyMethodDef Table_methods[] = {
     {"load", (PyCFunction)Table_load, METH_VARARGS, "load(chunk, keys, masks): add a chunk's entries"},
     {"export_merged", (PyCFunction)Table_export_merged, METH_NOARGS, "(keys, low masks, [(index, wide mask)])"},
     {"worker_counts", (PyCFunction)Table_worker_counts, METH_NOARGS, "{wid: blocks held}"},
-    {"epoch", (PyCFunction)Table_epoch, METH_O, "how many times the worker id was cleared"},
     {"candidates", (PyCFunction)Table_candidates, METH_O, "(wid, epoch) pairs of these workers, as uint64 bytes"},
     {"stats", (PyCFunction)Table_stats, METH_NOARGS, "(distinct hashes, entries, bytes allocated, clear visits)"},
-    {"batch_begin", (PyCFunction)Table_batch_begin, METH_NOARGS, "hold the write lock until batch_end"},
-    {"batch_end", (PyCFunction)Table_batch_end, METH_NOARGS, "release what batch_begin took"},
-    {"__enter__", (PyCFunction)Table_batch_begin, METH_NOARGS, "batch_begin (with table: ...)"},
-    {"__exit__", (PyCFunction)Table_exit, METH_VARARGS, "batch_end"},
+    {"__enter__", (PyCFunction)Table_batch_begin, METH_NOARGS, "with table: ... holds the write lock throughout"},
+    {"__exit__", (PyCFunction)Table_exit, METH_VARARGS, "releases what __enter__ took"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -407,7 +403,6 @@ static PyTypeObject TableType = {
 };
 
 /* -- the query --------------------------------------------------------------------------------------- */
-#define MAX_TIERS 4
 
 /* query(tokens, raw_json, block_size, pre, cbor, tiers) -> (n_tokens, hashed, [lengths per tier])
  *   tokens: the request's token ids, as JSON array text (raw_json) or native uint64s;
@@ -427,15 +422,15 @@ static PyObject *query(PyObject *self, PyObject *args) {
     PyObject *result = NULL, *tiers = NULL;
     Py_buffer tokbuf = {0};
     int have_tokbuf = 0, ntiers = 0;
-    Table *tables[MAX_TIERS] = {0};
-    U64s pairs[MAX_TIERS];
+    Table *tables[NT_MAX_TIERS] = {0};
+    U64s pairs[NT_MAX_TIERS];
     memset(pairs, 0, sizeof pairs);
     if (!crypto.loaded) { PyErr_SetString(PyExc_NotImplementedError, "no libcrypto sha256"); goto out; }
     if (bs <= 0) { PyErr_SetString(PyExc_ValueError, "block_size must be positive"); goto out; }
     if (pre.len < 32 || pre.len % 32) { PyErr_SetString(PyExc_ValueError, "pre: whole 32-byte digests"); goto out; }
     tiers = PySequence_Fast(tiers_obj, "tiers must be a sequence");
     if (!tiers) goto out;
-    if (PySequence_Fast_GET_SIZE(tiers) > MAX_TIERS) { PyErr_SetString(PyExc_ValueError, "too many tiers"); goto out; }
+    if (PySequence_Fast_GET_SIZE(tiers) > NT_MAX_TIERS) { PyErr_SetString(PyExc_ValueError, "too many tiers"); goto out; }
     for (Py_ssize_t t = 0; t < PySequence_Fast_GET_SIZE(tiers); t++) {
         PyObject *row = PySequence_Fast_GET_ITEM(tiers, t), *table, *wids;
         if (!PyArg_ParseTuple(row, "OO", &table, &wids)) goto out;
@@ -457,7 +452,7 @@ static PyObject *query(PyObject *self, PyObject *args) {
     uint64_t *parsed = NULL;
     size_t err_at = 0, n_tokens = 0;
     const char *err = NULL;
-    uint64_t *lengths[MAX_TIERS] = {0};
+    uint64_t *lengths[NT_MAX_TIERS] = {0};
     int rc = 0;
     for (int t = 0; t < ntiers; t++) {
         in.tables[t] = tables[t] ? &tables[t]->t : NULL;
@@ -504,9 +499,9 @@ static PyObject *query(PyObject *self, PyObject *args) {
         }
         if (per_tier) result = Py_BuildValue("(nnN)", (Py_ssize_t)n_tokens, (Py_ssize_t)res.hashed, per_tier);
     }
-    for (int t = 0; t < MAX_TIERS; t++) free(lengths[t]);
+    for (int t = 0; t < NT_MAX_TIERS; t++) free(lengths[t]);
 out:
-    for (int t = 0; t < MAX_TIERS; t++) u64s_release(&pairs[t]);
+    for (int t = 0; t < NT_MAX_TIERS; t++) u64s_release(&pairs[t]);
     if (have_tokbuf) PyBuffer_Release(&tokbuf);
     Py_XDECREF(tiers);
     PyBuffer_Release(&pre);
@@ -550,6 +545,5 @@ PyMODINIT_FUNC PyInit__native_index(void) {
     if (!m) return NULL;
     Py_INCREF(&TableType);
     if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0) { Py_DECREF(&TableType); Py_DECREF(m); return NULL; }
-    PyModule_AddIntConstant(m, "MAX_WORKERS", NT_MAX_WORKERS);
     return m;
 }

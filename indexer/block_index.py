@@ -25,12 +25,13 @@ from array import array
 from collections.abc import Iterable
 from contextlib import nullcontext
 
+from schemas.block_hash import U64_MASK
+
 try:  # the index in native memory (indexer/_native_index.c); without a compiler, BlockIndex alone
     from indexer import _native_index
 except ImportError:
     _native_index = None
 
-_U64 = (1 << 64) - 1
 _NO_BATCH = nullcontext()
 #: A loaded snapshot's view of an index: per chunk of 64 worker ids, its hashes and masks (native uint64
 #: bytes), as ``restore_chunks`` takes them.
@@ -218,6 +219,10 @@ class BlockIndex:
             for k, m in zip(ks, ms):
                 blocks[k] = blocks.get(k, 0) | m << shift
         self.worker_blocks = dict(worker_blocks)
+        self._restore_side_maps(groups, copies)
+
+    def _restore_side_maps(self, groups: dict[int, dict[int, int]] | None, copies: dict[int, dict] | None) -> None:
+        """The KV-cache groups' and duplicate copies' maps of a loaded snapshot."""
         self.groups = {wid: dict(held_by) for wid, held_by in (groups or {}).items()}
         self.copies = {wid: dict(extra) for wid, extra in (copies or {}).items() if extra}
 
@@ -226,8 +231,8 @@ class BlockIndex:
         of those held by a worker past 63, by position: as snapshots store them."""
         keys, masks, wide = array("Q", self.blocks.keys()), array("Q"), []
         for i, m in enumerate(self.blocks.values()):
-            masks.append(m & _U64)
-            if m > _U64:
+            masks.append(m & U64_MASK)
+            if m > U64_MASK:
                 wide.append((i, m))
         return keys.tobytes(), masks.tobytes(), wide
 
@@ -341,8 +346,7 @@ class NativeBlockIndex(BlockIndex):
         self.table = _native_index.Table()
         for c, keys, masks in chunks:
             self.table.load(c, keys, masks)
-        self.groups = {wid: dict(held_by) for wid, held_by in (groups or {}).items()}
-        self.copies = {wid: dict(extra) for wid, extra in (copies or {}).items() if extra}
+        self._restore_side_maps(groups, copies)
 
     def export_merged(self) -> tuple[bytes, bytes, list[tuple[int, int]]]:
         return self.table.export_merged()

@@ -7,8 +7,8 @@ chain. A pod's ratio in a tier is the best of its data-parallel ranks.
 
 Two ways to the same answer: ``score`` (pure Python with the C helpers, on the caller's thread: the
 reference), and, where the tiers' indexes are native and the hash is sha256, ``NativeQuery``: prepared
-on the event loop (the candidates' workers), run on a worker thread as one native call without the
-GIL (token parse, hash chain, walk over every tier), turned back into scores on the loop.
+(the candidates' workers, read with the GIL held), then run as one native call without the GIL (token
+parse, hash chain, walk over every tier), on the event loop or a query thread (api/app.py decides).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _step(key: int, blocks: list[dict[int, int]], alive: list[int], lengths: lis
     for ti, a in enumerate(alive):
         if not a:
             continue
-        m = (blocks[ti].get(key) or 0) & a
+        m = blocks[ti].get(key, 0) & a
         dead = a ^ m
         if dead:
             rec = lengths[ti]
@@ -140,9 +140,9 @@ def configure_native_query(digest_memo_bytes: int) -> None:
 
 
 class NativeQuery:
-    """A request's hit-rate query for the native index: ``prepare`` on the event loop, ``run`` on any
-    thread (it holds no Python state the loop changes, and releases the GIL throughout), ``result``
-    back on the loop."""
+    """A request's hit-rate query for the native index: ``prepare`` reads the candidates' workers (with
+    the GIL held), ``run`` walks without the GIL and holds no Python state the event loop changes,
+    ``result`` turns the lengths into scores; any thread may do each."""
 
     __slots__ = ("_args", "_pods", "_slots", "_known")
 

@@ -37,6 +37,7 @@ from nats.js.errors import (KeyNotFoundError, KeyWrongLastSequenceError, NotFoun
 
 from infra.streams import RecordsKv, object_store, unsubscribe_quietly
 from indexer.l1_state import L1State
+from schemas.block_hash import U64_MASK
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,13 @@ POINTER_KEY = "snapshot.l1"
 
 def encode_l1(state: L1State, stream_seq: int) -> bytes:
     keys, masks, wide = state.index.export_merged()
+    count = len(keys) // 8
     if sys.byteorder != "little":
         keys, masks = array("Q", keys), array("Q", masks)
         keys.byteswap()
         masks.byteswap()
     header = {
-        "format": FORMAT, "stream_seq": stream_seq, "count": len(keys) // (8 if isinstance(keys, bytes) else 1),
+        "format": FORMAT, "stream_seq": stream_seq, "count": count,
         "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
         "worker_blocks": list(state.index.worker_blocks.items()),
         "cursors": state.cursor_rows(),
@@ -105,13 +107,13 @@ def _chunks(header: dict, body: memoryview) -> list[tuple[int, bytes, bytes]]:
     wide: dict[int, tuple[array, array]] = {}
     for i, raw in header["wide"].items():
         m, k = int.from_bytes(raw, "little"), keys[int(i)]
-        masks[int(i)] = m & 0xFFFF_FFFF_FFFF_FFFF
+        masks[int(i)] = m & U64_MASK
         c = 1
         while m := m >> 64:
-            if m & 0xFFFF_FFFF_FFFF_FFFF:
+            if m & U64_MASK:
                 ks, ms = wide.setdefault(c, (array("Q"), array("Q")))
                 ks.append(k)
-                ms.append(m & 0xFFFF_FFFF_FFFF_FFFF)
+                ms.append(m & U64_MASK)
             c += 1
     return [(0, keys.tobytes(), masks.tobytes())] + [(c, ks.tobytes(), ms.tobytes()) for c, (ks, ms) in sorted(wide.items())]
 
