@@ -16,7 +16,7 @@ setup(ext_modules=[Extension("schemas._blockhash", ["schemas/_blockhash.c"], opt
                    Extension("indexer._prefix_walk", ["indexer/_prefix_walk.c"], optional=True,
                              extra_compile_args=["-O3"]),
                    Extension("indexer._native_index", ["indexer/_native_index.c"], optional=True,
-                             depends=["indexer/native_table.h", "schemas/_blockhash_core.h"],
+                             depends=["indexer/native_table.h", "indexer/native_pool.h", "schemas/_blockhash_core.h"],
                              extra_compile_args=["-O3"], libraries=[*_dl, "pthread"]),
                    Extension("bridge._zmq_drain", ["bridge/_zmq_drain.c"], optional=True,
                              extra_compile_args=["-O3"], libraries=_dl)])

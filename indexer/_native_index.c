@@ -11,10 +11,11 @@
  * the table's. A worker's epoch grows with each clear, so a query prepared before a clear (and a
  * worker id reused since) cannot count another worker's blocks.
  *
- * Concurrency: one writer (the event loop, with the GIL) and any number of query threads (without the
- * GIL) share a table through a writer-preferring readers-writer lock. The table as a context manager
- * (NativeBlockIndex.batch) holds the write lock across calls, so a query sees a stream message applied wholly or not at all. A thread never waits
- * for the lock while holding the GIL, and never takes the GIL while holding the lock.
+ * Concurrency: one writer (the event loop, with the GIL) and any number of query threads (QueryPool's
+ * native threads, native_pool.h, or a caller of query() without the GIL) share a table through a
+ * writer-preferring readers-writer lock. The table as a context manager (NativeBlockIndex.batch) holds
+ * the write lock across calls, so a query sees a stream message applied wholly or not at all. A thread
+ * never waits for the lock while holding the GIL, and never takes the GIL while holding the lock.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,17 +26,20 @@
 
 #include "../schemas/_blockhash_core.h"
 #include "native_table.h"
+#include "native_pool.h"
 
 static bh_libcrypto crypto;
 
 /* The digest memo of each query thread (schemas/_blockhash_core.h): MEMO_SLOTS slots and up to
- * memo_max_bytes of messages a thread (set_memo_bytes, from http.digestMemoBytes; 0: none). A thread's
- * memo lives as long as the thread (the query pool's threads live as long as the process). */
-#define MEMO_SLOTS 16384
-static size_t memo_max_bytes = 8u << 20;
+ * memo_max_bytes of messages a thread (set_memo_bytes, from http.digestMemoBytes; 0: none), freed when
+ * the thread ends. */
+#define MEMO_SLOTS 32768 /* 2 MB a thread */
+static size_t memo_max_bytes = 8u << 20; /* read by query threads: __atomic */
 static __thread bh_memo *thread_memo;
+static pthread_key_t memo_key; /* frees a thread's memo when the thread ends */
 
-static void memo_free(bh_memo *m) {
+static void memo_free(void *p) {
+    bh_memo *m = p;
     if (!m) return;
     for (size_t i = 0; i < m->n; i++) free(m->slots[i].msg);
     free(m->slots);
@@ -43,8 +47,12 @@ static void memo_free(bh_memo *m) {
 }
 
 static bh_memo *query_memo(void) {
-    if (!memo_max_bytes) return NULL;
-    if (!thread_memo) thread_memo = bh_memo_new(MEMO_SLOTS, memo_max_bytes);
+    size_t max_bytes = __atomic_load_n(&memo_max_bytes, __ATOMIC_RELAXED);
+    if (!max_bytes) return NULL;
+    if (!thread_memo) {
+        thread_memo = bh_memo_new(MEMO_SLOTS, max_bytes);
+        pthread_setspecific(memo_key, thread_memo);
+    }
     return thread_memo;
 }
 
@@ -404,6 +412,140 @@ static PyTypeObject TableType = {
 
 /* -- the query --------------------------------------------------------------------------------------- */
 
+/* A query, from its arguments (with the GIL) through its run (without) to its answer (with): query()
+ * runs one on the calling thread, QueryPool on its native threads. It holds what it reads (the tokens'
+ * and candidates' buffers, the tables) until it is freed. */
+typedef struct {
+    np_job link; /* first: the pool's queue */
+    PyObject *key; /* the caller's, handed back with the answer (QueryPool) */
+    Py_buffer tokbuf, pre;
+    int have_tokbuf, have_pre, raw_json, ntiers;
+    Table *tables[NT_MAX_TIERS]; /* references */
+    U64s pairs[NT_MAX_TIERS];
+    uint64_t *lengths[NT_MAX_TIERS];
+    nt_query_in in;
+    /* the outcome */
+    int rc; /* nt_query's, or -1 out of memory */
+    const char *err; /* a malformed token array: what is wrong, at byte err_at */
+    size_t err_at, n_tokens;
+    nt_query_out res;
+} QueryJob;
+
+static void job_free(QueryJob *j) {
+    if (!j) return;
+    for (int t = 0; t < NT_MAX_TIERS; t++) {
+        u64s_release(&j->pairs[t]);
+        Py_XDECREF(j->tables[t]);
+        free(j->lengths[t]);
+    }
+    if (j->have_tokbuf) PyBuffer_Release(&j->tokbuf);
+    if (j->have_pre) PyBuffer_Release(&j->pre);
+    Py_XDECREF(j->key);
+    PyMem_RawFree(j);
+}
+
+/* A job from query()'s arguments (see there); NULL with an exception. */
+static QueryJob *job_new(PyObject *args) {
+    PyObject *tokens_obj, *tiers_obj, *tiers = NULL;
+    Py_ssize_t bs;
+    int cbor;
+    QueryJob *j = PyMem_RawCalloc(1, sizeof *j);
+    if (!j) return (QueryJob *)PyErr_NoMemory();
+    if (!PyArg_ParseTuple(args, "Opny*pO", &tokens_obj, &j->raw_json, &bs, &j->pre, &cbor, &tiers_obj)) goto fail;
+    j->have_pre = 1;
+    if (!crypto.loaded) { PyErr_SetString(PyExc_NotImplementedError, "no libcrypto sha256"); goto fail; }
+    if (bs <= 0) { PyErr_SetString(PyExc_ValueError, "block_size must be positive"); goto fail; }
+    if (j->pre.len < 32 || j->pre.len % 32) { PyErr_SetString(PyExc_ValueError, "pre: whole 32-byte digests"); goto fail; }
+    tiers = PySequence_Fast(tiers_obj, "tiers must be a sequence");
+    if (!tiers) goto fail;
+    if (PySequence_Fast_GET_SIZE(tiers) > NT_MAX_TIERS) { PyErr_SetString(PyExc_ValueError, "too many tiers"); goto fail; }
+    for (Py_ssize_t t = 0; t < PySequence_Fast_GET_SIZE(tiers); t++) {
+        PyObject *row = PySequence_Fast_GET_ITEM(tiers, t), *table, *wids;
+        if (!PyArg_ParseTuple(row, "OO", &table, &wids)) goto fail;
+        if (table != Py_None && !PyObject_TypeCheck(table, &TableType)) {
+            PyErr_SetString(PyExc_TypeError, "tiers: (Table or None, wid/epoch pairs)");
+            goto fail;
+        }
+        if (table != Py_None) {
+            Py_INCREF(table);
+            j->tables[t] = (Table *)table;
+        }
+        if (u64s_get(wids, &j->pairs[t]) < 0) goto fail;
+        j->ntiers = (int)t + 1;
+        if (j->pairs[t].n % 2) { PyErr_SetString(PyExc_ValueError, "tiers: wid/epoch pairs"); goto fail; }
+        j->lengths[t] = calloc(j->pairs[t].n ? j->pairs[t].n / 2 : 1, 8);
+        if (!j->lengths[t]) { PyErr_NoMemory(); goto fail; }
+    }
+    Py_CLEAR(tiers);
+    if (PyObject_GetBuffer(tokens_obj, &j->tokbuf, PyBUF_SIMPLE) < 0) goto fail;
+    j->have_tokbuf = 1;
+    if (!j->raw_json && j->tokbuf.len % 8) { PyErr_SetString(PyExc_ValueError, "tokens: whole uint64s"); goto fail; }
+    nt_query_in in = {.bs = (size_t)bs, .cbor = cbor, .pre = j->pre.buf, .npre = (size_t)j->pre.len / 32,
+                      .ntiers = j->ntiers, .crypto = &crypto};
+    for (int t = 0; t < j->ntiers; t++) {
+        in.tables[t] = j->tables[t] ? &j->tables[t]->t : NULL;
+        in.pairs[t] = j->pairs[t].data;
+        in.npairs[t] = j->pairs[t].n / 2;
+    }
+    j->in = in;
+    return j;
+fail:
+    Py_XDECREF(tiers);
+    job_free(j);
+    return NULL;
+}
+
+/* The walk (and the token array's parse): any thread, no Python object touched, so without the GIL.
+ * The tables' read locks are taken here; a thread holding one never waits for the GIL. */
+static void job_run(np_job *link) {
+    QueryJob *j = (QueryJob *)link;
+    uint64_t *parsed = NULL;
+    if (j->raw_json) {
+        j->err = bh_parse_u64_array(j->tokbuf.buf, (size_t)j->tokbuf.len, &parsed, &j->n_tokens, &j->err_at);
+        if (!j->err && !parsed && j->n_tokens) j->rc = -1;
+        j->in.tokens = parsed;
+    } else {
+        j->in.tokens = j->tokbuf.buf;
+        j->n_tokens = (size_t)j->tokbuf.len / 8;
+    }
+    j->in.n_tokens = j->n_tokens;
+    j->in.memo = query_memo();
+    if (j->rc == 0 && !j->err) {
+        for (int t = 0; t < j->ntiers; t++) if (j->tables[t]) pthread_rwlock_rdlock(&j->tables[t]->lock);
+        j->rc = nt_query(&j->in, j->lengths, &j->res);
+        for (int t = j->ntiers; t-- > 0;) if (j->tables[t]) pthread_rwlock_unlock(&j->tables[t]->lock);
+    }
+    free(parsed);
+    j->in.tokens = NULL;
+}
+
+/* The job's answer, (n_tokens, hashed, [lengths per tier]); NULL with its exception. */
+static PyObject *job_result(const QueryJob *j) {
+    if (j->err) return PyErr_Format(PyExc_ValueError, "%s (at byte %zd of the array)", j->err, (Py_ssize_t)j->err_at);
+    if (j->rc == -1) return PyErr_NoMemory();
+    if (j->rc == -2) {
+        PyErr_SetString(PyExc_NotImplementedError, "a pickle token over 2**31-1 or a huge block");
+        return NULL;
+    }
+    if (j->rc == -3) {
+        PyErr_SetString(PyExc_RuntimeError, "libcrypto sha256 failed");
+        return NULL;
+    }
+    PyObject *per_tier = PyList_New(j->ntiers);
+    for (int t = 0; per_tier && t < j->ntiers; t++) {
+        size_t n = j->pairs[t].n / 2;
+        PyObject *l = PyList_New((Py_ssize_t)n);
+        for (size_t i = 0; l && i < n; i++) {
+            PyObject *v = PyLong_FromUnsignedLongLong(j->lengths[t][i]);
+            if (!v) Py_CLEAR(l);
+            else PyList_SET_ITEM(l, (Py_ssize_t)i, v);
+        }
+        if (!l) Py_CLEAR(per_tier);
+        else PyList_SET_ITEM(per_tier, t, l);
+    }
+    return per_tier ? Py_BuildValue("(nnN)", (Py_ssize_t)j->n_tokens, (Py_ssize_t)j->res.hashed, per_tier) : NULL;
+}
+
 /* query(tokens, raw_json, block_size, pre, cbor, tiers) -> (n_tokens, hashed, [lengths per tier])
  *   tokens: the request's token ids, as JSON array text (raw_json) or native uint64s;
  *   pre: the digests (32 bytes each) of the first blocks, computed by the caller (a salted block 0),
@@ -414,99 +556,136 @@ static PyTypeObject TableType = {
  * checks runs without the GIL. ValueError: the token array is malformed (the message says where);
  * NotImplementedError: what only the Python path encodes (a pickle token over 2**31-1, no libcrypto). */
 static PyObject *query(PyObject *self, PyObject *args) {
-    PyObject *tokens_obj, *tiers_obj;
-    Py_buffer pre;
-    Py_ssize_t bs;
-    int raw_json, cbor;
-    if (!PyArg_ParseTuple(args, "Opny*pO", &tokens_obj, &raw_json, &bs, &pre, &cbor, &tiers_obj)) return NULL;
-    PyObject *result = NULL, *tiers = NULL;
-    Py_buffer tokbuf = {0};
-    int have_tokbuf = 0, ntiers = 0;
-    Table *tables[NT_MAX_TIERS] = {0};
-    U64s pairs[NT_MAX_TIERS];
-    memset(pairs, 0, sizeof pairs);
-    if (!crypto.loaded) { PyErr_SetString(PyExc_NotImplementedError, "no libcrypto sha256"); goto out; }
-    if (bs <= 0) { PyErr_SetString(PyExc_ValueError, "block_size must be positive"); goto out; }
-    if (pre.len < 32 || pre.len % 32) { PyErr_SetString(PyExc_ValueError, "pre: whole 32-byte digests"); goto out; }
-    tiers = PySequence_Fast(tiers_obj, "tiers must be a sequence");
-    if (!tiers) goto out;
-    if (PySequence_Fast_GET_SIZE(tiers) > NT_MAX_TIERS) { PyErr_SetString(PyExc_ValueError, "too many tiers"); goto out; }
-    for (Py_ssize_t t = 0; t < PySequence_Fast_GET_SIZE(tiers); t++) {
-        PyObject *row = PySequence_Fast_GET_ITEM(tiers, t), *table, *wids;
-        if (!PyArg_ParseTuple(row, "OO", &table, &wids)) goto out;
-        if (table != Py_None && !PyObject_TypeCheck(table, &TableType)) {
-            PyErr_SetString(PyExc_TypeError, "tiers: (Table or None, wid/epoch pairs)");
-            goto out;
-        }
-        tables[t] = table == Py_None ? NULL : (Table *)table;
-        if (u64s_get(wids, &pairs[t]) < 0) goto out;
-        ntiers = (int)t + 1;
-        if (pairs[t].n % 2) { PyErr_SetString(PyExc_ValueError, "tiers: wid/epoch pairs"); goto out; }
-    }
-    if (PyObject_GetBuffer(tokens_obj, &tokbuf, PyBUF_SIMPLE) < 0) goto out;
-    have_tokbuf = 1;
-    if (!raw_json && tokbuf.len % 8) { PyErr_SetString(PyExc_ValueError, "tokens: whole uint64s"); goto out; }
-
-    nt_query_in in = {.bs = (size_t)bs, .cbor = cbor, .pre = pre.buf, .npre = (size_t)pre.len / 32,
-                      .ntiers = ntiers, .crypto = &crypto};
-    uint64_t *parsed = NULL;
-    size_t err_at = 0, n_tokens = 0;
-    const char *err = NULL;
-    uint64_t *lengths[NT_MAX_TIERS] = {0};
-    int rc = 0;
-    for (int t = 0; t < ntiers; t++) {
-        in.tables[t] = tables[t] ? &tables[t]->t : NULL;
-        in.pairs[t] = pairs[t].data;
-        in.npairs[t] = pairs[t].n / 2;
-        lengths[t] = calloc(in.npairs[t] ? in.npairs[t] : 1, 8);
-        if (!lengths[t]) rc = -1;
-    }
-    nt_query_out res = {0};
-    in.memo = query_memo();
+    QueryJob *j = job_new(args);
+    if (!j) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (rc == 0 && raw_json) {
-        err = bh_parse_u64_array(tokbuf.buf, (size_t)tokbuf.len, &parsed, &n_tokens, &err_at);
-        if (!err && !parsed && n_tokens) rc = -1;
-        in.tokens = parsed;
-    } else if (rc == 0) {
-        in.tokens = tokbuf.buf;
-        n_tokens = (size_t)tokbuf.len / 8;
-    }
-    in.n_tokens = n_tokens;
-    if (rc == 0 && !err) {
-        for (int t = 0; t < ntiers; t++) if (tables[t]) pthread_rwlock_rdlock(&tables[t]->lock);
-        rc = nt_query(&in, lengths, &res);
-        for (int t = ntiers; t-- > 0;) if (tables[t]) pthread_rwlock_unlock(&tables[t]->lock);
-    }
-    free(parsed);
+    job_run(&j->link);
     Py_END_ALLOW_THREADS
-    if (err) PyErr_Format(PyExc_ValueError, "%s (at byte %zd of the array)", err, (Py_ssize_t)err_at);
-    else if (rc == -1) PyErr_NoMemory();
-    else if (rc == -2) PyErr_SetString(PyExc_NotImplementedError, "a pickle token over 2**31-1 or a huge block");
-    else if (rc == -3) PyErr_SetString(PyExc_RuntimeError, "libcrypto sha256 failed");
-    else {
-        PyObject *per_tier = PyList_New(ntiers);
-        for (int t = 0; per_tier && t < ntiers; t++) {
-            PyObject *l = PyList_New((Py_ssize_t)in.npairs[t]);
-            if (!l) { Py_CLEAR(per_tier); break; }
-            for (size_t i = 0; i < in.npairs[t]; i++) {
-                PyObject *v = PyLong_FromUnsignedLongLong(lengths[t][i]);
-                if (!v) { Py_DECREF(l); l = NULL; break; }
-                PyList_SET_ITEM(l, (Py_ssize_t)i, v);
-            }
-            if (!l) { Py_CLEAR(per_tier); break; }
-            PyList_SET_ITEM(per_tier, t, l);
-        }
-        if (per_tier) result = Py_BuildValue("(nnN)", (Py_ssize_t)n_tokens, (Py_ssize_t)res.hashed, per_tier);
-    }
-    for (int t = 0; t < NT_MAX_TIERS; t++) free(lengths[t]);
-out:
-    for (int t = 0; t < NT_MAX_TIERS; t++) u64s_release(&pairs[t]);
-    if (have_tokbuf) PyBuffer_Release(&tokbuf);
-    Py_XDECREF(tiers);
-    PyBuffer_Release(&pre);
+    PyObject *result = job_result(j);
+    job_free(j);
     return result;
 }
+
+/* -- the query threads ------------------------------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD
+    np_pool pool;
+    int open;
+} QueryPool;
+
+static PyObject *QueryPool_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    Py_ssize_t threads;
+    if (!PyArg_ParseTuple(args, "n", &threads)) return NULL;
+    if (threads < 1 || threads > 1024) return PyErr_Format(PyExc_ValueError, "threads must be 1..1024");
+    QueryPool *self = (QueryPool *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    if (np_start(&self->pool, (size_t)threads, job_run) < 0) {
+        Py_DECREF(self);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    self->open = 1;
+    return (PyObject *)self;
+}
+
+static void free_jobs(np_job *j) {
+    for (np_job *next; j; j = next) {
+        next = j->next;
+        job_free((QueryJob *)j);
+    }
+}
+
+static PyObject *QueryPool_close(QueryPool *self, PyObject *unused) {
+    if (self->open) {
+        self->open = 0;
+        np_job *left;
+        Py_BEGIN_ALLOW_THREADS
+        left = np_stop(&self->pool); /* a running job finishes first: it never needs the GIL */
+        Py_END_ALLOW_THREADS
+        free_jobs(left);
+    }
+    Py_RETURN_NONE;
+}
+
+static void QueryPool_dealloc(QueryPool *self) {
+    PyObject *r = QueryPool_close(self, NULL);
+    Py_XDECREF(r);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* submit(key, tokens, raw_json, block_size, pre, cbor, tiers): query()'s arguments after the key; the
+ * answer comes back from done(). */
+static PyObject *QueryPool_submit(QueryPool *self, PyObject *args) {
+    if (!self->open) return PyErr_Format(PyExc_RuntimeError, "the query threads are closed");
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n < 1) return PyErr_Format(PyExc_TypeError, "submit(key, tokens, raw_json, block_size, pre, cbor, tiers)");
+    PyObject *rest = PyTuple_GetSlice(args, 1, n);
+    if (!rest) return NULL;
+    QueryJob *j = job_new(rest);
+    Py_DECREF(rest);
+    if (!j) return NULL;
+    j->key = PyTuple_GET_ITEM(args, 0);
+    Py_INCREF(j->key);
+    np_submit(&self->pool, &j->link);
+    Py_RETURN_NONE;
+}
+
+/* done() -> [(key, answer, None) or (key, None, exception)]: the jobs finished since the last call. */
+static PyObject *QueryPool_done(QueryPool *self, PyObject *unused) {
+    PyObject *out = PyList_New(0);
+    if (!out || !self->open) return out;
+    np_job *d = np_take_done(&self->pool);
+    for (np_job *next; d; d = next) {
+        next = d->next;
+        QueryJob *j = (QueryJob *)d;
+        PyObject *item = NULL, *answer = job_result(j);
+        if (answer) {
+            item = PyTuple_Pack(3, j->key, answer, Py_None);
+            Py_DECREF(answer);
+        } else {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            if (tb) PyException_SetTraceback(value, tb);
+            item = value ? PyTuple_Pack(3, j->key, Py_None, value) : NULL;
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        }
+        job_free(j);
+        if (!item || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            free_jobs(next); /* their callers' futures are failed by the caller's own error path */
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
+static PyObject *QueryPool_fileno(QueryPool *self, PyObject *unused) {
+    if (!self->open) return PyErr_Format(PyExc_ValueError, "the query threads are closed");
+    return PyLong_FromLong(self->pool.wake[0]);
+}
+
+static PyMethodDef QueryPool_methods[] = {
+    {"submit", (PyCFunction)QueryPool_submit, METH_VARARGS, "Queue a query (key, then query()'s arguments)."},
+    {"done", (PyCFunction)QueryPool_done, METH_NOARGS, "[(key, answer, exception)] of the queries finished."},
+    {"fileno", (PyCFunction)QueryPool_fileno, METH_NOARGS, "A descriptor readable when queries have finished."},
+    {"close", (PyCFunction)QueryPool_close, METH_NOARGS, "Stop the threads; queries not collected are dropped."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject QueryPoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "indexer._native_index.QueryPool",
+    .tp_basicsize = sizeof(QueryPool),
+    .tp_dealloc = (destructor)QueryPool_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Native threads running queries without the GIL; done() collects them (fileno(): when).",
+    .tp_new = QueryPool_new,
+    .tp_methods = QueryPool_methods,
+};
 
 static PyObject *sha256_available(PyObject *self, PyObject *unused) { return PyBool_FromLong(crypto.loaded); }
 
@@ -515,9 +694,10 @@ static PyObject *set_memo_bytes(PyObject *self, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
     if (n < 0) return PyErr_Format(PyExc_ValueError, "memo bytes must be >= 0");
-    memo_max_bytes = (size_t)n;
+    __atomic_store_n(&memo_max_bytes, (size_t)n, __ATOMIC_RELAXED);
     memo_free(thread_memo);
     thread_memo = NULL;
+    pthread_setspecific(memo_key, NULL);
     Py_RETURN_NONE;
 }
 
@@ -540,10 +720,17 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_index", NULL
 
 PyMODINIT_FUNC PyInit__native_index(void) {
     bh_load_libcrypto(&crypto);
-    if (PyType_Ready(&TableType) < 0) return NULL;
+    if (pthread_key_create(&memo_key, memo_free) != 0) return PyErr_NoMemory();
+    if (PyType_Ready(&TableType) < 0 || PyType_Ready(&QueryPoolType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&TableType);
     if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0) { Py_DECREF(&TableType); Py_DECREF(m); return NULL; }
+    Py_INCREF(&QueryPoolType);
+    if (PyModule_AddObject(m, "QueryPool", (PyObject *)&QueryPoolType) < 0) {
+        Py_DECREF(&QueryPoolType);
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

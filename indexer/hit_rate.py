@@ -141,43 +141,40 @@ def configure_native_query(digest_memo_bytes: int) -> None:
 
 class NativeQuery:
     """A request's hit-rate query for the native index: ``prepare`` reads the candidates' workers (with
-    the GIL held), ``run`` walks without the GIL and holds no Python state the event loop changes,
-    ``result`` turns the lengths into scores; any thread may do each."""
+    the GIL held), ``run`` (or ``QueryThreads.run``, on native threads) parses, hashes and walks without
+    the GIL and holds no Python state the event loop changes, ``result`` turns the lengths into scores."""
 
-    __slots__ = ("_args", "_pods", "_slots", "_known")
+    __slots__ = ("call_args", "_pods", "_slots", "_known")
 
-    def __init__(self, args: tuple, pods: Sequence[str], slots: list[list[tuple[int, int]]], known: list[bool]) -> None:
-        self._args = args
+    def __init__(self, call_args: tuple, pods: Sequence[str], slots: list[list[tuple[int, int]]], known: list[bool]) -> None:
+        self.call_args = call_args  # _native_index.query's arguments
         self._pods = pods
         self._slots = slots  # per pod, per tier: its workers' [start, stop) in that tier's candidate list
         self._known = known
 
     @classmethod
-    def prepare(cls, hasher: BlockHasher, tokens: bytes | array | memoryview, block_size: int, cache_salt: str,
+    def prepare(cls, hasher: BlockHasher, tokens: bytes | memoryview | array, block_size: int, cache_salt: str,
                 pods: Sequence[str], tiers: Sequence[Tier | None]) -> "NativeQuery | None":
         """None where only ``score`` answers: an index or hash the native query does not cover.
-        ``tokens``: the JSON text of the token array (bytes: parsed, and checked, by ``run``) or uint64s
-        (an array or a memoryview of format 'Q'). A
-        salted first block is hashed here (its extra keys are Python objects); the ValueError of a
-        malformed array then comes from here."""
+        ``tokens``: the JSON text of the token array (bytes-like: parsed, and checked, by ``run``) or
+        uint64s (an array of format 'Q'). A salted first block is hashed here (its extra keys are
+        Python objects); the ValueError of a malformed array then comes from here."""
         if not NATIVE_QUERY or not hasher.algo.startswith("sha256") or len(hasher.none_hash) != 32:
             return None
         if not hasher.algo.endswith("_cbor") and block_size > PICKLE_ONE_FRAME_TOKENS:
             return None
         if any(t is not None and not isinstance(t.index, NativeBlockIndex) for t in tiers):
             return None
+        raw = not isinstance(tokens, array)
         pre = hasher.none_hash
         if cache_salt:
-            if isinstance(tokens, (bytes, bytearray)):
+            if raw:
                 if parse_token_array is None:
                     return None
-                tokens = array("Q", parse_token_array(tokens))
+                tokens, raw = array("Q", parse_token_array(tokens)), False
             if len(tokens) >= block_size > 0:
                 pre += hasher.hash_block(pre, tokens[:block_size].tolist(),
                                          hasher.block_extra_keys(0, block_size, cache_salt))
-        raw = isinstance(tokens, (bytes, bytearray))
-        if isinstance(tokens, memoryview):
-            tokens = tokens.obj  # the query reads the bytes under it
         per_tier = []
         slots: list[list[tuple[int, int]]] = [[] for _ in pods]
         for t in tiers:
@@ -200,14 +197,15 @@ class NativeQuery:
     def run(self) -> tuple[int, int, list[list[int]]]:
         """(tokens, blocks hashed, per tier the candidates' lengths). ValueError: a malformed token
         array; NotImplementedError: a request only ``score`` can hash (a pickle token over 2**31-1)."""
-        return _native_index.query(*self._args)
+        return _native_index.query(*self.call_args)
 
     def result(self, out: tuple[int, int, list[list[int]]]) -> ScoreResult:
         n_tokens, hashed, lengths = out
-        n_blocks = n_tokens // self._args[2]
-        scores = []
-        for pod, slots, known in zip(self._pods, self._slots, self._known):
-            ratios = [max(lengths[ti][a:b], default=0) / n_blocks if n_blocks else 0.0
-                      for ti, (a, b) in enumerate(slots)]
-            scores.append(PodScore(pod=pod, ratios=ratios, known=known))
-        return ScoreResult(full_blocks=n_blocks, hashed_blocks=hashed, scores=scores)
+        n_blocks = n_tokens // self.call_args[2]
+        if not n_blocks:
+            return ScoreResult(0, hashed, [PodScore(pod, [0.0] * len(lengths), known)
+                                           for pod, known in zip(self._pods, self._known)])
+        per_tier = [[(held[a] if b - a == 1 else max(held[a:b], default=0)) / n_blocks for a, b in bounds]
+                    for held, bounds in zip(lengths, zip(*self._slots))]  # one worker a pod: the usual
+        return ScoreResult(n_blocks, hashed, [PodScore(pod, list(ratios), known) for pod, ratios, known
+                                              in zip(self._pods, zip(*per_tier), self._known)])

@@ -368,6 +368,34 @@ static inline int nt_candidate(const nt_table *tb, uint64_t wid, uint64_t epoch)
     return tb && wid < tb->nworkers && (wid >> 6) < tb->nchunks && tb->workers[wid].epoch == epoch;
 }
 
+#define NT_AHEAD 6 /* blocks: how far ahead the query fetches (memo slots twice as far) */
+#define NT_RING 16 /* > 2 * NT_AHEAD, a power of two */
+
+/* A block's key: the last 8 bytes of its digest, big-endian (vLLM's int.from_bytes of the digest,
+ * reduced to 64 bits). */
+static inline uint64_t nt_digest_key(const unsigned char *digest) {
+    uint64_t key = 0;
+    for (int b = 24; b < 32; b++) key = key << 8 | digest[b];
+    return key;
+}
+
+/* Asks for what the walk will read for a block whose memo slot is s: the message there, and the index's
+ * home slots of the digest there in every chunk still alive (wrong guesses cost only the fetch). */
+static inline void nt_prefetch(const nt_query_in *in, uint64_t *const *alive, const bh_memo_slot *s) {
+    if (!s->msg) return;
+    __builtin_prefetch(s->msg);
+    __builtin_prefetch(s->msg + 64);
+    uint64_t key = nt_digest_key(s->digest);
+    for (int t = 0; t < in->ntiers; t++) {
+        const nt_table *tb = in->tables[t];
+        size_t nch = tb ? tb->nchunks : 0;
+        for (size_t c = 0; c < nch; c++) {
+            const nt_chunk *ch = &tb->chunks[c];
+            if (alive[t][c] && ch->cap) __builtin_prefetch(&ch->slots[nt_home(ch, key)]);
+        }
+    }
+}
+
 /* lengths[t][i]: consecutive blocks from 0 that candidate i of tier t holds. 0, or -1 out of memory,
  * -2 a block the encoder leaves to Python, -3 sha256 failed. The caller holds the tables' read locks. */
 static int nt_query(const nt_query_in *in, uint64_t **lengths, nt_query_out *out) {
@@ -398,17 +426,34 @@ static int nt_query(const nt_query_in *in, uint64_t **lengths, nt_query_out *out
     if (!buf || !ctx) { rc = -1; goto done; }
     unsigned char digest[32];
     const unsigned char *parent = in->pre;
+    bh_memo *memo = in->memo;
+    uint64_t ahead_keys[NT_RING], prefix = 0;
+    for (size_t b = 0; b < 32 * in->npre; b++) prefix = (prefix ^ in->pre[b]) * 0x100000001B3ULL; /* salt too */
+    size_t placed = 0; /* blocks whose memo slots were asked for */
     for (size_t i = 0; i < n_blocks; i++) {
+        if (memo) {
+            /* the memo slots of the blocks up to 2 * NT_AHEAD on; for the block NT_AHEAD on, its message
+             * and (for the digest its slot holds) the index's slots */
+            for (; placed < n_blocks && placed <= i + 2 * NT_AHEAD; placed++) {
+                prefix = bh_prefix_key(prefix, in->tokens + placed * in->bs, in->bs);
+                ahead_keys[placed % NT_RING] = prefix;
+                const bh_memo_slot *pair = bh_memo_slot_of(memo, prefix);
+                __builtin_prefetch(pair);
+                __builtin_prefetch(pair + 1);
+            }
+            if (i + NT_AHEAD < placed)
+                nt_prefetch(in, alive, bh_memo_slot_of(memo, ahead_keys[(i + NT_AHEAD) % NT_RING]));
+        }
         if (i + 1 < in->npre) {
             parent = in->pre + 32 * (i + 1);
         } else {
             size_t len = bh_encode_block(buf, parent, 32, in->tokens + i * in->bs, in->bs, in->cbor);
             if (!len) { rc = -2; goto done; }
-            if (!bh_memo_sha256(in->memo, in->crypto, ctx, buf, len, digest)) { rc = -3; goto done; }
+            bh_memo_slot *slot = memo ? bh_memo_slot_of(memo, ahead_keys[i % NT_RING]) : NULL;
+            if (!bh_memo_sha256(memo, slot, in->crypto, ctx, buf, len, digest)) { rc = -3; goto done; }
             parent = digest;
         }
-        uint64_t key = 0;
-        for (int b = 24; b < 32; b++) key = key << 8 | parent[b];
+        uint64_t key = nt_digest_key(parent);
         any = 0;
         for (int t = 0; t < in->ntiers; t++) {
             const nt_table *tb = in->tables[t];

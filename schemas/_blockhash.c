@@ -296,29 +296,17 @@ static PyObject *parse_token_array(PyObject *self, PyObject *arg) {
     return res;
 }
 
-/* split_request(body) -> (start, stop, tokens) or None: the span of body.token_ids in a hit-rate request
- * and its tokens as native uint64 bytes, found and parsed without the GIL (a worker thread runs it while
- * the event loop goes on); None where the request is not in the plain shape (the caller decodes it
- * whole). ValueError: the token array is malformed. */
-static PyObject *split_request(PyObject *self, PyObject *arg) {
+/* find_token_ids(body) -> (start, stop) or None: the span of body.token_ids in a hit-rate request, found
+ * by one structural scan (memchr over the array) and not parsed: the native query parses it off the GIL.
+ * None where the request is not in the plain shape. */
+static PyObject *find_token_ids(PyObject *self, PyObject *arg) {
     Py_buffer in;
     if (PyObject_GetBuffer(arg, &in, PyBUF_SIMPLE) < 0) return NULL;
-    uint64_t *tokens = NULL;
-    size_t n = 0, at = 0, start = 0, stop = 0;
-    const char *err = NULL;
-    int found;
-    Py_BEGIN_ALLOW_THREADS
-    found = bh_find_token_ids(in.buf, (size_t)in.len, &start, &stop) == 0;
-    if (found) err = bh_parse_u64_array((const unsigned char *)in.buf + start, stop - start, &tokens, &n, &at);
-    Py_END_ALLOW_THREADS
+    size_t start = 0, stop = 0;
+    int found = bh_find_token_ids(in.buf, (size_t)in.len, &start, &stop) == 0;
     PyBuffer_Release(&in);
     if (!found) Py_RETURN_NONE;
-    if (err) return PyErr_Format(PyExc_ValueError, "%s (at byte %zd of the array)", err, (Py_ssize_t)at);
-    if (!tokens && n) return PyErr_NoMemory();
-    PyObject *res = Py_BuildValue("(nny#)", (Py_ssize_t)start, (Py_ssize_t)stop, tokens ? (const char *)tokens : "",
-                                  (Py_ssize_t)(n * 8));
-    free(tokens);
-    return res;
+    return Py_BuildValue("(nn)", (Py_ssize_t)start, (Py_ssize_t)stop);
 }
 
 /* native_sha256([enable]) -> whether sha256 runs in libcrypto directly; enable=False turns it off
@@ -337,8 +325,8 @@ static PyObject *native_sha256_switch(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"native_sha256", native_sha256_switch, METH_VARARGS, "Whether sha256 runs in libcrypto directly; can switch it."},
     {"chain", chain, METH_VARARGS, "Digests of consecutive blocks without extra keys."},
+    {"find_token_ids", find_token_ids, METH_O, "(start, stop) of body.token_ids in a plain hit-rate request, or None."},
     {"parse_token_array", parse_token_array, METH_O, "JSON array of non-negative ints -> native uint64 bytes."},
-    {"split_request", split_request, METH_O, "(start, stop, uint64 bytes) of body.token_ids, or None; GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -19,6 +19,9 @@
 #if defined(__linux__)
 #include <dlfcn.h>
 #endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* -- encoders ---------------------------------------------------------------------------------------- */
 static inline uint64_t bh_to_big_endian(uint64_t v) {
@@ -178,14 +181,21 @@ static void bh_load_libcrypto(bh_libcrypto *lc) {
 
 /* -- a memo of digests --------------------------------------------------------------------------------- */
 /* Routers ask about the same prefixes again and again (a system prompt, a conversation's earlier turns):
- * a direct-mapped memo of sha256(message), keyed by the message itself (compared whole, so a hit is
- * exact), saves the hash where a block was asked about before. A slot keeps the last message that fell
- * in it; messages are kept up to max_bytes in all, beyond which new ones are hashed but not kept. One
- * memo per thread: no locking. */
+ * a two-way memo of sha256(message), where a hit is the message itself (compared whole, so it is
+ * exact), saves the hash where a block was asked about before. A pair of slots keeps the last two
+ * messages that fell on it; messages are kept up to max_bytes in all, beyond which new ones are hashed
+ * but not kept. One memo per thread: no locking.
+ *
+ * A block's pair is placed by a key of the request's tokens up to and including the block
+ * (bh_prefix_key), not by its message: the message holds the parent's digest, known only once the
+ * block before is done, while the tokens are known at once; so the query fetches the pairs of the
+ * blocks ahead (and through them the messages and the index's slots) while it works on this one, and
+ * the walk waits on memory once per window instead of three times a block. */
 typedef struct {
     unsigned char *msg;
     uint32_t len, cap;
     unsigned char digest[32];
+    unsigned char pad[16]; /* one cache line a slot */
 } bh_memo_slot;
 
 typedef struct {
@@ -195,37 +205,55 @@ typedef struct {
     uint64_t hits, misses;
 } bh_memo;
 
-static inline uint64_t bh_memo_index(const unsigned char *m, size_t len) {
-    uint64_t h = 0x9E3779B97F4A7C15ULL ^ len, w;
+/* The placement key of a block from the key of the prefix before it (the first block's from its
+ * parent's digest) and the block's tokens. Four independent lanes over the tokens, then one mix. */
+static inline uint64_t bh_prefix_key(uint64_t prev, const uint64_t *tok, size_t n) {
+    uint64_t a = 0x9E3779B97F4A7C15ULL, b = 0xC2B2AE3D27D4EB4FULL, c = 0x165667B19E3779F9ULL, d = n;
     size_t i = 0;
-    for (; i + 8 <= len; i += 8) {
-        memcpy(&w, m + i, 8);
-        h = (h ^ w) * 0xff51afd7ed558ccdULL;
-        h ^= h >> 32;
+    for (; i + 4 <= n; i += 4) {
+        a = (a ^ tok[i]) * 0xff51afd7ed558ccdULL;
+        b = (b ^ tok[i + 1]) * 0xc4ceb9fe1a85ec53ULL;
+        c = (c ^ tok[i + 2]) * 0xff51afd7ed558ccdULL;
+        d = (d ^ tok[i + 3]) * 0xc4ceb9fe1a85ec53ULL;
     }
-    w = 0;
-    memcpy(&w, m + i, len - i);
-    h = (h ^ w) * 0xc4ceb9fe1a85ec53ULL;
-    return h ^ (h >> 29);
+    for (; i < n; i++) a = (a ^ tok[i]) * 0xff51afd7ed558ccdULL;
+    uint64_t h = prev ^ (a ^ (a >> 31)) ^ ((b ^ (b >> 29)) << 1) ^ ((c ^ (c >> 33)) << 2) ^ ((d ^ (d >> 30)) << 3);
+    h = (h ^ (h >> 32)) * 0xd6e8feb86659fd93ULL;
+    return h ^ (h >> 32);
 }
 
-/* sha256 of msg, from the memo where it holds msg (memo NULL: no memo); 0 where the hash failed. */
-static inline int bh_memo_sha256(bh_memo *memo, const bh_libcrypto *lc, void *ctx, const unsigned char *msg,
-                                 size_t len, unsigned char out[32]) {
-    if (!memo) return bh_sha256(lc, ctx, msg, len, out);
-    bh_memo_slot *s = &memo->slots[bh_memo_index(msg, len) & (memo->n - 1)];
-    if (s->len == len && s->msg && !memcmp(s->msg, msg, len)) {
-        memcpy(out, s->digest, 32);
-        memo->hits++;
-        return 1;
+/* Two slots a key (the newest first): two blocks of a request falling on one place both stay. */
+static inline bh_memo_slot *bh_memo_slot_of(const bh_memo *memo, uint64_t prefix_key) {
+    return &memo->slots[prefix_key & (memo->n - 2)];
+}
+
+/* sha256 of msg, from the pair of slots at s where it holds msg (s NULL: no memo); 0 where the hash
+ * failed. A hit in the second slot moves it first; a miss takes the second slot's place (and buffer). */
+static inline int bh_memo_sha256(bh_memo *memo, bh_memo_slot *s, const bh_libcrypto *lc, void *ctx,
+                                 const unsigned char *msg, size_t len, unsigned char out[32]) {
+    if (!s) return bh_sha256(lc, ctx, msg, len, out);
+    for (int w = 0; w < 2; w++) {
+        if (s[w].len == len && s[w].msg && !memcmp(s[w].msg, msg, len)) {
+            memcpy(out, s[w].digest, 32);
+            memo->hits++;
+            if (w) {
+                bh_memo_slot hit = s[1];
+                s[1] = s[0];
+                s[0] = hit;
+            }
+            return 1;
+        }
     }
     memo->misses++;
     if (!bh_sha256(lc, ctx, msg, len, out)) return 0;
+    bh_memo_slot fresh = s[1];
+    s[1] = s[0];
+    s[0] = fresh;
     if (len > UINT32_MAX) return 1;
     if (len > s->cap) {
-        if (memo->bytes + (len - s->cap) > memo->max_bytes) return 1; /* full: hashed, not kept */
+        if (memo->bytes + (len - s->cap) > memo->max_bytes) { s->len = 0; return 1; } /* full: hashed, not kept */
         unsigned char *m = realloc(s->msg, len);
-        if (!m) return 1;
+        if (!m) { s->len = 0; return 1; }
         memo->bytes += len - s->cap;
         s->msg = m;
         s->cap = (uint32_t)len;
@@ -236,12 +264,13 @@ static inline int bh_memo_sha256(bh_memo *memo, const bh_libcrypto *lc, void *ct
     return 1;
 }
 
-/* A memo of n slots (a power of two) keeping up to max_bytes of messages; NULL where memory ran out. */
+/* A memo of n slots (a power of two, 2 at least) keeping up to max_bytes of messages; NULL where memory ran out. */
 static inline bh_memo *bh_memo_new(size_t n, size_t max_bytes) {
     bh_memo *memo = calloc(1, sizeof *memo);
     if (!memo) return NULL;
-    memo->slots = calloc(n, sizeof(bh_memo_slot));
+    memo->slots = aligned_alloc(64, n * sizeof(bh_memo_slot));
     if (!memo->slots) { free(memo); return NULL; }
+    memset(memo->slots, 0, n * sizeof(bh_memo_slot));
     memo->n = n;
     memo->max_bytes = max_bytes;
     return memo;
@@ -267,6 +296,109 @@ static inline unsigned bh_swar_digits(const unsigned char *p, uint64_t *value) {
     return n;
 }
 
+/* The digits at p (one at least) as a uint64 in *value: past them, or NULL where it is 2**64 or more. */
+static inline const unsigned char *bh_long_digits(const unsigned char *p, const unsigned char *end, uint64_t *value) {
+    uint64_t v = 0;
+    const unsigned char *digits = p;
+    while (p < end && *p >= '0' && *p <= '9' && p - digits < 19) v = v * 10 + (unsigned)(*p++ - '0');
+    if (p < end && *p >= '0' && *p <= '9') { /* a 20th digit: the only place uint64 can overflow */
+        unsigned d = *p - '0';
+        if (v > (UINT64_MAX - d) / 10 || (p + 1 < end && p[1] >= '0' && p[1] <= '9')) return NULL;
+        v = v * 10 + d;
+        p++;
+    }
+    *value = v;
+    return p;
+}
+
+/* Up to 7 leading digits of the bytes [p, end) (the bytes past end read as non-digits). */
+static inline unsigned bh_swar_digits_near_end(const unsigned char *p, const unsigned char *end, uint64_t *value) {
+    if (end - p >= 8) return bh_swar_digits(p, value);
+    unsigned char tail[8] = {' ', ' ', ' ', ' ', ' ', ' ', ' ', ' '};
+    memcpy(tail, p, (size_t)(end - p));
+    return bh_swar_digits(tail, value);
+}
+
+#if defined(__SSE2__)
+/* 64 bytes at p as bit masks (bit i: byte i): digits, commas, JSON whitespace. */
+static inline void bh_classify64(const unsigned char *p, uint64_t *digits, uint64_t *commas, uint64_t *ws) {
+    uint64_t d = 0, c = 0, w = 0;
+    for (int k = 0; k < 4; k++) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(p + 16 * k));
+        __m128i t = _mm_sub_epi8(x, _mm_set1_epi8('0'));
+        __m128i isd = _mm_cmpeq_epi8(_mm_min_epu8(t, _mm_set1_epi8(9)), t); /* (byte - '0') <= 9, unsigned */
+        __m128i isc = _mm_cmpeq_epi8(x, _mm_set1_epi8(','));
+        __m128i isw = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8(' ')), _mm_cmpeq_epi8(x, _mm_set1_epi8('\n'))),
+                                   _mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8('\t')), _mm_cmpeq_epi8(x, _mm_set1_epi8('\r'))));
+        d |= (uint64_t)(uint16_t)_mm_movemask_epi8(isd) << (16 * k);
+        c |= (uint64_t)(uint16_t)_mm_movemask_epi8(isc) << (16 * k);
+        w |= (uint64_t)(uint16_t)_mm_movemask_epi8(isw) << (16 * k);
+    }
+    *digits = d;
+    *commas = c;
+    *ws = w;
+}
+
+static inline uint64_t bh_prefix_xor(uint64_t x) {
+    x ^= x << 1;
+    x ^= x << 2;
+    x ^= x << 4;
+    x ^= x << 8;
+    x ^= x << 16;
+    x ^= x << 32;
+    return x;
+}
+
+/* The usual token array, p at its '[': every byte inside is a digit, a comma or whitespace. The bytes
+ * are classified 64 at a time into bit masks, so the numbers' places are known before any is read,
+ * and each number is read from its place, independent of the one before (the scalar parser finds
+ * where a number starts only once the one before it is read). The grammar is checked on the masks:
+ * numbers and commas alternate, from a number to a number (a running parity of the two), no leading
+ * zero. 1: parsed (*out, *count); 0: not the usual array, or not valid: the scalar parser decides and
+ * says what is wrong; -1: out of memory. */
+static int bh_parse_u64_fast(const unsigned char *p, const unsigned char *end, uint64_t **out, size_t *count) {
+    const unsigned char *r = end;
+    while (r > p && (r[-1] == ' ' || r[-1] == '\t' || r[-1] == '\n' || r[-1] == '\r')) r--;
+    if (r - p < 2 || r[-1] != ']') return 0;
+    const unsigned char *in = p + 1, *stop = r - 1; /* the bytes between the brackets */
+    size_t len = (size_t)(stop - in), n = 0;
+    uint64_t *buf = len / 2 + 1 <= SIZE_MAX / 8 ? malloc((len / 2 + 1) * 8) : NULL; /* a number and its comma take two bytes at least */
+    if (!buf) return -1;
+    uint64_t prev_digit = 0, parity = 0; /* the last byte before this block a digit; events so far odd */
+    for (size_t base = 0; base < len; base += 64) {
+        uint64_t d, c, w;
+        if (len - base >= 64) {
+            bh_classify64(in + base, &d, &c, &w);
+        } else {
+            unsigned char last[64];
+            memset(last, ' ', 64);
+            memcpy(last, in + base, len - base);
+            bh_classify64(last, &d, &c, &w);
+        }
+        uint64_t starts = d & ~(d << 1 | prev_digit);
+        prev_digit = d >> 63;
+        uint64_t events = starts | c, odd = bh_prefix_xor(events) ^ (0 - parity);
+        if (~(d | c | w) || (starts & ~odd) || (c & odd)) goto slow; /* another byte; out of turn */
+        parity = odd >> 63;
+        for (; starts; starts &= starts - 1) {
+            const unsigned char *q = in + base + (size_t)__builtin_ctzll(starts);
+            uint64_t v = 0;
+            unsigned k = bh_swar_digits_near_end(q, end, &v);
+            if (k > 1 && *q == '0') goto slow; /* a leading zero */
+            if (k == 8 && !bh_long_digits(q, end, &v)) goto slow; /* out of range */
+            buf[n++] = v;
+        }
+    }
+    if (n && !parity) goto slow; /* a comma last */
+    *out = buf;
+    *count = n;
+    return 1;
+slow:
+    free(buf);
+    return 0;
+}
+#endif
+
 /* A JSON array of non-negative integers (no sign but -0, no fraction, exponent or other type) into a
  * malloc'ed uint64 array (*out, *count; free() it). NULL on success, else what is wrong, with *at the
  * byte offset; NULL with *out NULL and *count nonzero when memory ran out. */
@@ -281,6 +413,14 @@ static const char *bh_parse_u64_array(const unsigned char *p, size_t len, uint64
 #define BH_WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
     BH_WS();
     if (p >= end || *p != '[') { err = "token_ids must be an array"; goto done; }
+#if defined(__SSE2__)
+    int fast = bh_parse_u64_fast(p, end, out, count);
+    if (fast) {
+        if (fast < 0) *count = 1;
+        *at = len;
+        return NULL;
+    }
+#endif
     p++;
     BH_WS();
     if (p < end && *p == ']') { p++; goto tail; }
@@ -294,23 +434,14 @@ static const char *bh_parse_u64_array(const unsigned char *p, size_t len, uint64
         if (*p < '0' || *p > '9') { err = "token_ids must be integers"; goto done; }
         if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') { err = "invalid number in token_ids"; goto done; }
         uint64_t v = 0;
+        const unsigned char *digits_at = p;
         unsigned short_digits = end - p >= 8 ? bh_swar_digits(p, &v) : 8;
         if (short_digits < 8) { /* the usual token: up to 7 digits, in a few instructions */
             p += short_digits;
             goto number_done;
         }
-        v = 0;
-        const unsigned char *digits = p;
-        while (p < end && *p >= '0' && *p <= '9' && p - digits < 19) v = v * 10 + (unsigned)(*p++ - '0');
-        if (p < end && *p >= '0' && *p <= '9') { /* a 20th digit: the only place uint64 can overflow */
-            unsigned d = *p - '0';
-            if (v > (UINT64_MAX - d) / 10 || (p + 1 < end && p[1] >= '0' && p[1] <= '9')) {
-                err = "token id out of range";
-                goto done;
-            }
-            v = v * 10 + d;
-            p++;
-        }
+        p = bh_long_digits(p, end, &v);
+        if (!p) { p = digits_at; err = "token id out of range"; goto done; }
     number_done:
         if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) { err = "token_ids must be integers"; goto done; }
         if (n == cap) {

@@ -329,44 +329,46 @@ async def test_a_pod_that_cleared_its_cache_is_known_and_holds_nothing(api):
     assert unknown["message"] == UNKNOWN_POD_MESSAGE
 
 
+@pytest.fixture
+def on_the_query_threads(monkeypatch):
+    """Every request answered on the query threads, a request alone in flight too."""
+    from api import app as app_module
+
+    monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", -1)
+
+
 @pytest.mark.parametrize("name", BAD_REQUESTS)
-async def test_bad_large_requests_get_400_through_the_split_path(api, name):
-    """Bodies of SPLIT_MIN_BYTES or more have their token array found and parsed on a worker thread: a
-    bad request padded past that size is refused as the small one is."""
-    from api.hit_rate_request import SPLIT_MIN_BYTES
-
+async def test_bad_requests_get_400_on_the_query_threads(api, on_the_query_threads, name):
+    """A token array the native threads parse and refuse is a 400, as on the loop."""
     session, _ = api
-    status, body = await post(session, None, raw=BAD_REQUESTS[name] + b" " * SPLIT_MIN_BYTES)
-    assert status == 400 and body["status"] == 400, body
+    status, body = await post(session, None, raw=BAD_REQUESTS[name])
+    assert status in (400, 413) and body["status"] == status, body
 
 
-async def test_large_requests_answer_as_small_ones(api):
-    """The same requests, padded past SPLIT_MIN_BYTES (split on a worker thread), get the same answers."""
-    from api.hit_rate_request import SPLIT_MIN_BYTES
+async def test_answers_on_the_query_threads_equal_those_on_the_loop(api, monkeypatch):
+    from api import app as app_module
 
     session, _ = api
     for payload in (req(["127.0.1.2", "127.0.1.9", "127.0.1.1", "127.0.1.3"]), req(["127.0.1.4"], salt="tenant-a"),
                     req(["127.0.1.1"], tokens=TOKENS + [1, 2, 3]), req(["127.0.1.1"], tokens=[])):
-        raw = json.dumps(payload).encode()
-        small = await post(session, None, raw=raw)
-        large = await post(session, None, raw=b" " * SPLIT_MIN_BYTES + raw)
-        assert small == large and small[0] == 200
+        on_loop = await post(session, payload)
+        monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", -1)
+        on_threads = await post(session, payload)
+        monkeypatch.undo()
+        assert on_loop == on_threads and on_loop[0] == 200
 
 
-async def test_concurrent_large_requests_are_answered_on_the_query_threads_alike(api):
-    """Under load the split and the query run on the worker threads (one request alone runs them on the
-    loop): sixteen large requests at once get the answers one gets alone."""
-    from api.hit_rate_request import SPLIT_MIN_BYTES
-
+async def test_concurrent_requests_are_answered_on_the_query_threads_alike(api):
+    """Under load the queries run on the native threads (one request alone runs on the loop): sixteen
+    requests at once get the answers one gets alone."""
     session, _ = api
     payloads = [req(["127.0.1.2", "127.0.1.9", "127.0.1.1", "127.0.1.3"]), req(["127.0.1.4", "127.0.1.1"], salt="tenant-a"),
                 req(["127.0.1.3"], tokens=TOKENS + [1, 2, 3]), req(["127.0.1.5"])]
-    raws = [b" " * SPLIT_MIN_BYTES + json.dumps(p).encode() for p in payloads]
+    raws = [json.dumps(p).encode() for p in payloads]
     alone = [await post(session, None, raw=raw) for raw in raws]
     together = await asyncio.gather(*(post(session, None, raw=raws[i % 4]) for i in range(16)))
     assert list(together) == [alone[i % 4] for i in range(16)]
     assert all(status == 200 for status, _ in alone)
-
 
 
 VECTORS = json.loads((Path(__file__).parent / "data" / "vllm" / "vllm-block-hashes.json").read_text())
@@ -401,28 +403,24 @@ async def test_lora_and_multimodal_requests_score_the_engines_blocks(case, encod
         await server.stop()
 
 
-async def test_bad_large_requests_under_load_get_400(api):
-    """Under load a large request goes to a query thread whole (split, decode, candidates, walk): the bad
-    ones are refused there as on the loop."""
-    from api.hit_rate_request import SPLIT_MIN_BYTES
-
+async def test_bad_requests_under_load_get_400(api):
+    """Under load the token arrays are parsed on the native threads: the bad ones are refused there as
+    on the loop."""
     session, _ = api
-    bad = [raw + b" " * SPLIT_MIN_BYTES for raw in BAD_REQUESTS.values() if len(raw) < 40_000]
+    bad = [raw for raw in BAD_REQUESTS.values() if len(raw) < 40_000]
     answers = await asyncio.gather(*(post(session, None, raw=raw) for raw in bad))
     assert all(status == 400 and body["status"] == 400 for status, body in answers), answers
 
 
 async def test_answers_under_load_see_whole_messages_while_the_loop_applies_them(api):
-    """Queries answered on the query threads (their candidates read there too) while the event loop
-    applies messages that store a pod's whole chain or remove it block by block: a ratio is 0 or 1, never
-    part of a message (tests/test_native_index.py's threaded test is the sensitive one: it fails with
-    the batch lock taken out)."""
-    from api.hit_rate_request import SPLIT_MIN_BYTES
-
+    """Queries answered on the query threads while the event loop applies messages that store a pod's
+    whole chain or remove it block by block: a ratio is 0 or 1, never part of a message
+    (tests/test_native_index.py's threaded test is the sensitive one: it fails with the batch lock taken
+    out)."""
     session, state = api
     l1 = state["tiers"][0]
     chain = HASHER.event_hashes(TOKENS, 16)
-    raw = b" " * SPLIT_MIN_BYTES + json.dumps(req(["127.0.1.7", "127.0.1.1"])).encode()
+    raw = json.dumps(req(["127.0.1.7", "127.0.1.1"])).encode()
     stop = asyncio.Event()
 
     async def churn() -> None:

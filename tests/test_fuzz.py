@@ -105,6 +105,30 @@ def test_the_token_array_parser_equals_the_json_reference(rng):
             assert n_tokens == (None if want is None else len(want)), raw[:200]
 
 
+def test_the_token_array_parser_at_every_offset_of_its_64_byte_blocks(rng):
+    """The C parser reads the usual array 64 bytes at a time (bit masks of digits, commas and whitespace,
+    numbers and commas alternating across blocks): every kind of fault at every offset of the first
+    blocks, in each separator style, takes the scalar parser's path to the reference's answer."""
+    from array import array
+
+    needs_native(block_hash.parse_token_array is not None, "the request parser's C accelerator")
+    styles = [(", ", ""), (",", ""), (",\n  ", "\n"), (" ,\t", "\r\n")]
+    faults = [b"", b",", b" ", b"0", b"-", b"]", b"[", b"x", b"9" * 8, b"9" * 20, b"18446744073709551616"]
+    for sep, pad in styles:
+        values = [rng.choice([rng.randrange(10), rng.randrange(151_000), rng.randrange(1 << 64)])
+                  for _ in range(40)]
+        base = ("[" + pad + sep.join(map(str, values)) + pad + "]").encode()
+        for at in range(1, min(len(base), 200)):
+            for fault in faults:
+                raw = base[:at] + fault + base[at + (fault == b""):]  # the empty fault drops a byte
+                want = reference_tokens(raw)
+                try:
+                    got = array("Q", block_hash.parse_token_array(raw)).tolist()
+                except ValueError:
+                    got = None
+                assert got == want, f"{raw[:200]!r}: C {got and got[:8]} != reference {want and want[:8]}"
+
+
 def _decoded(decode, *args):
     """What a decoded request asks, or None where it is refused."""
     from api.hit_rate_request import RequestError
@@ -117,25 +141,21 @@ def _decoded(decode, *args):
 
 
 def test_the_request_split_equals_the_whole_decode(rng):
-    """``split_request`` finds and parses the token array off the event loop and the rest is decoded
-    alone: the same requests accepted, with the same values, as decoding the whole body."""
+    """``find_token_ids`` finds the token array with one scan and the rest is decoded alone: the same
+    requests accepted, with the same values, as decoding the whole body."""
     from api.hit_rate_request import decode_hit_rate_request, decode_split_request
 
-    needs_native(block_hash.split_request is not None, "the request splitter's C accelerator")
+    needs_native(block_hash.find_token_ids is not None, "the request splitter's C accelerator")
     corpus = [p.read_bytes() for p in sorted((DATA / "fuzz" / "requests").glob("*.json"))]
     split = 0
     for n in budget():
         raw = mutate(rng, rng.choice(corpus), corpus) if n >= len(corpus) else corpus[n]
         want = _decoded(decode_hit_rate_request, raw)
-        try:
-            cut = block_hash.split_request(raw)
-        except ValueError:
-            assert want is None, f"{raw[:300]!r}: the split refused the tokens, the whole decode took {want}"
-            continue
-        if cut is None:
+        span = block_hash.find_token_ids(raw)
+        if span is None:
             continue  # not the plain shape: decoded whole, as before
         split += 1
-        assert _decoded(decode_split_request, raw, cut) == want, raw[:300]
+        assert _decoded(decode_split_request, raw, span) == want, raw[:300]
     assert split >= min(n, len(corpus)), "the plain requests of the corpus were split"
 
 

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer import block_index, hit_rate
+from indexer.block_index import _native_index
 from indexer.block_index import BlockIndex, NativeBlockIndex
 from indexer.hit_rate import NativeQuery, score
 from indexer.l1_state import L1State
@@ -235,7 +236,7 @@ def test_snapshots_are_written_as_earlier_versions_write_them():
 
 
 def test_queries_on_threads_see_whole_messages_while_events_and_snapshots_go_on():
-    """Four threads query without the GIL while the main thread applies messages (each storing a whole
+    """Three threads query without the GIL, and a fourth through the native query threads, while the main thread applies messages (each storing a whole
     chain for one pod, or removing the pod) and takes snapshots: a query sees a pod's chain wholly or
     not at all (never part of a message), and at the end every answer equals the reference's."""
     hasher = BlockHasher("sha256_cbor", "0")
@@ -256,7 +257,26 @@ def test_queries_on_threads_see_whole_messages_while_events_and_snapshots_go_on(
         except Exception as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=ask) for _ in range(4)]
+    def ask_the_pool() -> None:  # the native query threads: no Python (and no GIL) on them at all
+        pool = _native_index.QueryPool(2)
+        try:
+            while not stop.is_set():
+                query = NativeQuery.prepare(hasher, array("Q", tokens), 16, "", pods, [nat, None])
+                for key in range(4):
+                    pool.submit(key, *query.call_args)
+                for _, out, exc in _collect(pool, 4):
+                    if exc is not None:
+                        raise exc
+                    for s in query.result(out).scores:
+                        if s.ratios[0] not in (0.0, 1.0):
+                            errors.append(f"{s.pod}: {s.ratios[0]} (part of a message, on the pool)")
+                answered[0] += 1
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(repr(exc))
+        finally:
+            pool.close()
+
+    threads = [threading.Thread(target=ask) for _ in range(3)] + [threading.Thread(target=ask_the_pool)]
     for t in threads:
         t.start()
     rng = random.Random(11)
@@ -345,3 +365,87 @@ def test_the_digest_memo_keeps_within_its_bound():
         assert _native_index.memo_stats() == (0, 0, 0)
     finally:
         configure_native_query(8 << 20)
+
+
+def _collect(pool, n: int, timeout: float = 30.0) -> list:
+    """The next n answers of a QueryPool, waiting on its descriptor (bounded)."""
+    import select
+    import time
+
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"{len(got)} of {n} answers after {timeout}s"
+        select.select([pool.fileno()], [], [], 0.5)
+        got += pool.done()
+    return got
+
+
+def test_the_query_threads_answer_as_the_calling_thread_does():
+    """QueryPool runs query() on native threads: every answer, and every refusal (a malformed array, a
+    pickle token only Python encodes), equals what query() gives on the calling thread."""
+    rng = random.Random(5)
+    hasher, pickle = BlockHasher("sha256_cbor", "0"), BlockHasher("sha256", "0")
+    tokens = [rng.randrange(150_000) for _ in range(16 * 40)]
+    chain = hasher.event_hashes(tokens, 16)
+    _, nat = _states([(f"10.0.0.{p}", 0, chain[:p * 5]) for p in range(1, 9)])
+    pods = [f"10.0.0.{p}" for p in range(1, 10)]
+    cases = []
+    for i in range(60):
+        cut = rng.randrange(len(tokens))
+        text = json.dumps(tokens[:cut]).encode()
+        kind = i % 4
+        if kind == 1:
+            text = text[:-1] + b", -1]"  # refused: ValueError
+        raw = array("Q", [2**40] + tokens[:max(cut, 16)]) if kind == 3 else text  # block 0: pickle LONG1
+        query = NativeQuery.prepare(pickle if kind == 3 else hasher, raw, 16, "s" if kind == 2 else "", pods,
+                                    [nat, None])
+        cases.append(query.call_args)
+    pool = _native_index.QueryPool(3)
+    try:
+        for key, args in enumerate(cases):
+            pool.submit(key, *args)
+        answers = {key: (out, exc) for key, out, exc in _collect(pool, len(cases))}
+    finally:
+        pool.close()
+    assert sorted(answers) == list(range(len(cases)))
+    kinds = set()
+    for key, args in enumerate(cases):
+        out, exc = answers[key]
+        try:
+            want, want_exc = _native_index.query(*args), None
+        except (ValueError, NotImplementedError) as e:
+            want, want_exc = None, e
+        assert out == want
+        assert type(exc) is type(want_exc) and str(exc) == str(want_exc)
+        kinds.add(type(exc).__name__)
+    assert kinds == {"NoneType", "ValueError", "NotImplementedError"}
+
+
+def test_closed_query_threads_drop_what_is_queued_and_take_nothing_more():
+    hasher = BlockHasher("sha256_cbor", "0")
+    tokens = list(range(16 * 200))
+    _, nat = _states([("10.0.0.1", 0, hasher.event_hashes(tokens, 16))])
+    query = NativeQuery.prepare(hasher, array("Q", tokens), 16, "", ["10.0.0.1"], [nat, None])
+    pool = _native_index.QueryPool(1)
+    for key in range(300):
+        pool.submit(key, *query.call_args)
+    pool.close()  # one may be running: it finishes; the rest are freed unrun
+    pool.close()
+    assert pool.done() == []
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(0, *query.call_args)
+    with pytest.raises(ValueError, match="threads"):
+        _native_index.QueryPool(0)
+
+
+def test_the_digest_memo_keeps_two_blocks_that_fall_on_one_place():
+    """The memo is two-way: of a 2,048-block request asked again, nearly every block is a hit (a
+    direct-mapped memo of the same size loses about one block in sixteen to its neighbours)."""
+    hasher = BlockHasher("sha256_cbor", "0")
+    tokens = [random.Random(2).randrange(150000) for _ in range(32768)]
+    _, nat = _states([("10.0.0.1", 0, hasher.event_hashes(tokens, 16))])
+    _native_answer(hasher, tokens, 16, "", ["10.0.0.1"], [nat, None], raw=False)
+    hits, misses, _ = _native_index.memo_stats()
+    _native_answer(hasher, tokens, 16, "", ["10.0.0.1"], [nat, None], raw=False)
+    again_hits, again_misses, _ = _native_index.memo_stats()
+    assert again_misses - misses <= 2048 // 50, (again_hits - hits, again_misses - misses)
