@@ -38,9 +38,11 @@ log = logging.getLogger(__name__)
 HIT_RATE_PATH = "/kv-cache/hit-rate"
 _KNOWN_PATHS = {HIT_RATE_PATH, "/healthz", "/readyz", "/metrics"}
 UNKNOWN_POD_MESSAGE = "no KV-cache events seen for this server"
-#: Bodies up to this size are answered on the event loop when no other request is in flight (the
-#: native code releases the GIL all the same); larger ones, or any under load, on the query threads.
-INLINE_MAX_BYTES = 1 << 20
+#: Bodies up to this size are answered on the event loop: their native call takes tens of microseconds,
+#: about what a hand-off costs. Larger ones go to the query threads, and the loop goes on serving I/O
+#: (deciding by load instead does not work: a body that arrived whole is answered without the handler
+#: ever yielding, so the loop never sees the requests queued behind it).
+INLINE_MAX_BYTES = 16 * 1024
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -72,7 +74,6 @@ class HitRateApi:
         self.metrics = metrics
         #: Native queries run here, one thread per core, while the loop goes on serving I/O
         self._query_threads: QueryThreads | None = None
-        self._in_flight = 0  # hit-rate requests being answered
         self._by_path_status: dict[tuple[str, int], tuple] = {}  # the request metrics' children
         self._best_l1 = metrics.best_hit_ratio.labels("l1")
         self._best_l3 = metrics.best_hit_ratio.labels("l3")
@@ -155,15 +156,13 @@ class HitRateApi:
             raise RequestError(f"body.token_ids: {exc}") from None
 
     async def _score(self, req: HitRateQuery, size: int) -> ScoreResult:
-        """Where the native query covers the request: on the loop when it is the only request in flight
-        and its body at most INLINE_MAX_BYTES (the GIL is released all the same, and a hand-off would only
-        add its latency), else on the query threads. Otherwise here, in Python (``score``)."""
+        """Where the native query covers the request: on the loop for a body up to INLINE_MAX_BYTES, else
+        on the query threads. Otherwise here, in Python (``score``)."""
         tiers = self.tiers()
         query = self._prepare(req, tiers)
         if query is not None:
             try:
-                inline = self._in_flight <= 1 and size <= INLINE_MAX_BYTES
-                return query.result(query.run() if inline else await self._threads().run(query))
+                return query.result(query.run() if size <= INLINE_MAX_BYTES else await self._threads().run(query))
             except NotImplementedError:
                 pass  # a pickle token over 2**31-1: only score() encodes it
             except ValueError as exc:
@@ -197,13 +196,6 @@ class HitRateApi:
         return None
 
     async def hit_rate(self, request: web.Request) -> web.Response:
-        self._in_flight += 1
-        try:
-            return await self._hit_rate(request)
-        finally:
-            self._in_flight -= 1
-
-    async def _hit_rate(self, request: web.Request) -> web.Response:
         if request.method != "POST":
             return _error(405, f"method {request.method} not allowed; use POST", Allow="POST")
         too_large = self._too_large(request)

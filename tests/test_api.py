@@ -331,7 +331,7 @@ async def test_a_pod_that_cleared_its_cache_is_known_and_holds_nothing(api):
 
 @pytest.fixture
 def on_the_query_threads(monkeypatch):
-    """Every request answered on the query threads, a request alone in flight too."""
+    """Every request answered on the query threads (the loop answers bodies up to INLINE_MAX_BYTES)."""
     from api import app as app_module
 
     monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", -1)
@@ -358,9 +358,8 @@ async def test_answers_on_the_query_threads_equal_those_on_the_loop(api, monkeyp
         assert on_loop == on_threads and on_loop[0] == 200
 
 
-async def test_concurrent_requests_are_answered_on_the_query_threads_alike(api):
-    """Under load the queries run on the native threads (one request alone runs on the loop): sixteen
-    requests at once get the answers one gets alone."""
+async def test_concurrent_requests_are_answered_on_the_query_threads_alike(api, on_the_query_threads):
+    """Sixteen requests at once on the native threads get the answers one gets alone."""
     session, _ = api
     payloads = [req(["127.0.1.2", "127.0.1.9", "127.0.1.1", "127.0.1.3"]), req(["127.0.1.4", "127.0.1.1"], salt="tenant-a"),
                 req(["127.0.1.3"], tokens=TOKENS + [1, 2, 3]), req(["127.0.1.5"])]
@@ -403,16 +402,16 @@ async def test_lora_and_multimodal_requests_score_the_engines_blocks(case, encod
         await server.stop()
 
 
-async def test_bad_requests_under_load_get_400(api):
-    """Under load the token arrays are parsed on the native threads: the bad ones are refused there as
-    on the loop."""
+async def test_bad_requests_under_load_get_400(api, on_the_query_threads):
+    """The token arrays of many requests at once are parsed on the native threads: the bad ones are
+    refused there as on the loop."""
     session, _ = api
     bad = [raw for raw in BAD_REQUESTS.values() if len(raw) < 40_000]
     answers = await asyncio.gather(*(post(session, None, raw=raw) for raw in bad))
     assert all(status == 400 and body["status"] == 400 for status, body in answers), answers
 
 
-async def test_answers_under_load_see_whole_messages_while_the_loop_applies_them(api):
+async def test_answers_under_load_see_whole_messages_while_the_loop_applies_them(api, on_the_query_threads):
     """Queries answered on the query threads while the event loop applies messages that store a pod's
     whole chain or remove it block by block: a ratio is 0 or 1, never part of a message
     (tests/test_native_index.py's threaded test is the sensitive one: it fails with the batch lock taken
