@@ -38,7 +38,7 @@ from bench.side_engines import BLOCK, chain_tokens, query_prompt
 from cache_indexer.nats_server import NatsServer
 
 ROOT = Path(__file__).resolve().parents[1]
-INGEST_SHAPES = [(32, 2500), (8, 5000), (1, 5000)]  # (block events per message, messages per engine)
+INGEST_SHAPES = [(32, 2500), (8, 5000), (1, 20000)]  # (block events per message, messages per engine)
 ENGINES = 4
 #: how long a restarted index may take to answer as before kill -9
 RECOVERY_WAIT = 30.0

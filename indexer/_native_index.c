@@ -38,13 +38,7 @@ static size_t memo_max_bytes = 8u << 20; /* read by query threads: __atomic */
 static __thread bh_memo *thread_memo;
 static pthread_key_t memo_key; /* frees a thread's memo when the thread ends */
 
-static void memo_free(void *p) {
-    bh_memo *m = p;
-    if (!m) return;
-    for (size_t i = 0; i < m->n; i++) free(m->slots[i].msg);
-    free(m->slots);
-    free(m);
-}
+static void memo_free(void *p) { bh_memo_free(p); }
 
 static bh_memo *query_memo(void) {
     size_t max_bytes = __atomic_load_n(&memo_max_bytes, __ATOMIC_RELAXED);

@@ -199,7 +199,8 @@ typedef struct {
 } bh_memo_slot;
 
 typedef struct {
-    bh_memo_slot *slots;
+    bh_memo_slot *slots; /* on cache lines, within raw */
+    void *raw;
     size_t n; /* a power of two */
     size_t bytes, max_bytes;
     uint64_t hits, misses;
@@ -268,12 +269,20 @@ static inline int bh_memo_sha256(bh_memo *memo, bh_memo_slot *s, const bh_libcry
 static inline bh_memo *bh_memo_new(size_t n, size_t max_bytes) {
     bh_memo *memo = calloc(1, sizeof *memo);
     if (!memo) return NULL;
-    memo->slots = aligned_alloc(64, n * sizeof(bh_memo_slot));
-    if (!memo->slots) { free(memo); return NULL; }
-    memset(memo->slots, 0, n * sizeof(bh_memo_slot));
+    /* calloc, not aligned_alloc and memset: the pages stay untouched (not resident) until used */
+    memo->raw = calloc(n + 1, sizeof(bh_memo_slot));
+    if (!memo->raw) { free(memo); return NULL; }
+    memo->slots = (bh_memo_slot *)(((uintptr_t)memo->raw + 63) & ~(uintptr_t)63);
     memo->n = n;
     memo->max_bytes = max_bytes;
     return memo;
+}
+
+static inline void bh_memo_free(bh_memo *memo) {
+    if (!memo) return;
+    for (size_t i = 0; i < memo->n; i++) free(memo->slots[i].msg);
+    free(memo->raw);
+    free(memo);
 }
 
 /* -- JSON token arrays ------------------------------------------------------------------------------- */
