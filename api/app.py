@@ -135,7 +135,7 @@ class HitRateApi:
         if self._query_threads is None:
             threads = self.http.queryThreads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                                  else os.cpu_count())
-            self._query_threads = QueryThreads(threads or 2)
+            self._query_threads = QueryThreads(min(threads or 2, 1024))
         return self._query_threads
 
     def _decode(self, body: bytes) -> HitRateQuery:

@@ -133,9 +133,9 @@ class HttpConfig(_Section):
     #: Candidates (``server_ip`` entries) of one hit-rate request: 400 past it, so that one request's
     #: work stays bounded (each candidate is a walk over the request's blocks).
     maxCandidates: int = Field(1024, ge=1)
-    #: Threads the hit-rate queries run on without the GIL (the native index); 0: one per core the process
-    #: may run on.
-    queryThreads: int = Field(0, ge=0)
+    #: Native threads the hit-rate queries of bodies over 16 KiB run on (C only, never the GIL; the native
+    #: index); 0: one per core the process may run on.
+    queryThreads: int = Field(0, ge=0, le=1024)
     #: Per query thread, the serialised blocks whose sha256 it remembers (repeated prefixes are not hashed
     #: again); 0: no memo.
     digestMemoBytes: Size = 8 << 20

@@ -84,19 +84,25 @@ def budget():
         n += 1
 
 
-def test_the_token_array_parser_equals_the_json_reference(rng):
+def _parses_as_the_reference(raw: bytes) -> list[int] | None:
+    """parse_token_array's answer to raw, checked equal to the reference's (None: refused)."""
     from array import array
 
+    want = reference_tokens(raw)
+    try:
+        got = array("Q", block_hash.parse_token_array(raw)).tolist()
+    except ValueError:
+        got = None
+    assert got == want, f"{raw[:200]!r}: C {got and got[:8]} != reference {want and want[:8]}"
+    return want
+
+
+def test_the_token_array_parser_equals_the_json_reference(rng):
     needs_native(block_hash.parse_token_array is not None, "the request parser's C accelerator")
     corpus = [p.read_bytes() for p in sorted((DATA / "fuzz" / "token_arrays").glob("*.json"))]
     for n in budget():
         raw = mutate(rng, rng.choice(corpus), corpus) if n >= len(corpus) else corpus[n]
-        want = reference_tokens(raw)
-        try:
-            got = array("Q", block_hash.parse_token_array(raw)).tolist()
-        except ValueError:
-            got = None
-        assert got == want, f"{raw[:200]!r}: C {got and got[:8]} != reference {want and want[:8]}"
+        want = _parses_as_the_reference(raw)
         if hit_rate.NATIVE_QUERY:  # the native query parses the same text on its own, off the GIL
             try:
                 n_tokens = hit_rate._native_index.query(raw, True, 1, bytes(32), True, [])[0]
@@ -109,8 +115,6 @@ def test_the_token_array_parser_at_every_offset_of_its_64_byte_blocks(rng):
     """The C parser reads the usual array 64 bytes at a time (bit masks of digits, commas and whitespace,
     numbers and commas alternating across blocks): every kind of fault at every offset of the first
     blocks, in each separator style, takes the scalar parser's path to the reference's answer."""
-    from array import array
-
     needs_native(block_hash.parse_token_array is not None, "the request parser's C accelerator")
     styles = [(", ", ""), (",", ""), (",\n  ", "\n"), (" ,\t", "\r\n")]
     faults = [b"", b",", b" ", b"0", b"-", b"]", b"[", b"x", b"9" * 8, b"9" * 20, b"18446744073709551616"]
@@ -120,13 +124,7 @@ def test_the_token_array_parser_at_every_offset_of_its_64_byte_blocks(rng):
         base = ("[" + pad + sep.join(map(str, values)) + pad + "]").encode()
         for at in range(1, min(len(base), 200)):
             for fault in faults:
-                raw = base[:at] + fault + base[at + (fault == b""):]  # the empty fault drops a byte
-                want = reference_tokens(raw)
-                try:
-                    got = array("Q", block_hash.parse_token_array(raw)).tolist()
-                except ValueError:
-                    got = None
-                assert got == want, f"{raw[:200]!r}: C {got and got[:8]} != reference {want and want[:8]}"
+                _parses_as_the_reference(base[:at] + fault + base[at + (fault == b""):])  # b"": a byte dropped
 
 
 def _decoded(decode, *args):
