@@ -27,13 +27,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from bridge.batch_run import BatchRun, events_size
 from bridge.block_key_check import BlockKeyCheck
 from bridge.endpoint import Endpoint
 from bridge.l1_publisher import L1Publisher, new_generation
 from bridge.receive_budget import ReceiveBudget
 from bridge.resume_points import Position
-from bridge.vllm_events import MalformedPayload, decode_batch
+from bridge.vllm_events import MalformedPayload, decode_batch, decode_current
 from infra.metrics import Metrics
 from infra.throttled_log import ThrottledWarning
 from schemas.events import MAX_SEQ
@@ -411,11 +413,35 @@ class L1Sequencer:
             await self._reset(seq + 1, "malformed")
             self.last_ts = None
             return
-        self.last_ts = ts
+        if not self._join(seq, ts, events):
+            await self.flush()
+            self._join(seq, ts, events)  # an empty run takes any batch
+        if self.pending.full():
+            await self.flush()
+
+    def _join(self, seq: int, ts: float | None, events: list[dict]) -> bool:
+        """The batch joins the pending run; False where the run must be published first."""
         n, size = events_size(events)
-        run = self.pending
-        if not run.takes(self.gen, seq, size):
-            await self.flush()
-        run.add(self.gen, seq, ts, events, size, n)
-        if run.full():
-            await self.flush()
+        if not self.pending.takes(self.gen, seq, size):
+            return False
+        self.last_ts = ts
+        self.pending.add(self.gen, seq, ts, events, size, n)
+        return True
+
+    def take_usual(self, seq: int, payload: bytes) -> bool:
+        """The usual live batch without a coroutine (four fewer a batch: a third of the bridge's CPU for
+        one-event batches): the next seq of a settled subscription, vLLM's current shape, no blockKey check
+        due, room in the pending run. True: handed on as ``on_message`` would (publish the run when it is
+        full); False: nothing changed, ``on_message`` decides."""
+        check = self.block_key_check
+        if (self.gen is None or self.reconnected or self.last is None or seq != self.last + 1 or seq > MAX_SEQ
+                or (check is not None and check.due(self.ep.pod))):
+            return False
+        try:
+            batch = decode_current(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError, MalformedPayload):
+            return False  # another shape, or garbage: the tolerant decoder decides
+        if not self._join(seq, batch.ts, batch.events):
+            return False
+        self.last = self.last_live = seq
+        return True

@@ -296,7 +296,10 @@ class VllmSubscriber:
                     break
                 frames, size = self._queue.popleft()
                 try:
-                    await self._on_frames(frames)
+                    if not self._take_usual(frames):
+                        await self._on_frames(frames)
+                    elif self.sequencer.pending.full():
+                        await self._guarded(self.sequencer.flush(), "publishing batches")
                 finally:
                     self.budget.give(size)
             await self._guarded(self.sequencer.flush(), "publishing batches")
@@ -310,6 +313,16 @@ class VllmSubscriber:
             raise
         except Exception:
             log.exception("%s rank %d: %s failed", self.ep.pod, self.ep.rank, what)
+
+    def _take_usual(self, frames: list[bytes]) -> bool:
+        """The sequencer's path without a coroutine for the usual batch (``take_usual``); False:
+        ``_on_frames`` decides."""
+        try:
+            return len(frames) == 3 and len(frames[1]) == 8 and self.sequencer.take_usual(
+                int.from_bytes(frames[1], "big"), frames[2])
+        except Exception:  # never let one message kill the subscription (dropped, as _on_frames drops it)
+            log.exception("%s rank %d: failed to handle a batch", self.ep.pod, self.ep.rank)
+            return True
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         try:

@@ -184,6 +184,7 @@ class Sequencing(RuleBasedStateMachine):
         self.stream = ModelStream()
         self.kv = MemoryKV()
         self.engines = [Engine(pod, self.buffer) for pod in PODS]
+        self.usual_path = {PODS[0]}  # the first engine's batches go as the subscriber hands them on
         self.now = time.time_ns()  # generations are the bridge's wall clock: the stream's must agree
         self.bridge = Bridge(self.stream, self.kv, self.engines, 4)
         self.state = L1State()
@@ -233,7 +234,14 @@ class Sequencing(RuleBasedStateMachine):
             self.restarted.discard(e.pod)
         seq, payload = e.publish(events)
         if live:  # else lost on the way (a ZMQ drop): a gap the next live batch shows
-            self.run(self.bridge.seqs[e.pod].on_message(seq, payload))
+            sequencer = self.bridge.seqs[e.pod]
+            # as the subscriber hands a batch on: the path without a coroutine where it takes the batch
+            # (the usual one), else on_message; every other chain takes on_message alone
+            if e.pod in self.usual_path and sequencer.take_usual(seq, payload):
+                if sequencer.pending.full():
+                    self.run(sequencer.flush())
+            else:
+                self.run(sequencer.on_message(seq, payload))
             self.run(self.bridge.quiet())
 
     @rule(i=st.integers(0, 1), count=st.integers(2, 6))
@@ -432,3 +440,26 @@ class LossySequencing(Sequencing):
 LossySequencing.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None, print_blob=True,
                                              suppress_health_check=list(HealthCheck))
 test_with_history_lost_the_index_never_holds_what_the_engine_does_not = LossySequencing.TestCase
+
+
+def test_the_usual_path_declines_what_only_on_message_judges():
+    """``take_usual`` (the subscriber's path without a coroutine) hands on only the next batch of a settled
+    subscription, in vLLM's current shape, with no blockKey check due; the rest (the first batch, a gap,
+    a seq gone back, a socket that connected again, a check due, another shape, garbage) is left to
+    ``on_message`` with nothing changed."""
+    ep = Endpoint("10.0.0.1", 0, "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5567")
+    seq = L1Sequencer(ep, None, Metrics(), None, 4, 1 << 20)
+    usual = batch_payload([stored([1, 2], block_size=4)])
+    legacy = msgpack.packb([1.0, [["BlockStored", [1, 2], None, [1, 2, 3, 4], 4]]], use_bin_type=True)
+    assert not seq.take_usual(0, usual)  # the first batch
+    seq.gen, seq.last = 1, 5
+    for n, payload in ((7, usual), (5, usual), (6, legacy), (6, b"\xc1 not msgpack")):
+        assert not seq.take_usual(n, payload)
+    seq.reconnected = True
+    assert not seq.take_usual(6, usual)
+    seq.reconnected = False
+    seq.block_key_check = SimpleNamespace(due=lambda pod: True)
+    assert not seq.take_usual(6, usual)
+    seq.block_key_check = None
+    assert seq.last == 5 and not seq.pending.batches
+    assert seq.take_usual(6, usual) and seq.last == seq.last_live == 6 and len(seq.pending.batches) == 1
