@@ -340,8 +340,6 @@ def test_neither_bundled_nor_external_nats_fails_with_a_clear_message():
 
 @needs_nats_chart
 def test_monitoring_objects_scrape_and_alert_on_metrics_the_product_exports(chart):
-    from infra.metrics import Metrics
-
     assert not {"PodMonitor", "PrometheusRule"} & {o["kind"] for o in render(chart)}, "off by default"
     objs = render(chart, {"monitoring": {"podMonitor": {"enabled": True},
                                          "prometheusRule": {"enabled": True, "ingestLagMessages": 500}}})
@@ -353,8 +351,7 @@ def test_monitoring_objects_scrape_and_alert_on_metrics_the_product_exports(char
         assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
         assert [p["name"] for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]] == ["http"]
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
-    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
-    exported = {f.name + sfx for f in Metrics().registry.collect() for sfx in suffixes.get(f.type, [""])}
+    exported = _exported_series()
     containers = {d["spec"]["template"]["spec"]["containers"][0]["name"] for d in deployments}
     rules = by_kind(objs, "PrometheusRule")[0]["spec"]["groups"][0]["rules"]
     assert len(rules) == 5
@@ -365,6 +362,64 @@ def test_monitoring_objects_scrape_and_alert_on_metrics_the_product_exports(char
         assert 'job="infer/cache-indexer"' in expr, "series of this release's PodMonitor only"
         assert set(re.findall(r'container="([a-z]+)"', expr)) <= containers
     assert "> 500" in next(r["expr"] for r in rules if r["alert"] == "CacheIndexerIngestLag")
+
+
+def _exported_series() -> set[str]:
+    """The series names the product exports (a counter's _total, a histogram's _bucket, _sum, _count)."""
+    from infra.metrics import Metrics
+
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+    return {f.name + sfx for f in Metrics().registry.collect() for sfx in suffixes.get(f.type, [""])}
+
+
+@needs_nats_chart
+def test_a_fleet_install_spreads_budgets_and_sizes_every_container(chart):
+    """By default: the indexers and the bridges each spread over nodes by their own pods, a disruption
+    budget for each, and resources (CPU and memory requests, a memory limit) on every container the
+    chart starts, the NATS sub-chart's and its test pod's included; both placements can be turned off."""
+    objs = render(chart, hooks=True)
+    validate_all(objs)
+    for name, spec in pod_specs(objs):
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            res = c.get("resources") or {}
+            assert {"cpu", "memory"} <= set(res.get("requests", {})) and "memory" in res.get("limits", {}), \
+                f"{name}/{c['name']}: {res}"
+    pods = {c: by_kind(objs, "Deployment", f"cache-indexer-{c}")[0]["spec"]["template"] for c in ("indexer", "bridge")}
+    budgets = {b["metadata"]["name"]: b["spec"] for b in by_kind(objs, "PodDisruptionBudget")}
+    for component, other in (("indexer", "bridge"), ("bridge", "indexer")):
+        labels, other_labels = pods[component]["metadata"]["labels"], pods[other]["metadata"]["labels"]
+        [spread] = pods[component]["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+        for selector in (spread["labelSelector"]["matchLabels"], budgets[f"cache-indexer-{component}"]["selector"]["matchLabels"]):
+            assert selector.items() <= labels.items() and not selector.items() <= other_labels.items()
+        assert budgets[f"cache-indexer-{component}"]["maxUnavailable"] == 1
+    off = render(chart, {"topologySpread": {"enabled": False}, "podDisruptionBudget": {"enabled": False}})
+    assert not any("topologySpreadConstraints" in spec for _, spec in pod_specs(off))
+    assert [b["metadata"]["name"] for b in by_kind(off, "PodDisruptionBudget")] == ["cache-indexer-nats"], "the NATS chart's own"
+
+
+@needs_nats_chart
+def test_the_grafana_dashboard_is_a_sidecar_config_map_over_metrics_the_product_exports(chart):
+    assert not [o for o in render(chart) if o["metadata"]["name"].endswith("-dashboard")], "off by default"
+    objs = render(chart, {"monitoring": {"grafanaDashboard": {"enabled": True, "namespace": "monitoring",
+                                                               "annotations": {"grafana_folder": "kv"}}}})
+    validate_all(objs)
+    cm = by_kind(objs, "ConfigMap", "cache-indexer-dashboard")[0]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "kv"}
+    dash = json.loads(cm["data"]["cache-indexer.json"])
+    panels = dash["panels"]
+    assert len({p["id"] for p in panels}) == len(panels) and dash["uid"] == "cache-indexer"
+    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "namespace"}
+    exported, used = _exported_series(), set()
+    for panel in panels:
+        for target in panel.get("targets", []):
+            for name in re.findall(r"cache_indexer_[a-z0-9_]+", target["expr"]):
+                assert name in exported, f"{panel['title']!r} uses {name}, which nothing exports"
+                used.add(name)
+            assert 'namespace="$namespace"' in target["expr"]
+    assert {"cache_indexer_http_request_duration_seconds_bucket", "cache_indexer_index_entries",
+            "cache_indexer_bridge_block_events_total", "cache_indexer_block_key_mismatched_pods"} <= used
 
 
 @needs_nats_chart

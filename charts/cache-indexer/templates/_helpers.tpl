@@ -172,11 +172,16 @@ affinity:
 {{- end -}}
 
 {{/* Merged into the NATS sub-chart's containers (rendered in its context, through its $tplYaml):
-     global.imageRegistry for the image, and a Pod Security "restricted" securityContext. */}}
+     global.imageRegistry for the image, nats.resources.<part> (nats, reloader, natsBox), and a Pod
+     Security "restricted" securityContext. */}}
 {{- define "cache-indexer.natsContainer" -}}
 {{- $g := .root.Values.global | default dict -}}
 {{- if and $g.imageRegistry (not .image.registry) (not ($g.image | default dict).registry) (not .image.fullImageName) }}
 image: {{ printf "%s/%s:%s" (trimSuffix "/" $g.imageRegistry) .image.repository (toString .image.tag) }}
+{{- end }}
+{{- with index (.root.Values.resources | default dict) .part }}
+resources:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 securityContext:
   allowPrivilegeEscalation: false
@@ -360,5 +365,20 @@ tls:
   serverName: {{ . | quote }}
   {{- end }}
 {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Indexers (and bridges) spread over nodes: a node lost takes one replica, not all of them. */}}
+{{- define "cache-indexer.spread" -}}
+{{- $spread := .Values.topologySpread | default dict -}}
+{{- if $spread.enabled }}
+topologySpreadConstraints:
+  - maxSkew: {{ $spread.maxSkew }}
+    topologyKey: {{ $spread.topologyKey }}
+    whenUnsatisfiable: {{ $spread.whenUnsatisfiable }}
+    labelSelector:
+      matchLabels:
+        {{- include "cache-indexer.selectorLabels" . | nindent 8 }}
+        app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end -}}
