@@ -1,4 +1,4 @@
-"""python -m bench [all|hashing|memory|query|ingest|replay|refcounts|l3|dynamo] [--quick] [--write]
+"""python -m bench [all|hashing|memory|query|ingest|replay|refcounts|l3|dynamo|fanout] [--quick] [--write]
 
 Runs the benchmarks and prints one Markdown report; --write also stores it in bench/RESULTS.md.
 """
@@ -20,6 +20,7 @@ SECTIONS = {
     "refcounts": ("L1 apply rate and memory with duplicate block copies counted", "bench.refcounts"),
     "l3": ("Mooncake polling in local mode: poll time, CPU per poll and API latency while polls run", "bench.l3_poll"),
     "dynamo": ("Side by side with NVIDIA Dynamo's standalone KV indexer: ingest, CPU, query", "bench.dynamo"),
+    "fanout": ("The index partitioned by worker: a query fanned out to two partitions", "bench.fanout"),
 }
 
 
