@@ -21,7 +21,7 @@ DEPLOYMENT_KEYS = frozenset({
     "enabled", "global", "image", "imagePullSecrets", "nameOverride", "fullnameOverride", "service", "serviceAccount",
     "rbac", "resources", "indexer", "bridge", "monitoring", "podAnnotations", "podLabels", "nodeSelector",
     "tolerations", "affinity", "podSecurityContext", "securityContext", "networkPolicy", "externalNats", "jetstream",
-    "natsTls",
+    "natsTls", "topologySpread", "podDisruptionBudget",
 })
 #: Top-level values of the official NATS chart (2.14.2), found under ``nats`` when it is our sub-chart.
 NATS_CHART_KEYS = frozenset({
@@ -29,6 +29,7 @@ NATS_CHART_KEYS = frozenset({
     "nameOverride", "namespaceOverride", "natsBox", "podDisruptionBudget", "podTemplate", "promExporter", "reloader",
     "service", "serviceAccount", "statefulSet", "tlsCA",
     "auth",  # ours: authorization of the bundled NATS (the chart's nats.auth)
+    "resources",  # ours: resources of its containers (the chart's nats.resources)
 })
 _MISSING = object()
 
