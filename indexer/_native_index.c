@@ -352,10 +352,18 @@ static PyObject *Table_candidates(Table *self, PyObject *arg) {
     return out;
 }
 
-/* stats() -> (distinct hashes, (block, worker) entries, bytes allocated, hashes looked at by clears) */
+/* stats() -> (distinct hashes, (block, worker) entries, bytes allocated, hashes looked at by clears): the
+ * first walks the table past 64 workers (counts() has the rest at no cost). */
 static PyObject *Table_stats(Table *self, PyObject *unused) {
     return Py_BuildValue("(KKKK)", (unsigned long long)nt_distinct(&self->t), (unsigned long long)self->t.entries,
                          (unsigned long long)nt_bytes(&self->t), (unsigned long long)self->t.clear_visits);
+}
+
+/* counts() -> ((block, worker) entries, bytes allocated, hashes held counted once per chunk holding them,
+ * distinct scans so far), at the cost of a pass over the chunk and worker headers. */
+static PyObject *Table_counts(Table *self, PyObject *unused) {
+    return Py_BuildValue("(KKKK)", (unsigned long long)self->t.entries, (unsigned long long)nt_bytes(&self->t),
+                         (unsigned long long)nt_per_chunk(&self->t), (unsigned long long)self->t.distinct_scans);
 }
 
 static PyObject *Table_batch_begin(Table *self, PyObject *unused) {
@@ -387,6 +395,7 @@ static PyMethodDef Table_methods[] = {
     {"worker_counts", (PyCFunction)Table_worker_counts, METH_NOARGS, "{wid: blocks held}"},
     {"candidates", (PyCFunction)Table_candidates, METH_O, "(wid, epoch) pairs of these workers, as uint64 bytes"},
     {"stats", (PyCFunction)Table_stats, METH_NOARGS, "(distinct hashes, entries, bytes allocated, clear visits)"},
+    {"counts", (PyCFunction)Table_counts, METH_NOARGS, "(entries, bytes allocated, hashes per chunk, distinct scans)"},
     {"__enter__", (PyCFunction)Table_batch_begin, METH_NOARGS, "with table: ... holds the write lock throughout"},
     {"__exit__", (PyCFunction)Table_exit, METH_VARARGS, "releases what __enter__ took"},
     {NULL, NULL, 0, NULL},

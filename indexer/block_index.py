@@ -261,6 +261,11 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    def block_count(self) -> int:
+        """Block hashes held, for the periodic gauge: here the distinct count (the native index counts a
+        hash once per 64-worker chunk holding it: its distinct count walks the table)."""
+        return len(self.blocks)
+
     def entries(self) -> int:
         """Number of (block, worker) pairs held."""
         return sum(self.worker_blocks.values())
@@ -359,12 +364,15 @@ class NativeBlockIndex(BlockIndex):
     def __len__(self) -> int:
         return len(self.table)
 
+    def block_count(self) -> int:
+        return self.table.counts()[2]  # (entries, bytes, hashes per chunk, distinct scans)
+
     def entries(self) -> int:
-        return self.table.stats()[1]  # (distinct, entries, bytes, clear visits)
+        return self.table.counts()[0]
 
     def memory_bytes(self) -> int:
         """Bytes the native table allocated (the Python side maps excluded)."""
-        return self.table.stats()[2]
+        return self.table.counts()[1]
 
 
 def new_block_index() -> BlockIndex:

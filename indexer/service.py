@@ -301,7 +301,7 @@ class Indexer:
     def update_gauges(self) -> None:
         self.metrics.ready.set(1 if self.is_ready() else 0)
         for tier, idx in (("l1", self.l1.index), ("l3", self.l3.index)):
-            self.metrics.index_blocks.labels(tier).set(len(idx))
+            self.metrics.index_blocks.labels(tier).set(idx.block_count())  # len() walks a native table
             self.metrics.index_entries.labels(tier).set(idx.entries())
             self.metrics.index_workers.labels(tier).set(len(idx.worker_blocks))
         self.metrics.ingest_last_seq.labels(self._stream).set(self.applied_seq)

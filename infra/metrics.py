@@ -36,7 +36,9 @@ class Metrics:
                                           "anything but the IP the bridge subscribes to shows up here).",
                                           registry=r)
         # index / ingest
-        self.index_blocks = Gauge(p + "index_blocks", "Distinct block hashes held, by tier.", ["tier"], registry=r)
+        self.index_blocks = Gauge(p + "index_blocks", "Block hashes held, by tier: distinct up to 64 workers, past "
+                                  "that counted once per group of 64 workers holding them (the exact count walks "
+                                  "the index).", ["tier"], registry=r)
         self.index_entries = Gauge(p + "index_entries", "(block, worker) entries held, by tier.", ["tier"], registry=r)
         self.index_workers = Gauge(p + "index_workers", "(pod, rank) workers with blocks, by tier.", ["tier"], registry=r)
         self.ingest_applied = Counter(p + "ingest_messages_total", "Stream messages applied, by stream.", ["stream"], registry=r)
