@@ -352,18 +352,13 @@ static PyObject *Table_candidates(Table *self, PyObject *arg) {
     return out;
 }
 
-/* stats() -> (distinct hashes, (block, worker) entries, bytes allocated, hashes looked at by clears): the
- * first walks the table past 64 workers (counts() has the rest at no cost). */
-static PyObject *Table_stats(Table *self, PyObject *unused) {
-    return Py_BuildValue("(KKKK)", (unsigned long long)nt_distinct(&self->t), (unsigned long long)self->t.entries,
-                         (unsigned long long)nt_bytes(&self->t), (unsigned long long)self->t.clear_visits);
-}
-
 /* counts() -> ((block, worker) entries, bytes allocated, hashes held counted once per chunk holding them,
- * distinct scans so far), at the cost of a pass over the chunk and worker headers. */
+ * hashes looked at by clears so far, distinct scans so far): a pass over the chunk and worker headers,
+ * never a walk of the table (len() is the distinct count, and walks it past 64 workers). */
 static PyObject *Table_counts(Table *self, PyObject *unused) {
-    return Py_BuildValue("(KKKK)", (unsigned long long)self->t.entries, (unsigned long long)nt_bytes(&self->t),
-                         (unsigned long long)nt_per_chunk(&self->t), (unsigned long long)self->t.distinct_scans);
+    return Py_BuildValue("(KKKKK)", (unsigned long long)self->t.entries, (unsigned long long)nt_bytes(&self->t),
+                         (unsigned long long)nt_per_chunk(&self->t), (unsigned long long)self->t.clear_visits,
+                         (unsigned long long)self->t.distinct_scans);
 }
 
 static PyObject *Table_batch_begin(Table *self, PyObject *unused) {
@@ -394,8 +389,8 @@ static PyMethodDef Table_methods[] = {
     {"export_merged", (PyCFunction)Table_export_merged, METH_NOARGS, "(keys, low masks, [(index, wide mask)])"},
     {"worker_counts", (PyCFunction)Table_worker_counts, METH_NOARGS, "{wid: blocks held}"},
     {"candidates", (PyCFunction)Table_candidates, METH_O, "(wid, epoch) pairs of these workers, as uint64 bytes"},
-    {"stats", (PyCFunction)Table_stats, METH_NOARGS, "(distinct hashes, entries, bytes allocated, clear visits)"},
-    {"counts", (PyCFunction)Table_counts, METH_NOARGS, "(entries, bytes allocated, hashes per chunk, distinct scans)"},
+    {"counts", (PyCFunction)Table_counts, METH_NOARGS,
+     "(entries, bytes allocated, hashes per chunk, clear visits, distinct scans), without walking the table"},
     {"__enter__", (PyCFunction)Table_batch_begin, METH_NOARGS, "with table: ... holds the write lock throughout"},
     {"__exit__", (PyCFunction)Table_exit, METH_VARARGS, "releases what __enter__ took"},
     {NULL, NULL, 0, NULL},

@@ -365,7 +365,7 @@ class NativeBlockIndex(BlockIndex):
         return len(self.table)
 
     def block_count(self) -> int:
-        return self.table.counts()[2]  # (entries, bytes, hashes per chunk, distinct scans)
+        return self.table.counts()[2]  # (entries, bytes, hashes per chunk, clear visits, distinct scans)
 
     def entries(self) -> int:
         return self.table.counts()[0]

@@ -90,33 +90,6 @@ static void np_join(np_pool *p) {
     p->nthreads = 0;
 }
 
-/* 0, or -1 with errno: nothing is left to stop. */
-static int np_start(np_pool *p, size_t threads, void (*run)(np_job *)) {
-    memset(p, 0, sizeof *p);
-    p->run = run;
-    p->wake[0] = p->wake[1] = -1;
-    if (np_pipe(p->wake) < 0) return -1;
-    pthread_mutex_init(&p->mu, NULL);
-    pthread_cond_init(&p->cv, NULL);
-    p->threads = calloc(threads ? threads : 1, sizeof(pthread_t));
-    int err = p->threads ? 0 : ENOMEM;
-    for (size_t i = 0; !err && i < threads; i++) {
-        err = pthread_create(&p->threads[i], NULL, np_thread, p);
-        if (!err) p->nthreads++;
-    }
-    if (!err) return 0;
-    np_join(p);
-    free(p->threads);
-    close(p->wake[0]);
-    close(p->wake[1]);
-    pthread_cond_destroy(&p->cv);
-    pthread_mutex_destroy(&p->mu);
-    memset(p, 0, sizeof *p);
-    p->wake[0] = p->wake[1] = -1;
-    errno = err;
-    return -1;
-}
-
 static void np_submit(np_pool *p, np_job *j) {
     j->next = NULL;
     pthread_mutex_lock(&p->mu);
@@ -159,6 +132,26 @@ static np_job *np_stop(np_pool *p) {
     pthread_cond_destroy(&p->cv);
     pthread_mutex_destroy(&p->mu);
     return left;
+}
+
+/* 0, or -1 with errno: nothing is left to stop. */
+static int np_start(np_pool *p, size_t threads, void (*run)(np_job *)) {
+    memset(p, 0, sizeof *p);
+    p->run = run;
+    p->wake[0] = p->wake[1] = -1;
+    if (np_pipe(p->wake) < 0) return -1;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    p->threads = calloc(threads ? threads : 1, sizeof(pthread_t));
+    int err = p->threads ? 0 : ENOMEM;
+    for (size_t i = 0; !err && i < threads; i++) {
+        err = pthread_create(&p->threads[i], NULL, np_thread, p);
+        if (!err) p->nthreads++;
+    }
+    if (!err) return 0;
+    np_stop(p); /* the threads started, stopped: no job was submitted */
+    errno = err;
+    return -1;
 }
 
 #endif

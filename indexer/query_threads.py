@@ -12,12 +12,8 @@ import asyncio
 import itertools
 import logging
 
+from indexer.block_index import _native_index
 from indexer.hit_rate import NativeQuery
-
-try:
-    from indexer import _native_index
-except ImportError:  # no C toolchain at install time
-    _native_index = None
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +69,8 @@ class QueryThreads:
             return
         if not self._loop.is_closed():
             self._loop.remove_reader(self._pool.fileno())
-        self._pool.close()
-        self._pool = None
-        if not self._loop.is_closed():
             for answer in self._waiting.values():
                 answer.cancel()
+        self._pool.close()
+        self._pool = None
         self._waiting.clear()

@@ -305,6 +305,9 @@ static inline unsigned bh_swar_digits(const unsigned char *p, uint64_t *value) {
     return n;
 }
 
+/* JSON's whitespace. */
+static inline int bh_is_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
 /* The digits at p (one at least) as a uint64 in *value: past them, or NULL where it is 2**64 or more. */
 static inline const unsigned char *bh_long_digits(const unsigned char *p, const unsigned char *end, uint64_t *value) {
     uint64_t v = 0;
@@ -367,7 +370,7 @@ static inline uint64_t bh_prefix_xor(uint64_t x) {
  * says what is wrong; -1: out of memory. */
 static int bh_parse_u64_fast(const unsigned char *p, const unsigned char *end, uint64_t **out, size_t *count) {
     const unsigned char *r = end;
-    while (r > p && (r[-1] == ' ' || r[-1] == '\t' || r[-1] == '\n' || r[-1] == '\r')) r--;
+    while (r > p && bh_is_ws(r[-1])) r--;
     if (r - p < 2 || r[-1] != ']') return 0;
     const unsigned char *in = p + 1, *stop = r - 1; /* the bytes between the brackets */
     size_t len = (size_t)(stop - in), n = 0;
@@ -419,7 +422,7 @@ static const char *bh_parse_u64_array(const unsigned char *p, size_t len, uint64
     const char *err = NULL;
     *out = NULL;
     *count = 0;
-#define BH_WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
+#define BH_WS() while (p < end && bh_is_ws(*p)) p++
     BH_WS();
     if (p >= end || *p != '[') { err = "token_ids must be an array"; goto done; }
 #if defined(__SSE2__)
@@ -444,7 +447,7 @@ static const char *bh_parse_u64_array(const unsigned char *p, size_t len, uint64
         if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') { err = "invalid number in token_ids"; goto done; }
         uint64_t v = 0;
         const unsigned char *digits_at = p;
-        unsigned short_digits = end - p >= 8 ? bh_swar_digits(p, &v) : 8;
+        unsigned short_digits = bh_swar_digits_near_end(p, end, &v);
         if (short_digits < 8) { /* the usual token: up to 7 digits, in a few instructions */
             p += short_digits;
             goto number_done;
@@ -484,7 +487,7 @@ done:
 #define BH_MAX_DEPTH 64
 
 static const unsigned char *bh_ws(const unsigned char *p, const unsigned char *end) {
-    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    while (p < end && bh_is_ws(*p)) p++;
     return p;
 }
 
