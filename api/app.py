@@ -1,6 +1,7 @@
-"""The aiohttp application: ``POST /kv-cache/hit-rate``, ``/healthz``, ``/readyz``, ``/metrics``.
+"""The aiohttp application: ``POST /kv-cache/hit-rate`` (the seed API), ``/query`` and ``/query_by_hash``
+(the ecosystem's, api/tiered_query.py), ``/healthz``, ``/readyz``, ``/metrics``.
 
-Errors use one shape, ``{"status": <HTTP code>, "message": ..., "server_score_list": []}``, with the
+Errors of the seed API use one shape, ``{"status": <HTTP code>, "message": ..., "server_score_list": []}``, with the
 same code in the HTTP status: 400 malformed request, 405 wrong method, 408 body not received within
 ``http.readTimeout``, 413 body over ``http.maxHitRateBodyBytes``, 500 the computation failed. A response
 that cannot be written within ``http.writeTimeout`` closes the connection.
@@ -12,49 +13,33 @@ import asyncio
 import logging
 import os
 import time
-import zlib
 from collections.abc import Callable, Sequence
 
 import msgspec
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
-from api.hit_rate_request import HitRateQuery, RequestError, decode_hit_rate_request, decode_split_request
+from api.hit_rate_request import HitRateQuery, decode_hit_rate_request, decode_split_request
+from api.json_request import RequestError
 from api.ops import add_ops_routes
+from api.request_body import BodyRefused, read_body
+from api.request_body import within as _within
+from api.tiered_query import QUERY_BY_HASH_PATH, QUERY_PATH, TieredQueryApi
 from infra.metrics import Metrics
 from schemas.block_hash import BlockHasher, find_token_ids
 from indexer.hit_rate import NativeQuery, ScoreResult, Tier, configure_native_query, score
 from indexer.query_threads import QueryThreads
 from schemas.config import HttpConfig
 
-try:  # a deadline on the task itself: wait_for would start a task of its own (20 us a call)
-    from asyncio import timeout as _within
-except ImportError:  # Python 3.10: aiohttp's own dependency there
-    from async_timeout import timeout as _within
-
 log = logging.getLogger(__name__)
 
 HIT_RATE_PATH = "/kv-cache/hit-rate"
-_KNOWN_PATHS = {HIT_RATE_PATH, "/healthz", "/readyz", "/metrics"}
+_KNOWN_PATHS = {HIT_RATE_PATH, QUERY_PATH, QUERY_BY_HASH_PATH, "/healthz", "/readyz", "/metrics"}
 UNKNOWN_POD_MESSAGE = "no KV-cache events seen for this server"
 #: Bodies up to this size are answered on the event loop: their native call takes tens of microseconds,
 #: about what a hand-off costs. Larger ones go to the query threads, and the loop goes on serving I/O
 #: (deciding by load instead does not work: a body that arrived whole is answered without the handler
 #: ever yielding, so the loop never sees the requests queued behind it).
 INLINE_MAX_BYTES = 16 * 1024
-
-
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    """``request.read()`` without two of its copies (into a bytearray, then into bytes: 20 us for a 240 KB
-    body): what arrived is taken as the stream joins it, and joined once more only if it came in parts."""
-    parts, size = [], 0
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-        parts.append(chunk)
-    return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
@@ -66,7 +51,8 @@ class HitRateApi:
     """Binds the HTTP layer to a hasher and the tier indexes (L1, L3) of one replica."""
 
     def __init__(self, http: HttpConfig, hasher: BlockHasher, tiers: Callable[[], Sequence[Tier | None]],
-                 ready: Callable[[], bool], metrics: Metrics) -> None:
+                 ready: Callable[[], bool], metrics: Metrics, block_size: int = 16) -> None:
+        """``block_size``: the engines' (``blockKey.blockSize``), for /query requests that give none."""
         self.http = http
         self.hasher = hasher
         self.tiers = tiers
@@ -78,12 +64,14 @@ class HitRateApi:
         self._best_l1 = metrics.best_hit_ratio.labels("l1")
         self._best_l3 = metrics.best_hit_ratio.labels("l3")
         configure_native_query(http.digestMemoBytes)
+        self.tiered = TieredQueryApi(http, hasher, block_size, tiers)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
                               middlewares=[self._observe])
         app.on_cleanup.append(self._close_pool)
         app.router.add_route("*", HIT_RATE_PATH, self.hit_rate, expect_handler=self._expect)
+        self.tiered.add_routes(app)
         add_ops_routes(app, self.metrics, self.ready, "catching up with the event streams")
         return app
 
@@ -198,21 +186,10 @@ class HitRateApi:
     async def hit_rate(self, request: web.Request) -> web.Response:
         if request.method != "POST":
             return _error(405, f"method {request.method} not allowed; use POST", Allow="POST")
-        too_large = self._too_large(request)
-        if too_large is not None:
-            return too_large
-        limit = self.http.maxHitRateBodyBytes
         try:
-            async with _within(self.http.readTimeout or None):
-                body = await _read_body(request, limit)
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body exceeds the limit of {limit} bytes")
-        except asyncio.TimeoutError:
-            return _error(408, f"request body not received within {self.http.readTimeout}s")
-        except (RequestPayloadError, HttpProcessingError, zlib.error) as exc:
-            return _error(400, f"request body could not be read: {exc}")  # e.g. invalid gzip
-        if not body.strip():
-            return _error(400, "empty request body")
+            body = await read_body(request, self.http.maxHitRateBodyBytes, self.http.readTimeout)
+        except BodyRefused as exc:
+            return _error(exc.status, str(exc))
         try:
             result = await self._score(self._decode(body), len(body))
         except RequestError as exc:

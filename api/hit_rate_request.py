@@ -13,7 +13,6 @@ decoder and the pydantic model accept and reject the same requests.
 
 from __future__ import annotations
 
-import json
 from array import array
 from dataclasses import dataclass
 from typing import Annotated
@@ -21,9 +20,8 @@ from typing import Annotated
 import msgspec
 
 from schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
-from schemas.block_hash import LoRAKey, MultiModalKey, parse_token_array
-
-_U64_LIMIT = 1 << 64
+from api.json_request import RequestError, decode_json, token_array
+from schemas.block_hash import LoRAKey, MultiModalKey
 
 
 _Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
@@ -52,10 +50,6 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True):
 _decoder = msgspec.json.Decoder(_Request)
 
 
-class RequestError(ValueError):
-    """The request does not follow the contract; the message says where."""
-
-
 @dataclass(slots=True)
 class HitRateQuery:
     server_ip: list[str]
@@ -67,39 +61,11 @@ class HitRateQuery:
 
     def tokens(self) -> array:
         """The token ids (format 'Q'); RequestError where the array is malformed."""
-        return _tokens(self.token_json)
-
-
-def _tokens(raw: bytes | memoryview) -> array:
-    out = array("Q")
-    if parse_token_array is not None:
-        try:
-            out.frombytes(parse_token_array(raw))
-        except ValueError as exc:
-            raise RequestError(f"body.token_ids: {exc}") from None
-        return out
-    try:
-        values = json.loads(bytes(raw))
-    except (ValueError, RecursionError) as exc:
-        raise RequestError(f"body.token_ids: not a flat array of integers ({type(exc).__name__})") from None
-    if not isinstance(values, list):
-        raise RequestError("body.token_ids: token_ids must be an array")
-    for v in values:
-        if type(v) is not int or v < 0 or v >= _U64_LIMIT:
-            raise RequestError("body.token_ids: token_ids must be non-negative integers below 2**64")
-    out.extend(values)
-    return out
+        return token_array(self.token_json, "body.token_ids")
 
 
 def decode_hit_rate_request(body: bytes, max_candidates: int | None = None) -> HitRateQuery:
-    try:
-        req = _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise RequestError(str(exc).replace("`$.", "`").replace("`$`", "`request`")) from None
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"invalid JSON: {exc}") from None
-    except RecursionError:
-        raise RequestError("invalid JSON: nested too deeply") from None
+    req = decode_json(_decoder, body)
     if max_candidates is not None and len(req.server_ip) > max_candidates:
         raise RequestError(f"server_ip: {len(req.server_ip)} candidates exceed http.maxCandidates ({max_candidates})")
     body = req.body

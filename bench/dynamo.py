@@ -42,6 +42,8 @@ INGEST_SHAPES = [(32, 2500), (8, 5000), (1, 20000)]  # (block events per message
 ENGINES = 4
 #: how long a restarted index may take to answer as before kill -9
 RECOVERY_WAIT = 30.0
+#: set in the loopback-only network namespace the runs move into
+NETNS_ENV = "BENCH_NETNS"
 QUERY_SHAPES = [(16, 32768, 16), (16, 32768, 128), (96, 245760, 64)]  # (engines, prompt tokens, block size)
 
 
@@ -121,15 +123,20 @@ class Ours:
 class Dynamo:
     name = "Dynamo"
 
-    def __init__(self, vllm: list[tuple[str, int, int]], block: int = BLOCK) -> None:
+    def __init__(self, vllm: list[tuple[str, int, int]], block: int = BLOCK, workers: str | None = None,
+                 python: str | None = None) -> None:
+        """``workers``: Dynamo's own ``--workers`` spec ("id[:dp_rank]=tcp://host:port,..."); default:
+        instance k+1 for the k-th of ``vllm``. ``python``: one with Dynamo (default ``dynamo_python()``)."""
+        self.python = python or dynamo_python()
         self.vllm = vllm
         self.block = block
+        self.workers = workers or ",".join(f"{k + 1}=tcp://{ip}:{pub}" for k, (ip, pub, _) in enumerate(vllm))
         self.port = free_port()
         self.proc = None
 
     async def start(self, session: aiohttp.ClientSession) -> None:
-        workers = ",".join(f"{k + 1}=tcp://{ip}:{pub}" for k, (ip, pub, _) in enumerate(self.vllm))
-        self.proc = subprocess.Popen([dynamo_python(), "-m", "dynamo.indexer", "--port", str(self.port), "--block-size",
+        workers = self.workers
+        self.proc = subprocess.Popen([self.python, "-m", "dynamo.indexer", "--port", str(self.port), "--block-size",
                                       str(self.block), "--workers", workers], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await _until(lambda: _ok(session, "GET", f"http://127.0.0.1:{self.port}/workers"), 60)
 
@@ -308,19 +315,26 @@ async def _equal(system, session, pods, prompt, expected) -> bool:
 
 def _in_namespace(quick: bool, only: str | None = None) -> list[dict] | None:
     """Re-run this benchmark inside a loopback-only network namespace; None when already inside."""
-    if os.environ.get("BENCH_NETNS") == "1":
+    if os.environ.get(NETNS_ENV) == "1":
         return None
-    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
-        raise RuntimeError("needs root, unshare and ip (Dynamo listens on all interfaces: it runs in a "
-                           "loopback-only network namespace)")
-    code = f"import json, bench.dynamo as d; print('RESULT ' + json.dumps(d.run({quick}, {only!r})))"
-    r = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {sys.executable} -c \"{code}\""],
-                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "BENCH_NETNS": "1",
-                                                                    "PYTHONPATH": str(ROOT)})
+    return in_loopback_namespace(f"import bench.dynamo as d; result = d.run({quick}, {only!r})")
+
+
+def in_loopback_namespace(code: str, timeout: float | None = None):
+    """Runs Python ``code`` (which sets ``result``, JSON-able) in a new network namespace with only
+    loopback up (``unshare -n``, or ``-rn`` without root): Dynamo listens on all interfaces."""
+    if not shutil.which("unshare") or not shutil.which("ip"):
+        raise RuntimeError("needs unshare and ip (Dynamo listens on all interfaces: it runs in a loopback-only "
+                           "network namespace)")
+    wrapped = f"import json\n{code}\nprint('RESULT ' + json.dumps(result))"
+    unshare = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
+    r = subprocess.run([*unshare, "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"', sys.executable, wrapped],
+                       cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, NETNS_ENV: "1", "PYTHONPATH": str(ROOT)})
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"side-by-side run failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    raise RuntimeError(f"run in a network namespace failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
 
 
 def run(quick: bool = False, only: str | None = None) -> list[dict]:

@@ -16,7 +16,7 @@ class Replica:
         self.metrics = metrics or Metrics()
         self.indexer = Indexer(cfg, self.metrics)
         self.api = HitRateApi(cfg.http, BlockHasher.for_block_key(cfg.blockKey), tiers=lambda: (self.indexer.l1, self.indexer.l3),
-                              ready=self.indexer.is_ready, metrics=self.metrics)
+                              ready=self.indexer.is_ready, metrics=self.metrics, block_size=cfg.blockKey.blockSize)
         self.http = HttpServer(self.api.make_app(), cfg.http, self.metrics)
 
     async def start(self) -> None:

@@ -144,18 +144,21 @@ class NativeQuery:
     the GIL held), ``run`` (or ``QueryThreads.run``, on native threads) parses, hashes and walks without
     the GIL and holds no Python state the event loop changes, ``result`` turns the lengths into scores."""
 
-    __slots__ = ("call_args", "_pods", "_slots", "_known")
+    __slots__ = ("call_args", "_pods", "_slots", "_known", "_ranks")
 
-    def __init__(self, call_args: tuple, pods: Sequence[str], slots: list[list[tuple[int, int]]], known: list[bool]) -> None:
+    def __init__(self, call_args: tuple, pods: Sequence[str], slots: list[list[tuple[int, int]]], known: list[bool],
+                 ranks: list[list[list[int]]] | None = None) -> None:
         self.call_args = call_args  # _native_index.query's arguments
         self._pods = pods
         self._slots = slots  # per pod, per tier: its workers' [start, stop) in that tier's candidate list
         self._known = known
+        self._ranks = ranks  # per pod, per tier: the ranks (or masters) of those workers, in that order
 
     @classmethod
     def prepare(cls, hasher: BlockHasher, tokens: bytes | memoryview | array, block_size: int, cache_salt: str,
-                pods: Sequence[str], tiers: Sequence[Tier | None]) -> "NativeQuery | None":
+                pods: Sequence[str], tiers: Sequence[Tier | None], with_ranks: bool = False) -> "NativeQuery | None":
         """None where only ``score`` answers: an index or hash the native query does not cover.
+        ``with_ranks``: keep each worker's rank, for ``rank_lengths``.
         ``tokens``: the JSON text of the token array (bytes-like: parsed, and checked, by ``run``) or
         uint64s (an array of format 'Q'). A salted first block is hashed here (its extra keys are
         Python objects); the ValueError of a malformed array then comes from here."""
@@ -177,27 +180,39 @@ class NativeQuery:
                                          hasher.block_extra_keys(0, block_size, cache_salt))
         per_tier = []
         slots: list[list[tuple[int, int]]] = [[] for _ in pods]
+        ranks: list[list[list[int]]] | None = [[] for _ in pods] if with_ranks else None
         for t in tiers:
             wids: list[int] = []
             if t is not None:
                 for pi, pod in enumerate(pods):
                     start = len(wids)
-                    wids += t.pod_workers(pod).values()
+                    workers = t.pod_workers(pod)
+                    wids += workers.values()
                     slots[pi].append((start, len(wids)))
+                    if ranks is not None:
+                        ranks[pi].append(list(workers))
                 per_tier.append((t.index.table, t.index.table.candidates(wids)))
             else:
                 for pi in range(len(pods)):
                     slots[pi].append((0, 0))
+                    if ranks is not None:
+                        ranks[pi].append([])
                 per_tier.append((None, b""))
         known = [any(a != b for a, b in slots[pi]) or any(t is not None and t.knows(pod) for t in tiers)
                  for pi, pod in enumerate(pods)]
         args = (tokens, raw, block_size, pre, hasher.algo.endswith("_cbor"), per_tier)
-        return cls(args, pods, slots, known)
+        return cls(args, pods, slots, known, ranks)
 
     def run(self) -> tuple[int, int, list[list[int]]]:
         """(tokens, blocks hashed, per tier the candidates' lengths). ValueError: a malformed token
         array; NotImplementedError: a request only ``score`` can hash (a pickle token over 2**31-1)."""
         return _native_index.query(*self.call_args)
+
+    def rank_lengths(self, out: tuple[int, int, list[list[int]]]) -> list[list[dict[int, int]]]:
+        """Per pod, per tier: rank (or master) -> blocks held from block 0 (prepared ``with_ranks``)."""
+        lengths = out[2]
+        return [[dict(zip(ranks, held[a:b])) for ranks, held, (a, b) in zip(pod_ranks, lengths, pod_slots)]
+                for pod_ranks, pod_slots in zip(self._ranks, self._slots)]
 
     def result(self, out: tuple[int, int, list[list[int]]]) -> ScoreResult:
         n_tokens, hashed, lengths = out

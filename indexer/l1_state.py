@@ -21,7 +21,12 @@ so replicas agree. The rules make the index robust to what a retrying publisher 
 - a generation far ahead of the time the stream stored the message, or a seq no vLLM can reach, is
   refused (ImplausibleMessage): the stream is not trusted blindly, one forged message must not blind
   a pod for ever. The stored time, not the local clock, decides, so every replica decides alike.
-Only GPU events (medium GPU or absent) change L1; other media stay in the stream for other tiers.
+GPU events (medium GPU or absent) change L1, the index the seed API's ``l1_hit_ratio`` reads. vLLM's KV
+offloading (OffloadingConnector, simple_kv_offload) publishes the same hashes with medium ``CPU`` or
+``STORAGE``: each has its own index over the same workers (``media``), with the same rules (a hash
+stored twice is held until removed twice: chunk events re-announce shared hashes), read by ``/query``.
+A ``cleared`` event clears its own medium; a reset, a lost gap or a removed pod clear them all. Other
+media are counted (``ignored_medium``) and dropped.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import logging
 from dataclasses import dataclass, field
 
 from infra.throttled_log import ThrottledWarning
-from indexer.block_index import TierIndex
+from indexer.block_index import BlockIndex, TierIndex, new_block_index
 from schemas.events import GEN_MAX_AHEAD_NS, MAX_GROUP_IDX, MAX_SEQ, last_seq, run_error
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,8 @@ _DEAD = (1 << 64) - 1  # next_seq of a removed pod: every batch of its generatio
 #: How long (stream time) early batches wait for a missing one before it is declared lost. Publishes are
 #: re-sent every ack timeout (5 s) until stored; this leaves room for several rounds of it.
 EARLY_TIMEOUT_NS = 30 * 10**9
+#: The media of vLLM's KV offloading indexed beside the GPU (HostPinned and Disk in Dynamo's words)
+OFFLOAD_MEDIA = ("CPU", "STORAGE")
 
 
 @dataclass(slots=True)
@@ -107,6 +114,11 @@ class L1State(TierIndex):
         self._waiting: dict[tuple[str, int], int] = {}
         self._now = 0  # stored time of the message being applied (0: unknown)
         self._lost_log = ThrottledWarning(log, every=10.0)
+        #: per offload medium, its index over the same worker ids (the GPU's is ``self.index``)
+        self.media: dict[str, BlockIndex] = {m: new_block_index() for m in OFFLOAD_MEDIA}
+        #: workers that stored in an offload medium since they were last cleared whole: a GPU ``cleared``
+        #: keeps their id, which the media's entries still name
+        self._offloaded: set[int] = set()
 
     # -- stream messages ---------------------------------------------------------------------------
     def apply(self, msg: dict, stored_ns: int | None = None) -> None:
@@ -277,7 +289,7 @@ class L1State(TierIndex):
         for ev in events:
             medium = ev.get("medium")
             if medium is not None and medium != "GPU":
-                stats.ignored_medium += 1
+                counted += self._apply_offload(key, medium, ev)
                 continue
             kind = ev["kind"]
             group = ev.get("group_idx")
@@ -301,12 +313,42 @@ class L1State(TierIndex):
                     self.index.remove(w, ev["hashes"], group)
                 counted += len(ev["hashes"])
             elif kind == "cleared":
-                self._clear(key)
+                w = self.workers.get(*key)
+                if w is not None and w in self._offloaded:
+                    self.index.clear(w)  # the worker's offloaded blocks stay, under its id
+                else:
+                    self._clear(key)
                 wid = None
                 counted += 1
         if plain:
             self._store(key, wid, plain, None)
         stats.block_events += counted
+
+    def _apply_offload(self, key: tuple[str, int], medium: str, ev: dict) -> int:
+        """One event of an offload medium (the GPU's order does not matter to it: another index).
+        Returns the block events it counts (0: an unknown medium, dropped)."""
+        index = self.media.get(medium)
+        group = ev.get("group_idx")
+        if index is None:
+            self.stats.ignored_medium += 1
+            return 0
+        if group is not None and not (type(group) is int and 0 <= group <= MAX_GROUP_IDX):
+            self.stats.malformed_events += 1
+            return 0
+        kind = ev["kind"]
+        if kind == "stored":
+            wid = self.workers.intern(*key)
+            self._offloaded.add(wid)
+            index.store(wid, ev["hashes"], group)
+            return len(ev["hashes"])
+        wid = self.workers.get(*key)
+        if kind == "removed":
+            if wid is not None:
+                index.remove(wid, ev["hashes"], group)
+            return len(ev["hashes"])
+        if kind == "cleared" and wid is not None:
+            index.clear(wid)
+        return 1
 
     def _store(self, key: tuple[str, int], wid: int | None, hashes: list[int], group: int | None) -> int:
         if wid is None:
@@ -315,9 +357,14 @@ class L1State(TierIndex):
         return wid
 
     def _clear(self, key: tuple[str, int]) -> None:
+        """Every medium of the worker, and its id goes back."""
         wid = self.workers.get(*key)
         if wid is not None:
             self.index.clear(wid)
+            if wid in self._offloaded:
+                self._offloaded.discard(wid)
+                for index in self.media.values():
+                    index.clear(wid)
             self.workers.release(*key)
 
     # -- snapshots ---------------------------------------------------------------------------------
@@ -335,6 +382,10 @@ class L1State(TierIndex):
                                                   next_part=next_part, journal=journal, journal_since=journal_since)
         if cur.early:
             self._wait_from((pod, rank), cur, early_since)
+
+    def adopt_offloaded(self, wids) -> None:
+        """Workers a loaded snapshot shows holding offloaded blocks."""
+        self._offloaded.update(wids)
 
     # -- queries -----------------------------------------------------------------------------------
     def knows(self, pod: str) -> bool:

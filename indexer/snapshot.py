@@ -5,7 +5,8 @@ two raw little-endian uint64 arrays (block hashes, worker bitmasks; bitmasks wid
 the header). The native index writes and loads the arrays straight from its tables (by chunks of 64
 workers), the pure-Python one with two ``array`` conversions and a ``dict(zip())``: no per-entry
 parsing either way. The format is the one earlier versions write and read, so replicas of both can
-share snapshots during a rolling upgrade.
+share snapshots during a rolling upgrade. The offload media (CPU, STORAGE) follow as more pairs of
+arrays, described by the header's ``media``: a reader that predates them ignores both.
 
 Store: the object store bucket holds ``l1-<seq>`` objects; the KV key ``snapshot.l1`` points at the
 newest one and is moved with compare-and-set, so a reader always finds a complete snapshot and an
@@ -36,6 +37,7 @@ from nats.js.errors import (KeyNotFoundError, KeyWrongLastSequenceError, NotFoun
                             ObjectNotFoundError)
 
 from infra.streams import RecordsKv, object_store, unsubscribe_quietly
+from indexer.block_index import BlockIndex
 from indexer.l1_state import L1State
 from schemas.block_hash import U64_MASK
 
@@ -46,24 +48,38 @@ CHUNK_SIZE = 512 * 1024  # below the default 1 MB max_payload; fewer chunks than
 POINTER_KEY = "snapshot.l1"
 
 
-def encode_l1(state: L1State, stream_seq: int) -> bytes:
-    keys, masks, wide = state.index.export_merged()
-    count = len(keys) // 8
+def _index_part(index: BlockIndex) -> tuple[dict, list[bytes]]:
+    """One index's header fields and arrays (little-endian uint64 hashes, then masks)."""
+    keys, masks, wide = index.export_merged()
     if sys.byteorder != "little":
         keys, masks = array("Q", keys), array("Q", masks)
         keys.byteswap()
         masks.byteswap()
-    header = {
-        "format": FORMAT, "stream_seq": stream_seq, "count": count,
-        "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
-        "worker_blocks": list(state.index.worker_blocks.items()),
-        "cursors": state.cursor_rows(),
+    return {
+        "count": len(keys) // 8,
+        "worker_blocks": list(index.worker_blocks.items()),
         "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in wide},
-        "groups": [[wid, list(held_by.items())] for wid, held_by in state.index.groups.items()],
-        "copies": [[wid, list(extra.items())] for wid, extra in state.index.copies.items()],
-    }
+        "groups": [[wid, list(held_by.items())] for wid, held_by in index.groups.items()],
+        "copies": [[wid, list(extra.items())] for wid, extra in index.copies.items()],
+    }, [keys, masks]
+
+
+def encode_l1(state: L1State, stream_seq: int) -> bytes:
+    header, arrays = _index_part(state.index)
+    header.update({
+        "format": FORMAT, "stream_seq": stream_seq,
+        "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
+        "cursors": state.cursor_rows(),
+    })
+    media = {}
+    for name, index in state.media.items():
+        if index.worker_blocks:
+            media[name], more = _index_part(index)
+            arrays += more
+    if media:
+        header["media"] = media
     head = msgpack.packb(header)
-    return b"".join([len(head).to_bytes(8, "little"), head, keys, masks])
+    return b"".join([len(head).to_bytes(8, "little"), head, *arrays])
 
 
 def decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
@@ -81,17 +97,29 @@ def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     header = msgpack.unpackb(bytes(data[8:8 + n]), raw=False, strict_map_key=False)
     if header.get("format") != FORMAT:
         raise ValueError(f"unknown snapshot format {header.get('format')!r}")
-    chunks = _chunks(header, memoryview(data)[8 + n:])
+    body = memoryview(data)[8 + n:]
     state = L1State()
     for pod, rank, wid in header["workers"]:
         state.workers.restore(pod, rank, wid)
-    groups = {wid: dict(pairs) for wid, pairs in header.get("groups", ())}  # absent before KV-cache groups
-    copies = {wid: {tuple(k) if isinstance(k, list) else k: n for k, n in pairs}  # absent before copies
-              for wid, pairs in header.get("copies", ())}
-    state.index.restore_chunks(chunks, dict(header["worker_blocks"]), groups, copies)
+    _restore_index(state.index, header, body)
+    body = body[header["count"] * 16:]
+    for name, part in header.get("media", {}).items():  # absent before the offload media
+        index = state.media.get(name)
+        if index is None:
+            raise ValueError(f"snapshot holds unknown medium {name!r}")
+        _restore_index(index, part, body)
+        body = body[part["count"] * 16:]
+        state.adopt_offloaded(wid for wid, n in part["worker_blocks"] if n)
     for row in header["cursors"]:  # older snapshots lack the last fields (parts, journal, early_since)
         state.restore_cursor(*row)
     return state, header["stream_seq"]
+
+
+def _restore_index(index: BlockIndex, part: dict, body: memoryview) -> None:
+    groups = {wid: dict(pairs) for wid, pairs in part.get("groups", ())}  # absent before KV-cache groups
+    copies = {wid: {tuple(k) if isinstance(k, list) else k: n for k, n in pairs}  # absent before copies
+              for wid, pairs in part.get("copies", ())}
+    index.restore_chunks(_chunks(part, body), dict(part["worker_blocks"]), groups, copies)
 
 
 def _chunks(header: dict, body: memoryview) -> list[tuple[int, bytes, bytes]]:

@@ -155,6 +155,8 @@ class BlockKeyConfig(_Section):
     extraKeysEncoding: Literal["tagged", "untagged"] = "tagged"
     #: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES on the engines; informational, events of both forms are accepted.
     useIntBlockHashes: bool = True
+    #: The engines' --block-size, for /query requests that give none (the seed API's always do).
+    blockSize: int = Field(16, gt=0)
 
     @model_validator(mode="before")
     @classmethod

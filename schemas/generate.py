@@ -15,6 +15,7 @@ from pydantic.json_schema import models_json_schema
 from schemas.api import ErrorResponse, HitRateRequest, HitRateResponse
 from schemas.config import Config
 from schemas.events import L1Envelope, L3Envelope
+from schemas.tiered_api import QueryByHashRequest, QueryError, QueryRequest, QueryResponse
 
 HERE = Path(__file__).parent
 
@@ -27,16 +28,42 @@ _ERRORS = {
 }
 
 
+_QUERY_ERRORS = {
+    "400": "Not JSON, an empty body, or a request that cannot be answered (cache_salt with block hashes, a "
+           "multimodal item past the prompt).",
+    "408": "The body was not received within http.readTimeout.",
+    "413": "Body larger than http.maxHitRateBodyBytes.",
+    "422": "JSON that does not fit the contract: a missing field, a wrong type, a value out of range.",
+}
+
+
+def _tiered_route(summary: str, op: str, request: str) -> dict:
+    ref = lambda name: {"$ref": f"#/components/schemas/{name}"}  # noqa: E731
+    err = {"content": {"application/json": {"schema": ref("QueryError")}}}
+    return {"post": {
+        "summary": summary, "operationId": op,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+        "responses": {"200": {"description": "Tokens matched per instance and tier.",
+                              "content": {"application/json": {"schema": ref("QueryResponse")}}},
+                      **{code: {"description": text, **err} for code, text in _QUERY_ERRORS.items()}},
+    }}
+
+
 def openapi() -> dict:
     _, defs = models_json_schema(
-        [(HitRateRequest, "validation"), (HitRateResponse, "serialization"), (ErrorResponse, "serialization")],
+        [(HitRateRequest, "validation"), (HitRateResponse, "serialization"), (ErrorResponse, "serialization"),
+         (QueryRequest, "validation"), (QueryByHashRequest, "validation"), (QueryResponse, "serialization"),
+         (QueryError, "serialization")],
         ref_template="#/components/schemas/{model}",
     )
     ref = lambda name: {"$ref": f"#/components/schemas/{name}"}  # noqa: E731
     err = {"content": {"application/json": {"schema": ref("ErrorResponse")}}}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "cache-indexer", "version": "1", "description": "KV-cache hit ratios of candidate vLLM pods."},
+        "info": {"title": "cache-indexer", "version": "1",
+                 "description": "KV-cache hit ratios of candidate vLLM pods (the seed API, /kv-cache/hit-rate), "
+                                "and tokens matched per instance, DP rank and tier (the ecosystem's API of NVIDIA "
+                                "Dynamo's standalone indexer and Mooncake RFC #1403: /query, /query_by_hash)."},
         "paths": {
             "/kv-cache/hit-rate": {"post": {
                 "summary": "L1 (GPU) and L3 (Mooncake) hit ratios of each candidate pod, in input order",
@@ -46,6 +73,10 @@ def openapi() -> dict:
                                       "content": {"application/json": {"schema": ref("HitRateResponse")}}},
                               **{code: {"description": text, **err} for code, text in _ERRORS.items()}},
             }},
+            "/query": _tiered_route("Tokens of a tokenized request matched per instance, DP rank and tier "
+                                    "(GPU, then CPU, then STORAGE; Mooncake L3)", "query", "QueryRequest"),
+            "/query_by_hash": _tiered_route("The same for a request given as the engines' block hashes",
+                                            "queryByHash", "QueryByHashRequest"),
             "/healthz": {"get": {"summary": "Liveness", "operationId": "healthz",
                                  "responses": {"200": {"description": "The process is alive."}}}},
             "/readyz": {"get": {"summary": "Readiness: the index has caught up with the streams",

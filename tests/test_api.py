@@ -151,7 +151,8 @@ def test_fast_decoder_rejects_what_the_contract_rejects(name):
     """The msgspec hot path and the pydantic contract agree on every bad request."""
     from pydantic import ValidationError
 
-    from api.hit_rate_request import RequestError, decode_hit_rate_request
+    from api.hit_rate_request import decode_hit_rate_request
+    from api.json_request import RequestError
     from schemas.api import HitRateRequest
 
     with pytest.raises(ValidationError):
@@ -162,12 +163,12 @@ def test_fast_decoder_rejects_what_the_contract_rejects(name):
 
 @pytest.mark.parametrize("accelerated", [True, False])
 def test_fast_decoder_accepts_what_the_contract_accepts(accelerated, monkeypatch):
-    from api import hit_rate_request
+    from api import json_request
     from api.hit_rate_request import decode_hit_rate_request
     from schemas.api import HitRateRequest
 
     if not accelerated:
-        monkeypatch.setattr(hit_rate_request, "parse_token_array", None)
+        monkeypatch.setattr(json_request, "parse_token_array", None)
     lora_mm = req(["a"])
     lora_mm["body"].update(lora_name="adapter", lora_path="/a", mm_features=[{"identifier": "img", "offset": 2, "length": 3}])
     for payload in (req(["a", "b"]), req(["a"], tokens=[], salt="s", bs=1), lora_mm,
@@ -187,10 +188,10 @@ def test_fast_decoder_accepts_what_the_contract_accepts(accelerated, monkeypatch
 async def test_hostile_bodies_get_400_not_500(api, accelerated, monkeypatch):
     """Issue 16 #7: token_ids nested 100,000 deep and a body that is not the gzip it claims were 500s
     (30,000 deep here: the fixture's body limit is 64 KiB)."""
-    from api import hit_rate_request
+    from api import json_request
 
     if not accelerated:
-        monkeypatch.setattr(hit_rate_request, "parse_token_array", None)
+        monkeypatch.setattr(json_request, "parse_token_array", None)
     session, _ = api
     nested = b'{"server_ip": ["a"], "body": {"token_ids": ' + b"[" * 30_000 + b"]" * 30_000 + b', "block_size": 16}}'
     status, body = await post(session, None, raw=nested)

@@ -129,7 +129,7 @@ def test_the_token_array_parser_at_every_offset_of_its_64_byte_blocks(rng):
 
 def _decoded(decode, *args):
     """What a decoded request asks, or None where it is refused."""
-    from api.hit_rate_request import RequestError
+    from api.json_request import RequestError
 
     try:
         req = decode(*args)

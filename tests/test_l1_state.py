@@ -35,11 +35,49 @@ def test_store_remove_clear():
     assert held(s) == {9}
 
 
-def test_non_gpu_media_do_not_touch_l1():
+def held_in(state, medium, pod="127.0.1.1", rank=0):
+    wid = state.workers.get(pod, rank)
+    return set() if wid is None else {h for h, m in state.media[medium].blocks.items() if m >> wid & 1}
+
+
+def test_offload_media_have_their_own_index_and_do_not_touch_l1():
     s = L1State()
-    s.apply(batch(0, [stored(1, medium="CPU"), stored(2, medium="STORAGE"), stored(3, medium=None)]))
+    s.apply(batch(0, [stored(1, medium="CPU"), stored(2, medium="STORAGE"), stored(3, medium=None),
+                      stored(4, medium="External")]))
     assert held(s) == {3}
-    assert s.stats.ignored_medium == 2
+    assert held_in(s, "CPU") == {1} and held_in(s, "STORAGE") == {2}
+    assert s.stats.ignored_medium == 1  # a medium nobody indexes is counted and dropped
+
+
+def test_offload_media_count_copies_and_clear_on_their_own():
+    """A chunk event may re-announce a hash the medium holds: it stays until removed as often. A GPU
+    AllBlocksCleared leaves the CPU copies (and the worker's id, which they name); a reset clears all."""
+    s = L1State()
+    s.apply(batch(0, [stored(1, 2), stored(1, 2, 3, medium="CPU"), stored(2, medium="CPU")]))
+    s.apply(batch(1, [removed(2, medium="CPU"), {"kind": "cleared", "medium": "GPU"}]))
+    assert held(s) == set() and held_in(s, "CPU") == {1, 2, 3}
+    s.apply(batch(2, [removed(2, medium="CPU"), stored(7)]))
+    assert held(s) == {7} and held_in(s, "CPU") == {1, 3}
+    s.apply(batch(3, [{"kind": "cleared", "medium": "CPU"}]))
+    assert held(s) == {7} and held_in(s, "CPU") == set()
+    s.apply(batch(4, [stored(5, medium="STORAGE")]))
+    s.apply({"type": "reset", "pod": "127.0.1.1", "rank": 0, "gen": 2, "next_seq": 0, "reason": "restart"})
+    assert s.workers.get("127.0.1.1", 0) is None
+    s.apply(batch(0, [stored(8)], pod="127.0.1.2"))  # takes the freed id: nothing of the old worker's is its
+    assert held(s, "127.0.1.2") == {8} and held_in(s, "STORAGE", "127.0.1.2") == set()
+
+
+def test_offload_media_survive_a_snapshot():
+    from indexer.snapshot import decode_l1, encode_l1
+    s = L1State()
+    s.apply(batch(0, [stored(1, 2), stored(1, 2, 3, medium="CPU"), stored(3, medium="CPU"), stored(9, medium="STORAGE")]))
+    s.apply(batch(0, [stored(4)], pod="127.0.1.2", rank=1))
+    loaded, seq = decode_l1(encode_l1(s, 5))
+    assert seq == 5
+    assert held(loaded) == {1, 2} and held_in(loaded, "CPU") == {1, 2, 3} and held_in(loaded, "STORAGE") == {9}
+    assert held(loaded, "127.0.1.2", 1) == {4}
+    loaded.apply(batch(1, [removed(3, medium="CPU"), {"kind": "cleared", "medium": None}]))
+    assert held_in(loaded, "CPU") == {1, 2, 3}, "the copy count and the offloaded worker came back too"
 
 
 def test_duplicates_are_dropped_and_early_batches_wait_for_the_missing_one():

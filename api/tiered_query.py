@@ -1,0 +1,169 @@
+"""``POST /query`` and ``POST /query_by_hash``: the ecosystem's indexer API (schemas/tiered_api.py), per
+instance and DP rank, in tokens, by tier.
+
+Errors as Dynamo's standalone indexer gives them: ``{"error": ...}``, 400 for a body that is not JSON or
+asks something impossible, 422 for JSON that does not fit the contract, 413 over
+``http.maxHitRateBodyBytes``, 408 not received within ``http.readTimeout``. Decoding is msgspec (the
+pydantic models generate the OpenAPI document; a test holds the two alike).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Annotated
+
+import msgspec
+from aiohttp import web
+
+from api.json_request import RequestError, UnprocessableRequest, decode_json, token_array
+from api.request_body import BodyRefused, read_body
+from indexer.hit_rate import Tier
+from indexer.tier_match import TierMatch, match_keys, match_tokens
+from schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
+from schemas.block_hash import U64_MASK, BlockHasher, LoRAKey, MultiModalKey
+from schemas.config import HttpConfig
+
+QUERY_PATH = "/query"
+QUERY_BY_HASH_PATH = "/query_by_hash"
+
+_Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+_I64_MIN = -(1 << 63)
+
+
+class _MultiModal(msgspec.Struct, forbid_unknown_fields=True):
+    identifier: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    offset: Annotated[int, msgspec.Meta(ge=0)]
+    length: Annotated[int, msgspec.Meta(gt=0)]
+
+
+class _Scope(msgspec.Struct):
+    """Fields both requests share; the ecosystem's other spellings of them are accepted (unknown fields
+    are ignored, as Dynamo does)."""
+
+    model_name: _Name | None = None
+    model: _Name | None = None  # Mooncake RFC #1403
+    routing_group: _Name | None = None
+    tenant_id: _Name | None = None  # Dynamo before 1.3
+    block_size: Annotated[int, msgspec.Meta(gt=0)] | None = None
+
+
+class _Query(_Scope):
+    token_ids: msgspec.Raw = msgspec.Raw()  # left raw (empty: absent) for the accelerator's parser
+    cache_salt: str = ""
+    lora_name: _Name = ""
+    lora_path: _Name = ""
+    mm_features: Annotated[list[_MultiModal], msgspec.Meta(max_length=MAX_MM_FEATURES)] = []
+
+
+class _QueryByHash(_Scope):
+    block_hashes: list[int] | None = None  # i64 or uint64: bounds checked after decoding (msgspec's stop at int64)
+    seq_hashes: list[int] | None = None
+    cache_salt: str | None = None
+
+
+_query_decoder = msgspec.json.Decoder(_Query)
+_by_hash_decoder = msgspec.json.Decoder(_QueryByHash)
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes):
+    req = decode_json(decoder, body, UnprocessableRequest)
+    if (req.model_name or req.model) is None:
+        raise UnprocessableRequest("missing field `model_name`")
+    return req
+
+
+def decode_query(body: bytes) -> tuple[_Query, array]:
+    """The request and its token ids (format 'Q')."""
+    req = _decode(_query_decoder, body)
+    if not len(req.token_ids):
+        raise UnprocessableRequest("missing field `token_ids`")
+    return req, token_array(req.token_ids, "token_ids", UnprocessableRequest)
+
+
+def decode_query_by_hash(body: bytes) -> tuple[_QueryByHash, list[int]]:
+    """The request and its block keys (uint64: an i64 is the same 64 bits)."""
+    req = _decode(_by_hash_decoder, body)
+    hashes = req.block_hashes if req.block_hashes is not None else req.seq_hashes
+    if hashes is None:
+        raise UnprocessableRequest("missing field `block_hashes`")
+    if req.cache_salt:
+        raise RequestError("cache_salt is not accepted by /query_by_hash: the block hashes already include it")
+    if hashes and not (_I64_MIN <= min(hashes) and max(hashes) <= U64_MASK):
+        raise UnprocessableRequest("block_hashes: a hash is neither an int64 nor a uint64")
+    return req, [h & U64_MASK for h in hashes]
+
+
+def answer(match: TierMatch, block_size: int) -> dict:
+    """Dynamo's response: ``instances`` with any match (tokens), the legacy ``scores`` (GPU per rank)."""
+    scores: dict[str, dict[str, int]] = {}
+    instances: dict[str, dict] = {}
+    for pod in dict.fromkeys([*match.ranks, *match.l3]):
+        ranks = match.ranks.get(pod, {})
+        l3 = match.l3.get(pod, 0) * block_size
+        dp = {str(rank): gpu * block_size for rank, (gpu, _, disk) in ranks.items() if disk}
+        if not dp and not l3:
+            continue
+        best = [max((levels[i] for levels in ranks.values()), default=0) * block_size for i in range(3)]
+        instances[pod] = {"longest_matched": best[2], "gpu": best[0], "dp": dp, "cpu": best[1], "disk": best[2],
+                          "l3": l3}
+        gpu_ranks = {rank: n for rank, n in dp.items() if n}
+        if gpu_ranks:
+            scores[pod] = gpu_ranks
+    return {"scores": scores, "frequencies": [], "instances": instances}
+
+
+class TieredQueryApi:
+    """The two routes, over the replica's tiers (L1 with its offload media, L3)."""
+
+    def __init__(self, http: HttpConfig, hasher: BlockHasher, block_size: int,
+                 tiers: Callable[[], Sequence[Tier | None]]) -> None:
+        self.http = http
+        self.hasher = hasher
+        self.block_size = block_size
+        self.tiers = tiers
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post(QUERY_PATH, self.query)
+        app.router.add_post(QUERY_BY_HASH_PATH, self.query_by_hash)
+
+    async def query(self, request: web.Request) -> web.Response:
+        return await self._answer(request, self._match_tokens)
+
+    async def query_by_hash(self, request: web.Request) -> web.Response:
+        return await self._answer(request, self._match_hashes)
+
+    def _match_tokens(self, body: bytes) -> tuple[TierMatch, int]:
+        req, tokens = decode_query(body)
+        bs = req.block_size or self.block_size
+        lora = LoRAKey(req.lora_name, req.lora_path) if req.lora_name else None
+        mm = tuple(MultiModalKey(m.identifier, m.offset, m.length) for m in req.mm_features)
+        for m in mm:
+            if m.offset + m.length > len(tokens):
+                raise RequestError(f"mm_features: item {m.identifier!r} ends past the prompt")
+        l1, l3 = self.tiers()
+        try:
+            return match_tokens(self.hasher, tokens, bs, req.cache_salt, l1, l3, lora, mm), bs
+        except NotImplementedError as exc:
+            raise RequestError(str(exc)) from None
+
+    def _match_hashes(self, body: bytes) -> tuple[TierMatch, int]:
+        req, keys = decode_query_by_hash(body)
+        l1, l3 = self.tiers()
+        return match_keys(keys, len(keys), l1, l3), req.block_size or self.block_size
+
+    async def _answer(self, request: web.Request, match: Callable[[bytes], tuple[TierMatch, int]]) -> web.Response:
+        try:
+            body = await read_body(request, self.http.maxHitRateBodyBytes, self.http.readTimeout)
+            result, bs = match(body)
+        except BodyRefused as exc:
+            return _error(exc.status, str(exc))
+        except UnprocessableRequest as exc:
+            return _error(422, str(exc))
+        except RequestError as exc:
+            return _error(400, str(exc))
+        return web.Response(body=msgspec.json.encode(answer(result, bs)), content_type="application/json")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
