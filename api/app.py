@@ -1,5 +1,6 @@
 """The aiohttp application: ``POST /kv-cache/hit-rate`` (the seed API), ``/query`` and ``/query_by_hash``
-(the ecosystem's, api/tiered_query.py), ``/healthz``, ``/readyz``, ``/metrics``.
+(the ecosystem's, api/tiered_query.py), with ``/register``, ``/unregister``, ``/workers``
+(api/registration_api.py, added by the replica), ``/healthz``, ``/readyz``, ``/metrics``.
 
 Errors of the seed API use one shape, ``{"status": <HTTP code>, "message": ..., "server_score_list": []}``, with the
 same code in the HTTP status: 400 malformed request, 405 wrong method, 408 body not received within
@@ -23,7 +24,9 @@ from api.json_request import RequestError
 from api.ops import add_ops_routes
 from api.request_body import BodyRefused, read_body
 from api.request_body import within as _within
+from api.registration_api import REGISTER_PATH, UNREGISTER_PATH, WORKERS_PATH
 from api.tiered_query import QUERY_BY_HASH_PATH, QUERY_PATH, TieredQueryApi
+from infra.registrations import RegistrationStore
 from infra.metrics import Metrics
 from schemas.block_hash import BlockHasher, find_token_ids
 from indexer.hit_rate import NativeQuery, ScoreResult, Tier, configure_native_query, score
@@ -33,7 +36,8 @@ from schemas.config import HttpConfig
 log = logging.getLogger(__name__)
 
 HIT_RATE_PATH = "/kv-cache/hit-rate"
-_KNOWN_PATHS = {HIT_RATE_PATH, QUERY_PATH, QUERY_BY_HASH_PATH, "/healthz", "/readyz", "/metrics"}
+_KNOWN_PATHS = {HIT_RATE_PATH, QUERY_PATH, QUERY_BY_HASH_PATH, REGISTER_PATH, UNREGISTER_PATH, WORKERS_PATH,
+                "/healthz", "/readyz", "/metrics"}
 UNKNOWN_POD_MESSAGE = "no KV-cache events seen for this server"
 #: Bodies up to this size are answered on the event loop: their native call takes tens of microseconds,
 #: about what a hand-off costs. Larger ones go to the query threads, and the loop goes on serving I/O
@@ -51,8 +55,12 @@ class HitRateApi:
     """Binds the HTTP layer to a hasher and the tier indexes (L1, L3) of one replica."""
 
     def __init__(self, http: HttpConfig, hasher: BlockHasher, tiers: Callable[[], Sequence[Tier | None]],
-                 ready: Callable[[], bool], metrics: Metrics, block_size: int = 16) -> None:
-        """``block_size``: the engines' (``blockKey.blockSize``), for /query requests that give none."""
+                 ready: Callable[[], bool], metrics: Metrics, block_size: int = 16,
+                 registrations: Callable[[], RegistrationStore | None] = lambda: None,
+                 more_routes: Sequence = ()) -> None:
+        """``block_size``: the engines' (``blockKey.blockSize``), for /query requests that give none;
+        ``registrations``: the registered engines (/query answers them for their model only);
+        ``more_routes``: other route sets (``add_routes(app)``), e.g. the registration API."""
         self.http = http
         self.hasher = hasher
         self.tiers = tiers
@@ -64,7 +72,8 @@ class HitRateApi:
         self._best_l1 = metrics.best_hit_ratio.labels("l1")
         self._best_l3 = metrics.best_hit_ratio.labels("l3")
         configure_native_query(http.digestMemoBytes)
-        self.tiered = TieredQueryApi(http, hasher, block_size, tiers)
+        self.tiered = TieredQueryApi(http, hasher, block_size, tiers, registrations, self._run_native)
+        self.more_routes = list(more_routes)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
@@ -72,6 +81,8 @@ class HitRateApi:
         app.on_cleanup.append(self._close_pool)
         app.router.add_route("*", HIT_RATE_PATH, self.hit_rate, expect_handler=self._expect)
         self.tiered.add_routes(app)
+        for routes in self.more_routes:
+            routes.add_routes(app)
         add_ops_routes(app, self.metrics, self.ready, "catching up with the event streams")
         return app
 
@@ -150,13 +161,17 @@ class HitRateApi:
         query = self._prepare(req, tiers)
         if query is not None:
             try:
-                return query.result(query.run() if size <= INLINE_MAX_BYTES else await self._threads().run(query))
+                return query.result(await self._run_native(query, size))
             except NotImplementedError:
                 pass  # a pickle token over 2**31-1: only score() encodes it
             except ValueError as exc:
                 raise RequestError(f"body.token_ids: {exc}") from None
         return score(self.hasher, req.tokens(), req.block_size, req.cache_salt, req.server_ip, tiers, req.lora,
                      req.mm_features)
+
+    async def _run_native(self, query: NativeQuery, size: int) -> tuple:
+        """A native query: on the loop for a body up to INLINE_MAX_BYTES, else on the query threads."""
+        return query.run() if size <= INLINE_MAX_BYTES else await self._threads().run(query)
 
     async def _close_pool(self, app: web.Application) -> None:
         if self._query_threads is not None:

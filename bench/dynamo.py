@@ -1,7 +1,8 @@
 """Side by side with NVIDIA Dynamo's standalone KV indexer (`python -m dynamo.indexer`, PyPI
 `ai-dynamo-runtime`, the optional `bench` extra; or a Python that has it in `DYNAMO_PYTHON`): the same
 fake vLLM engines (own processes, vLLM's exact frames, chains with real token ids), the same prompts,
-in one run, the two systems alternated.
+in one run, the two systems alternated, both asked through the same ``POST /query`` call (Dynamo's
+standalone indexer's API, which cache-indexer speaks beside its seed API): one body, sent to each.
 
 - Ingest: 4 engines publish chains of 32, 8 or 1 blocks per message as fast as they can; block events
   per second from the first publish until every engine's last chain answers as fully cached, and CPU
@@ -47,6 +48,11 @@ NETNS_ENV = "BENCH_NETNS"
 QUERY_SHAPES = [(16, 32768, 16), (16, 32768, 128), (96, 245760, 64)]  # (engines, prompt tokens, block size)
 
 
+def query_body(tokens: list[int]) -> bytes:
+    """The one /query both systems are asked (the engines' block size is each one's configuration)."""
+    return json.dumps({"token_ids": tokens, "model_name": "default"}).encode()
+
+
 def dynamo_python() -> str | None:
     if os.environ.get("DYNAMO_PYTHON"):
         return os.environ["DYNAMO_PYTHON"]
@@ -84,7 +90,8 @@ class Ours:
     async def start(self, session: aiohttp.ClientSession) -> None:
         self.nats = NatsServer().start()
         common = ["--set", f"nats.url={self.nats.url}", "--set", "log.level=warning", "--set", "http.host=127.0.0.1"]
-        self._indexer_args = ["-m", "cache_indexer.cli", "indexer", *common, "--set", f"http.port={self.port}"]
+        self._indexer_args = ["-m", "cache_indexer.cli", "indexer", *common, "--set", f"http.port={self.port}",
+                              "--set", f"blockKey.blockSize={self.block}"]
         self.procs = [
             _spawn("-m", "cache_indexer.cli", "bridge", *common, "--set", f"discovery.static.file={self.tmp / 'targets.yaml'}",
                    "--set", f"http.port={free_port()}", "--set", "ingest.l1.blockKeyCheckInterval=0"),
@@ -104,11 +111,11 @@ class Ours:
         await _until(lambda: _ok(session, "GET", f"http://127.0.0.1:{self.port}/readyz"), 60)
 
     def request(self, pods: list[str], tokens: list[int]) -> tuple[str, bytes]:
-        body = {"server_ip": pods, "body": {"token_ids": tokens, "block_size": self.block}}
-        return f"http://127.0.0.1:{self.port}/kv-cache/hit-rate", json.dumps(body).encode()
+        return f"http://127.0.0.1:{self.port}/query", query_body(tokens)
 
     def lengths(self, answer: dict, pods: list[str], tokens: list[int]) -> list[int]:
-        return [round(s["l1_hit_ratio"] * len(tokens)) for s in answer["server_score_list"]]
+        instances = answer.get("instances") or {}
+        return [(instances.get(pod) or {}).get("longest_matched", 0) for pod in pods]
 
     def stop(self) -> None:
         for p in self.procs or ():
@@ -152,7 +159,7 @@ class Dynamo:
         await self.start(session)
 
     def request(self, pods: list[str], tokens: list[int]) -> tuple[str, bytes]:
-        return f"http://127.0.0.1:{self.port}/query", json.dumps({"token_ids": tokens, "model_name": "default"}).encode()
+        return f"http://127.0.0.1:{self.port}/query", query_body(tokens)
 
     def lengths(self, answer: dict, pods: list[str], tokens: list[int]) -> list[int]:
         instances = answer.get("instances") or {}

@@ -1,4 +1,6 @@
-"""The bridge process: keeps one subscriber per discovered vLLM endpoint and relays into JetStream.
+"""The bridge process: keeps one subscriber per discovered or registered vLLM endpoint and relays into
+JetStream. Registered engines (``POST /register``, infra/registrations.py) are targets like discovered
+pods, named by their instance id.
 
 When an endpoint's pod leaves discovery the bridge stops its subscribers and publishes ``pod_removed``
 on the stream, so every indexer drops the pod through the same ordered log.
@@ -34,11 +36,12 @@ from bridge.receive_budget import ReceiveBudget
 from bridge.resume_points import ResumePoints
 from bridge.shard_leases import ShardLeases
 from bridge.static_targets import StaticTargets
-from bridge.targets_record import TargetsRecord
+from infra.targets_record import TargetsRecord
 from bridge.endpoint import Endpoint
 from bridge.vllm_subscriber import VllmSubscriber
 from infra.lease import Lease
 from infra.metrics import Metrics
+from infra.registrations import Registration, RegistrationStore
 from infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
                            stream_id)
 from infra.tasks import cancel_and_wait
@@ -72,8 +75,13 @@ class Bridge:
         interval = cfg.ingest.l1.blockKeyCheckInterval
         self.block_key_check = BlockKeyCheck(cfg.blockKey, self.metrics, interval) if interval else None
         self._watch_task: asyncio.Task | None = None
-        #: what discovery listed last, all of it (a sharded bridge subscribes to its share only)
+        #: what discovery and the registrations list, all of it (a sharded bridge subscribes to its share)
         self._endpoints: list[Endpoint] = []
+        self._discovered: list[Endpoint] | None = None  # discovery's last answer (None: none yet)
+        self._registered: list[Endpoint] | None = None  # the registrations' (None: not read yet)
+        self._registered_pods: set[str] = set()
+        self._targets_lock = asyncio.Lock()
+        self.registrations: RegistrationStore | None = None
         self._masters: list[MasterTarget] = []
         self._discovered_pods: set[str] = set()
         self._discovered_masters: set[str] = set()
@@ -118,6 +126,8 @@ class Bridge:
                               lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics,
                               on_refused=self._l3_refused)
         self.targets_record = TargetsRecord(js, records_bucket(self.cfg), self.cfg.nats.replicas)
+        self.registrations = RegistrationStore(js, records_bucket(self.cfg), self.cfg.nats.replicas,
+                                               on_error=self.metrics.registration_errors.inc)
         if self.cfg.ingest.sharded:
             self.shards = ShardLeases(js, self.cfg.nats.lease.bucket, holder, self.cfg.nats.lease.ttl,
                                       self.cfg.nats.replicas, self._on_owned)
@@ -148,6 +158,7 @@ class Bridge:
 
     async def _start_sources(self) -> None:
         self._inherited_pods, self._inherited_masters = await self.targets_record.load()
+        self.registrations.follow(self.set_registered)
         if self.cfg.discovery.mode == "static":
             self._watch_task = asyncio.create_task(self._watch_static(), name="bridge-static-targets")
         else:
@@ -169,6 +180,9 @@ class Bridge:
             if d:
                 await d.stop()
         self.discovery = self.master_discovery = None
+        if self.registrations is not None:
+            await self.registrations.stop()
+        self._discovered = self._registered = None
         for sub in self.subscribers.values():
             await sub.stop()
         self.subscribers.clear()
@@ -215,20 +229,41 @@ class Bridge:
             await asyncio.sleep(interval)
 
     async def set_endpoints(self, endpoints: list[Endpoint]) -> None:
-        """Discovery's answer: subscribe to what this bridge publishes for (all of it, or its share), and
-        publish pod_removed for pods that left (a sharded bridge for those placed on it)."""
-        self._endpoints = list(endpoints)
-        live = {e.pod for e in endpoints}
-        gone = (self._discovered_pods | self._inherited_pods) - live
-        self._discovered_pods, self._inherited_pods = live, set()
-        await self._subscribe_to(self._mine(endpoints))
-        for pod in sorted(gone):
-            if self.shards is None or self.shards.is_owner(POD + pod):
-                await self.l1.pod_removed(pod, "discovery")
-            if self.block_key_check is not None:
-                self.block_key_check.forget(pod)
-        self._want_shards()
-        await self.targets_record.save(pods=live)
+        """Discovery's answer (all of it, each time)."""
+        self._discovered = list(endpoints)
+        await self._reconcile_targets()
+
+    async def set_registered(self, registrations: list[Registration]) -> None:
+        """The registrations' (all of them, each time): endpoints named by the instance id."""
+        self._registered = [Endpoint(pod=r.instance_id, rank=r.dp_rank, pub=r.endpoint, replay=r.replay_endpoint,
+                                     name="registration") for r in registrations]
+        await self._reconcile_targets()
+
+    async def _reconcile_targets(self) -> None:
+        """Subscribe to what this bridge publishes for (all of it, or its share), and publish pod_removed
+        for pods that left (a sharded bridge for those placed on it). The record of an earlier run's pods
+        is settled once discovery and the registrations have both answered: before, a pod missing from
+        one of them may be in the other."""
+        async with self._targets_lock:
+            endpoints = (self._discovered or []) + (self._registered or [])
+            was_registered = self._registered_pods
+            self._registered_pods = {e.pod for e in self._registered or []}
+            self._endpoints = endpoints
+            live = {e.pod for e in endpoints}
+            whole = self._discovered is not None and self._registered is not None
+            gone = (self._discovered_pods | (self._inherited_pods if whole else set())) - live
+            self._discovered_pods = live
+            if whole:
+                self._inherited_pods = set()
+            await self._subscribe_to(self._mine(endpoints))
+            for pod in sorted(gone):
+                if self.shards is None or self.shards.is_owner(POD + pod):
+                    await self.l1.pod_removed(pod, "unregistered" if pod in was_registered else "discovery")
+                if self.block_key_check is not None:
+                    self.block_key_check.forget(pod)
+            self._want_shards()
+            if whole:
+                await self.targets_record.save(pods=live, endpoints=endpoints)
 
     def _mine(self, endpoints: list[Endpoint]) -> list[Endpoint]:
         return endpoints if self.shards is None else [e for e in endpoints if POD + e.pod in self.shards.owned]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from api.app import HitRateApi
+from api.registration_api import RegistrationApi
 from api.server import HttpServer
-from infra.metrics import Metrics
-from schemas.block_hash import BlockHasher
 from indexer.service import Indexer
+from infra.metrics import Metrics
+from infra.registrations import RegistrationStore
+from infra.streams import RecordsKv, records_bucket
+from schemas.block_hash import BlockHasher
 from schemas.config import Config
 
 
@@ -15,14 +18,29 @@ class Replica:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.indexer = Indexer(cfg, self.metrics)
+        #: the registered engines, followed once the replica is connected (None before)
+        self.registrations: RegistrationStore | None = None
+        self._records: RecordsKv | None = None
+        registration = RegistrationApi(cfg.http, cfg.blockKey.blockSize,
+                                       "labels" if cfg.discovery.mode == "kubernetes" else "file",
+                                       lambda: self.registrations, lambda: self._records, lambda: self.indexer.l1,
+                                       self.metrics)
         self.api = HitRateApi(cfg.http, BlockHasher.for_block_key(cfg.blockKey), tiers=lambda: (self.indexer.l1, self.indexer.l3),
-                              ready=self.indexer.is_ready, metrics=self.metrics, block_size=cfg.blockKey.blockSize)
+                              ready=self.indexer.is_ready, metrics=self.metrics, block_size=cfg.blockKey.blockSize,
+                              registrations=lambda: self.registrations, more_routes=[registration])
         self.http = HttpServer(self.api.make_app(), cfg.http, self.metrics)
 
     async def start(self) -> None:
         await self.http.start()  # liveness answers while the index catches up; readiness waits
         await self.indexer.start()
+        bucket, replicas = records_bucket(self.cfg), self.cfg.nats.replicas
+        self._records = RecordsKv(self.indexer.js, bucket, replicas)
+        self.registrations = RegistrationStore(self.indexer.js, bucket, replicas,
+                                               on_error=self.metrics.registration_errors.inc)
+        self.registrations.follow()
 
     async def stop(self) -> None:
         await self.http.stop()
+        if self.registrations is not None:
+            await self.registrations.stop()
         await self.indexer.stop()

@@ -9,15 +9,15 @@ Mooncake segment (the best of its masters). Dynamo 1.6.1 answers the same (check
 tests/test_ecosystem_api.py).
 
 ``match_keys`` is the reference: a walk over the request's block keys (computed lazily, so a cold
-request costs a hash or two) that stops when no worker of any stage is still matching. ``match_tokens``
-goes through the native query (hashing and walking without the GIL) where nothing is offloaded: the
-three levels are then one, and the seed API's query answers it.
+request costs a hash or two) that stops when no worker of any stage is still matching.
+``NativeTierQuery`` is the native query (parse, hash and walk without the GIL) where nothing is
+offloaded: the three stages are then one, and the seed API's query answers it, over every worker.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from indexer.block_index import WorkerTable
@@ -36,6 +36,13 @@ class TierMatch:
     ranks: dict[str, RankLevels] = field(default_factory=dict)
     #: pod -> blocks in its Mooncake segment, for every pod of the L3 tier
     l3: dict[str, int] = field(default_factory=dict)
+
+    def only(self, allowed: Callable[[str], bool]) -> "TierMatch":
+        """The match of the pods ``allowed`` says may answer (the others dropped, in place)."""
+        for pods in (self.ranks, self.l3):
+            for pod in [p for p in pods if not allowed(p)]:
+                del pods[pod]
+        return self
 
 
 def _stages(l1: Tier | None) -> list:
@@ -99,39 +106,57 @@ def match_keys(keys: Iterable[int], n_blocks: int, l1: Tier | None, l3: Tier | N
 
 def match_tokens(hasher: BlockHasher, tokens: Sequence[int], block_size: int, cache_salt: str, l1: Tier | None,
                  l3: Tier | None, lora: LoRAKey | None = None, mm_features: Sequence[MultiModalKey] = ()) -> TierMatch:
-    """A tokenized request's match: the native query where it covers the request and nothing is offloaded
-    (the three L1 levels are then one), else ``match_keys`` over the hash chain."""
+    """A tokenized request's match: the native query where it covers the request (``NativeTierQuery``),
+    else ``match_keys`` over the hash chain."""
     if not isinstance(tokens, array):
         tokens = array("Q", tokens)
-    if lora is None and not mm_features and not _offloaded(l1):
-        native = _native_match(hasher, tokens, block_size, cache_salt, l1, l3)
-        if native is not None:
-            return native
-    n_blocks = len(tokens) // block_size
-    return match_keys(_chain_keys(hasher, tokens, block_size, cache_salt, lora, mm_features), n_blocks, l1, l3)
+    query = NativeTierQuery.prepare(hasher, tokens, block_size, cache_salt, l1, l3, lora, mm_features)
+    if query is not None:
+        try:
+            return query.result(query.native.run())
+        except NotImplementedError:
+            pass  # a pickle token over 2**31-1: only the Python hasher encodes it
+    return match_keys(_chain_keys(hasher, tokens, block_size, cache_salt, lora, mm_features),
+                      len(tokens) // block_size, l1, l3)
+
+
+class NativeTierQuery:
+    """The match as one native call (the seed API's query over every worker of L1 and L3), where nothing is
+    offloaded (the three L1 stages are then one) and the request has no extra keys. ``native`` runs on
+    the caller's thread or the query threads (``QueryThreads.run``); ``result`` reads its answer."""
+
+    __slots__ = ("native", "_pods", "_l1", "_l3")
+
+    def __init__(self, native: NativeQuery, pods: list[str], l1: Tier | None, l3: Tier | None) -> None:
+        self.native, self._pods, self._l1, self._l3 = native, pods, l1, l3
+
+    @classmethod
+    def prepare(cls, hasher: BlockHasher, tokens: bytes | memoryview | array, block_size: int, cache_salt: str,
+                l1: Tier | None, l3: Tier | None, lora: LoRAKey | None = None,
+                mm_features: Sequence[MultiModalKey] = ()) -> "NativeTierQuery | None":
+        """``tokens``: the JSON text of the array (parsed, and checked, by the native call: ValueError) or
+        uint64s. None where only ``match_keys`` answers."""
+        if lora is not None or mm_features or _offloaded(l1):
+            return None
+        pods = list(dict.fromkeys([*(l1.workers.pods() if l1 is not None else ()),
+                                   *(l3.workers.pods() if l3 is not None else ())]))
+        native = NativeQuery.prepare(hasher, tokens, block_size, cache_salt, pods, (l1, l3), with_ranks=True)
+        return None if native is None else cls(native, pods, l1, l3)
+
+    def result(self, out: tuple[int, int, list[list[int]]]) -> TierMatch:
+        n_tokens, hashed, _ = out
+        match = TierMatch(n_tokens // self.native.call_args[2], hashed)
+        for pod, (l1_ranks, l3_ranks) in zip(self._pods, self.native.rank_lengths(out)):
+            if self._l1 is not None and l1_ranks:
+                match.ranks[pod] = {rank: (n, n, n) for rank, n in l1_ranks.items()}
+            if self._l3 is not None and l3_ranks:
+                match.l3[pod] = max(l3_ranks.values())
+        return match
 
 
 def _offloaded(l1: Tier | None) -> bool:
     media = getattr(l1, "media", None) or {}
     return any(index.worker_blocks for index in media.values())
-
-
-def _native_match(hasher, tokens, block_size, cache_salt, l1, l3) -> TierMatch | None:
-    tiers = (l1, l3)
-    pods = list(dict.fromkeys([*(l1.workers.pods() if l1 is not None else ()),
-                               *(l3.workers.pods() if l3 is not None else ())]))
-    query = NativeQuery.prepare(hasher, tokens, block_size, cache_salt, pods, tiers, with_ranks=True)
-    if query is None:
-        return None
-    n_tokens, hashed, _ = out = query.run()
-    out_ranks = query.rank_lengths(out)
-    match = TierMatch(n_tokens // block_size, hashed)
-    for pod, (l1_ranks, l3_ranks) in zip(pods, out_ranks):
-        if l1 is not None and l1_ranks:
-            match.ranks[pod] = {rank: (n, n, n) for rank, n in l1_ranks.items()}
-        if l3 is not None and l3_ranks:
-            match.l3[pod] = max(l3_ranks.values())
-    return match
 
 
 def _chain_keys(hasher: BlockHasher, tokens, block_size: int, cache_salt: str, lora, mm_features) -> Iterator[int]:

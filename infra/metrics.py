@@ -24,6 +24,12 @@ class Metrics:
         self.http_headers_too_large = Counter(p + "http_headers_too_large_total",
                                               "Connections refused (431): a request's header block over "
                                               "http.maxHeaderBytes.", registry=r)
+        self.registration_errors = Counter(p + "registration_errors_total",
+                                           "Registrations not followed: a lost watch of the records bucket, or a "
+                                           "value that is not a registration.", registry=r)
+        self.registrations_refused = Counter(p + "registrations_refused_total",
+                                             "POST /register and /unregister refused, by reason.", ["reason"],
+                                             registry=r)
         self.http_latency = Histogram(p + "http_request_duration_seconds", "HTTP request latency by path and status.",
                                       ["path", "status"], buckets=_LATENCY_BUCKETS, registry=r)
         self.hashed_blocks = Counter(p + "hit_rate_hashed_blocks_total", "Blocks hashed by hit-rate queries.", registry=r)

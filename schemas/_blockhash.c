@@ -296,14 +296,17 @@ static PyObject *parse_token_array(PyObject *self, PyObject *arg) {
     return res;
 }
 
-/* find_token_ids(body) -> (start, stop) or None: the span of body.token_ids in a hit-rate request, found
- * by one structural scan (memchr over the array) and not parsed: the native query parses it off the GIL.
- * None where the request is not in the plain shape. */
-static PyObject *find_token_ids(PyObject *self, PyObject *arg) {
+/* find_token_ids(body, top_level=False) -> (start, stop) or None: the span of body.token_ids in a hit-rate
+ * request (top_level: of token_ids in a /query request), found by one structural scan (memchr over the
+ * array) and not parsed: the native query parses it off the GIL. None where the request is not in the
+ * plain shape. */
+static PyObject *find_token_ids(PyObject *self, PyObject *args) {
     Py_buffer in;
-    if (PyObject_GetBuffer(arg, &in, PyBUF_SIMPLE) < 0) return NULL;
+    int top = 0;
+    if (!PyArg_ParseTuple(args, "y*|p", &in, &top)) return NULL;
     size_t start = 0, stop = 0;
-    int found = bh_find_token_ids(in.buf, (size_t)in.len, &start, &stop) == 0;
+    int found = bh_find_token_ids(in.buf, (size_t)in.len, top ? BH_TOKENS_AT_TOP : BH_TOKENS_IN_BODY, &start,
+                                  &stop) == 0;
     PyBuffer_Release(&in);
     if (!found) Py_RETURN_NONE;
     return Py_BuildValue("(nn)", (Py_ssize_t)start, (Py_ssize_t)stop);
@@ -325,7 +328,8 @@ static PyObject *native_sha256_switch(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"native_sha256", native_sha256_switch, METH_VARARGS, "Whether sha256 runs in libcrypto directly; can switch it."},
     {"chain", chain, METH_VARARGS, "Digests of consecutive blocks without extra keys."},
-    {"find_token_ids", find_token_ids, METH_O, "(start, stop) of body.token_ids in a plain hit-rate request, or None."},
+    {"find_token_ids", find_token_ids, METH_VARARGS,
+     "(start, stop) of body.token_ids in a plain hit-rate request (top_level: of a /query's token_ids), or None."},
     {"parse_token_array", parse_token_array, METH_O, "JSON array of non-negative ints -> native uint64 bytes."},
     {NULL, NULL, 0, NULL},
 };

@@ -532,9 +532,6 @@ static const unsigned char *bh_skip_value(const unsigned char *p, const unsigned
     return p > start ? p : NULL;
 }
 
-/* The span [*start, *stop) of the array under body.token_ids in a hit-rate request, found by one scan of
- * its structure. 0 where the request has the plain shape (each key once, none escaped, token_ids an
- * array), else -1: the caller decodes the request whole, and its decoder says what is wrong. */
 /* Past a member's key (p at its '"') and ':' to its value; NULL where the key is escaped or it is not a
  * member. */
 static inline const unsigned char *bh_member(const unsigned char *p, const unsigned char *end,
@@ -548,49 +545,56 @@ static inline const unsigned char *bh_member(const unsigned char *p, const unsig
     return p < end && *p == ':' ? bh_ws(p + 1, end) : NULL;
 }
 
-/* The span [*start, *stop) of the array under body.token_ids in a hit-rate request, found by one scan of
- * its structure. 0 where the request has the plain shape (each key once, none escaped, token_ids an
- * array), else -1: the caller decodes the request whole, and its decoder says what is wrong. */
-static inline int bh_find_token_ids(const unsigned char *p, size_t len, size_t *start, size_t *stop) {
-    const unsigned char *begin = p, *end = p + len, *key;
+/* Where the token array is: under "body" (the seed's hit-rate request) or at the top (the ecosystem's
+ * /query). */
+#define BH_TOKENS_IN_BODY 1
+#define BH_TOKENS_AT_TOP 2
+
+/* The members of an object, p just past its '{', up to and past its '}' (NULL where it is not the plain
+ * shape): where `mode` is BH_TOKENS_IN_BODY the "body" member is scanned as an object of depth 2 with the
+ * token array among its members (mode 0); otherwise the array is a member of this object. The span of
+ * the array goes to [*start, *stop), once: a second one is not the plain shape. */
+static const unsigned char *bh_token_members(const unsigned char *p, const unsigned char *end,
+                                             const unsigned char *begin, int mode, int depth, size_t *start,
+                                             size_t *stop, int *found) {
+    const unsigned char *key;
     size_t klen;
-    int found = 0, body_seen = 0;
+    int body_seen = 0;
     p = bh_ws(p, end);
-    if (p >= end || *p != '{') return -1;
-    p = bh_ws(p + 1, end);
     while (p < end && *p == '"') {
-        if (!(p = bh_member(p, end, &key, &klen))) return -1;
-        if (klen == 4 && !memcmp(key, "body", 4)) {
-            if (body_seen++ || p >= end || *p != '{') return -1;
-            p = bh_ws(p + 1, end);
-            while (p < end && *p == '"') {
-                if (!(p = bh_member(p, end, &key, &klen))) return -1;
-                if (klen == 9 && !memcmp(key, "token_ids", 9) && p < end && *p == '[') {
-                    /* A flat array of numbers ends at its first ']'; one that is not flat fails the parse of
-                     * [start, stop), as the whole decode refuses it. */
-                    const unsigned char *close = memchr(p, ']', (size_t)(end - p));
-                    if (found++ || !close) return -1;
-                    *start = (size_t)(p - begin);
-                    *stop = (size_t)(close + 1 - begin);
-                    p = close + 1;
-                } else if (!(p = bh_skip_value(p, end, 2))) {
-                    return -1;
-                }
-                p = bh_ws(p, end);
-                if (p < end && *p == ',') { p = bh_ws(p + 1, end); continue; }
-                break;
-            }
-            if (p >= end || *p != '}') return -1;
-            p++;
-        } else if (!(p = bh_skip_value(p, end, 1))) {
-            return -1;
+        if (!(p = bh_member(p, end, &key, &klen))) return NULL;
+        if (mode == BH_TOKENS_IN_BODY && klen == 4 && !memcmp(key, "body", 4)) {
+            if (body_seen++ || p >= end || *p != '{') return NULL;
+            if (!(p = bh_token_members(p + 1, end, begin, 0, depth + 1, start, stop, found))) return NULL;
+        } else if (mode != BH_TOKENS_IN_BODY && klen == 9 && !memcmp(key, "token_ids", 9) && p < end && *p == '[') {
+            /* A flat array of numbers ends at its first ']'; one that is not flat fails the parse of
+             * [start, stop), as the whole decode refuses it. */
+            const unsigned char *close = memchr(p, ']', (size_t)(end - p));
+            if ((*found)++ || !close) return NULL;
+            *start = (size_t)(p - begin);
+            *stop = (size_t)(close + 1 - begin);
+            p = close + 1;
+        } else if (!(p = bh_skip_value(p, end, depth))) {
+            return NULL;
         }
         p = bh_ws(p, end);
         if (p < end && *p == ',') { p = bh_ws(p + 1, end); continue; }
         break;
     }
-    if (p >= end || *p != '}') return -1;
-    p = bh_ws(p + 1, end);
+    return p < end && *p == '}' ? p + 1 : NULL;
+}
+
+/* The span [*start, *stop) of the token array of a request (`mode`: BH_TOKENS_IN_BODY for the seed's
+ * body.token_ids, BH_TOKENS_AT_TOP for /query's token_ids), found by one scan of its structure. 0 where
+ * the request has the plain shape (each key once, none escaped, token_ids an array), else -1: the caller
+ * decodes the request whole, and its decoder says what is wrong. */
+static inline int bh_find_token_ids(const unsigned char *p, size_t len, int mode, size_t *start, size_t *stop) {
+    const unsigned char *begin = p, *end = p + len;
+    int found = 0;
+    p = bh_ws(p, end);
+    if (p >= end || *p != '{') return -1;
+    if (!(p = bh_token_members(p + 1, end, begin, mode, 1, start, stop, &found))) return -1;
+    p = bh_ws(p, end);
     return p == end && found ? 0 : -1;
 }
 

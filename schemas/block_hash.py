@@ -33,9 +33,10 @@ except ImportError:  # built optionally (setup.py); the pure-Python path is exac
 #: ``array('Q').frombytes``; ValueError saying what is wrong), which the hasher reads without creating a
 #: Python int per token; None without the accelerator (the caller decodes the JSON itself).
 parse_token_array = _blockhash.parse_token_array if _blockhash is not None else None
-#: The accelerator's ``find_token_ids(body) -> (start, stop) | None``: where a hit-rate request's
-#: ``body.token_ids`` array lies, found by one scan of the body's structure and not parsed (None where the
-#: request is not in the plain shape: the caller decodes it whole).
+#: The accelerator's ``find_token_ids(body, top_level=False) -> (start, stop) | None``: where a hit-rate
+#: request's ``body.token_ids`` array lies (top_level: a /query request's ``token_ids``), found by one scan
+#: of the body's structure and not parsed (None where the request is not in the plain shape: the caller
+#: decodes it whole).
 find_token_ids = getattr(_blockhash, "find_token_ids", None)
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]

@@ -139,6 +139,11 @@ class HttpConfig(_Section):
     #: Per query thread, the serialised blocks whose sha256 it remembers (repeated prefixes are not hashed
     #: again); 0: no memo.
     digestMemoBytes: Size = 8 << 20
+    #: The bearer token POST /register and /unregister require (the chart: from a Secret, as
+    #: CACHE_INDEXER_HTTP__REGISTRATIONTOKEN); empty: registration is off (403).
+    registrationToken: str = Field("", repr=False)
+    #: Registered engine ranks at most (each one a subscription of the bridge): 409 past it.
+    maxRegistrations: int = Field(4096, ge=0)
 
 
 class BlockKeyConfig(_Section):

@@ -15,7 +15,8 @@ from pydantic.json_schema import models_json_schema
 from schemas.api import ErrorResponse, HitRateRequest, HitRateResponse
 from schemas.config import Config
 from schemas.events import L1Envelope, L3Envelope
-from schemas.tiered_api import QueryByHashRequest, QueryError, QueryRequest, QueryResponse
+from schemas.tiered_api import (QueryByHashRequest, QueryError, QueryRequest, QueryResponse, RegisterRequest,
+                                UnregisterRequest, WorkerInfo)
 
 HERE = Path(__file__).parent
 
@@ -49,11 +50,36 @@ def _tiered_route(summary: str, op: str, request: str) -> dict:
     }}
 
 
+_REGISTRATION_ERRORS = {
+    "400": "Not JSON, or a registration that cannot be used (an endpoint that is not tcp://host:port, an "
+           "instance id that is not an integer or a name, a rank over 1023, a block size under 1).",
+    "401": "Authorization: Bearer <token> missing or wrong (before the body, with Expect: 100-continue).",
+    "403": "Registration is off (no http.registrationToken).",
+    "404": "/unregister: the instance is not registered.",
+    "409": "The rank is registered already, the model's block size differs, or http.maxRegistrations is reached.",
+    "413": "Body over 64 KiB.",
+    "422": "JSON that does not fit the contract.",
+    "503": "The replica cannot read the registrations yet (starting, or NATS unreachable).",
+}
+
+
+def _registration_route(summary: str, op: str, request: str, ok: str, ok_text: str) -> dict:
+    ref = lambda name: {"$ref": f"#/components/schemas/{name}"}  # noqa: E731
+    err = {"content": {"application/json": {"schema": ref("QueryError")}}}
+    codes = {c: t for c, t in _REGISTRATION_ERRORS.items() if c != "404" or op == "unregister"}
+    return {"post": {
+        "summary": summary, "operationId": op, "security": [{"registrationToken": []}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+        "responses": {ok: {"description": ok_text}, **{c: {"description": t, **err} for c, t in codes.items()}},
+    }}
+
+
 def openapi() -> dict:
     _, defs = models_json_schema(
         [(HitRateRequest, "validation"), (HitRateResponse, "serialization"), (ErrorResponse, "serialization"),
          (QueryRequest, "validation"), (QueryByHashRequest, "validation"), (QueryResponse, "serialization"),
-         (QueryError, "serialization")],
+         (QueryError, "serialization"), (RegisterRequest, "validation"), (UnregisterRequest, "validation"),
+         (WorkerInfo, "serialization")],
         ref_template="#/components/schemas/{model}",
     )
     ref = lambda name: {"$ref": f"#/components/schemas/{name}"}  # noqa: E731
@@ -77,6 +103,17 @@ def openapi() -> dict:
                                     "(GPU, then CPU, then STORAGE; Mooncake L3)", "query", "QueryRequest"),
             "/query_by_hash": _tiered_route("The same for a request given as the engines' block hashes",
                                             "queryByHash", "QueryByHashRequest"),
+            "/register": _registration_route(
+                "Register an engine rank outside Kubernetes labels (kept in NATS; every bridge and replica sees it)",
+                "register", "RegisterRequest", "201", "Registered: {\"status\": \"ok\"}."),
+            "/unregister": _registration_route("Drop a registered instance (one rank, or all); its blocks leave the "
+                                               "index", "unregister", "UnregisterRequest", "200",
+                                               "Unregistered: {\"status\": \"ok\"}."),
+            "/workers": {"get": {"summary": "Every target: registered engines and the pods the bridge subscribes to",
+                                 "operationId": "workers",
+                                 "responses": {"200": {"description": "One item per instance.", "content": {
+                                     "application/json": {"schema": {"type": "array",
+                                                                     "items": ref("WorkerInfo")}}}}}}},
             "/healthz": {"get": {"summary": "Liveness", "operationId": "healthz",
                                  "responses": {"200": {"description": "The process is alive."}}}},
             "/readyz": {"get": {"summary": "Readiness: the index has caught up with the streams",
@@ -87,7 +124,9 @@ def openapi() -> dict:
                                  "responses": {"200": {"description": "Prometheus text format.",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         },
-        "components": {"schemas": defs["$defs"]},
+        "components": {"schemas": defs["$defs"],
+                       "securitySchemes": {"registrationToken": {"type": "http", "scheme": "bearer",
+                                                                 "description": "http.registrationToken"}}},
     }
 
 

@@ -21,7 +21,7 @@ DEPLOYMENT_KEYS = frozenset({
     "enabled", "global", "image", "imagePullSecrets", "nameOverride", "fullnameOverride", "service", "serviceAccount",
     "rbac", "resources", "indexer", "bridge", "monitoring", "podAnnotations", "podLabels", "nodeSelector",
     "tolerations", "affinity", "podSecurityContext", "securityContext", "networkPolicy", "externalNats", "jetstream",
-    "natsTls", "topologySpread", "podDisruptionBudget",
+    "natsTls", "topologySpread", "podDisruptionBudget", "registration",
 })
 #: Top-level values of the official NATS chart (2.14.2), found under ``nats`` when it is our sub-chart.
 NATS_CHART_KEYS = frozenset({

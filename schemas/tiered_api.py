@@ -68,3 +68,48 @@ class QueryResponse(BaseModel):
 
 class QueryError(BaseModel):
     error: str = Field(description="What was wrong.")
+
+
+class RegisterRequest(BaseModel):
+    """An engine rank outside Kubernetes labels (Dynamo's /register; Mooncake's spellings too). Requires
+    ``Authorization: Bearer <http.registrationToken>``. Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    instance_id: Annotated[int, Field(ge=0, lt=1 << 64)] | Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")] = \
+        Field(description="The instance: Dynamo's integer, or a name (letters, digits, '_', '-'). /query answers "
+                          "it under this id.")
+    endpoint: str = Field(max_length=1024, description="The engine's ZMQ PUB socket, tcp://host:port.")
+    replay_endpoint: str | None = Field(None, max_length=1024, description="Its ROUTER replay socket, tcp://host:port.")
+    model_name: str = Field(max_length=MAX_NAME_CHARS, validation_alias=AliasChoices("model_name", "model"))
+    routing_group: str = Field("default", max_length=MAX_NAME_CHARS,
+                               validation_alias=AliasChoices("routing_group", "tenant_id"))
+    block_size: int = Field(gt=0, description="Tokens per block; one value per model and routing group (409 otherwise).")
+    dp_rank: int = Field(0, ge=0, le=1023, description="The data-parallel rank this endpoint publishes for.")
+    lora_name: str = Field("", max_length=MAX_NAME_CHARS)
+
+
+class UnregisterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    instance_id: Annotated[int, Field(ge=0, lt=1 << 64)] | str
+    dp_rank: int | None = Field(None, description="One rank; absent: every rank of the instance.")
+
+
+class Listener(BaseModel):
+    endpoint: str
+    status: str = Field(description="`active` (events indexed), `subscribed` (a bridge subscribes, no events yet), "
+                                    "`registered` (no bridge has taken it up yet).")
+
+
+class WorkerInfo(BaseModel):
+    """One target of ``GET /workers``: Dynamo's fields; ``source`` is `registration`, `labels` or `file`."""
+
+    instance_id: int | str
+    source: str
+    status: str = Field(description="The best of its ranks' listener statuses.")
+    model_name: str
+    routing_group: str
+    block_size: int
+    endpoints: dict[str, str]
+    listeners: dict[str, Listener]

@@ -440,3 +440,29 @@ def test_dockerfile_structure():
     user = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert user and user[-1].split(":")[0] not in ("root", "0"), "the image must run as a non-root user"
     assert re.search(r'^CMD\s+\["indexer"', text, re.M) and 'ENTRYPOINT ["cache-indexer"]' in text
+
+
+def _container_env(objs, component: str) -> dict:
+    [deploy] = [o for o in by_kind(objs, "Deployment") if o["metadata"]["name"].endswith(component)]
+    return {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+
+
+@needs_nats_chart
+def test_registration_takes_its_token_from_a_secret_and_only_the_indexers_get_it(chart):
+    """Off by default; on, a token generated into a Secret (or an existing one) reaches the indexers as
+    environment, never the ConfigMap nor the bridges."""
+    var = "CACHE_INDEXER_HTTP__REGISTRATIONTOKEN"
+    objs = render(chart)
+    assert var not in _container_env(objs, "indexer") and not [o for o in by_kind(objs, "Secret")
+                                                                if "registration" in o["metadata"]["name"]]
+    objs = render(chart, {"registration": {"enabled": True}})
+    validate_all(objs)
+    [secret] = [o for o in by_kind(objs, "Secret") if o["metadata"]["name"].endswith("-registration")]
+    assert len(secret["data"]["token"]) >= 40
+    ref = _container_env(objs, "indexer")[var]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": secret["metadata"]["name"], "key": "token"}
+    assert var not in _container_env(objs, "bridge")
+    assert "registrationToken" not in json.dumps(config_of(objs))
+    objs = render(chart, {"registration": {"enabled": True, "existingSecret": "engines-token"}})
+    assert _container_env(objs, "indexer")[var]["valueFrom"]["secretKeyRef"] == {"name": "engines-token", "key": "token"}
+    assert not [o for o in by_kind(objs, "Secret") if o["metadata"]["name"].endswith("-registration")]

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from api.app import HitRateApi
 from api.json_request import RequestError
-from api.tiered_query import decode_query, decode_query_by_hash
+from api.tiered_query import decode_query, decode_query_by_hash, query_tokens
 from bench.dynamo import dynamo_python, in_loopback_namespace
 from indexer.hit_rate import NATIVE_QUERY
 from indexer.l1_state import L1State
@@ -135,6 +135,22 @@ def test_the_native_match_equals_the_reference_walk():
         assert (native.ranks, native.full_blocks) == (ref.ranks, ref.full_blocks), (seed, histories, len(tokens))
 
 
+async def test_query_answers_on_the_query_threads_equal_the_reference_walks(monkeypatch):
+    """Bodies over INLINE_MAX_BYTES go to the native query threads (here every one): the same answers."""
+    from api import app as app_module
+    from api.tiered_query import answer
+
+    monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", 0)
+    l1 = _state({("a", 0): [(0, 5, "GPU")], ("a", 1): [(0, 7, "GPU")], ("b", 0): [(0, 2, "GPU"), (3, 8, "GPU")]})
+    async with _served(l1) as base, aiohttp.ClientSession() as s:
+        for length in range(0, len(PROMPT) + 1, 3):
+            tokens = PROMPT[:length]
+            async with s.post(base + "/query", json={"token_ids": tokens, "model_name": "m", "cache_salt": ""}) as r:
+                got = await r.json()
+            keys = HASHER.event_hashes(tokens, B)
+            assert got == json.loads(json.dumps(answer(match_keys(keys, len(keys), l1, None), B))), length
+
+
 # -- the contract ----------------------------------------------------------------------------------
 
 class _served:
@@ -222,7 +238,8 @@ def _accepted(check, raw: bytes, errors) -> bool:
 @pytest.mark.parametrize("body", BODIES)
 def test_the_fast_decoder_and_the_contract_agree(body):
     raw = json.dumps(body).encode()
-    assert _accepted(decode_query, raw, RequestError) == _accepted(QueryRequest.model_validate_json, raw, ValidationError)
+    fast = _accepted(lambda r: query_tokens(decode_query(r)[1]), raw, RequestError)
+    assert fast == _accepted(QueryRequest.model_validate_json, raw, ValidationError)
 
 
 @pytest.mark.parametrize("body", [{"model_name": "m", "block_hashes": [1, -1]}, {"model_name": "m"},

@@ -157,6 +157,56 @@ def test_the_request_split_equals_the_whole_decode(rng):
     assert split >= min(n, len(corpus)), "the plain requests of the corpus were split"
 
 
+def _query_decoded(raw: bytes, split: bool):
+    """What a /query body asks (its token array parsed), or None where it is refused; whole or split."""
+    from api import tiered_query
+    from api.json_request import RequestError
+
+    find = tiered_query.find_token_ids
+    if not split:
+        tiered_query.find_token_ids = None
+    try:
+        req, token_json = tiered_query.decode_query(raw)
+        return (req.model_name, req.model, req.routing_group, req.cache_salt, req.block_size, req.lora_name,
+                tiered_query.query_tokens(token_json).tolist())
+    except RequestError:
+        return None
+    finally:
+        tiered_query.find_token_ids = find
+
+
+def _query_body(rng: random.Random) -> bytes:
+    """A /query body as routers write them, or nearly: members in any order, unknown ones (some holding a
+    token_ids of their own), odd spacing, and now and then a duplicate, an escaped key or a bad array."""
+    tokens = [rng.randrange(1 << 17) for _ in range(rng.randrange(40))]
+    members = [("token_ids", json.dumps(tokens)), ("model_name", json.dumps(rng.choice(["m", "qwen", ""])))]
+    for name, value in [("cache_salt", '"s"'), ("block_size", str(rng.choice([1, 16, 0, -3]))),
+                        ("routing_group", '"g"'), ("other", json.dumps({"token_ids": [9, 9], "x": [[1], {}]})),
+                        ("lora_name", '"a"'), ("token_ids", "[1, 2]"), ("token_\\u0069ds", "[7]"),
+                        ("instance_id", "5"), ("mm_features", "[]")]:
+        if rng.random() < 0.3:
+            members.append((name, value))
+    rng.shuffle(members)
+    ws = lambda: rng.choice(["", " ", "\n  ", "\t"])  # noqa: E731
+    text = "{" + ws() + ("," + ws()).join(f'"{k}"{ws()}:{ws()}{v}' for k, v in members) + ws() + "}"
+    if rng.random() < 0.1:
+        cut = rng.randrange(len(text))
+        text = text[:cut] + rng.choice(["", "]", "[", ",", '"', "-1", "1e3", "true"]) + text[cut + 1:]
+    return text.encode()
+
+
+def test_the_query_split_equals_the_whole_decode(rng):
+    """/query bodies: the token array found with one scan (at the top, never in a nested member) and the
+    rest decoded alone accept the same requests, with the same values, as decoding the whole body."""
+    needs_native(block_hash.find_token_ids is not None, "the request splitter's C accelerator")
+    split = 0
+    for _ in budget():
+        raw = _query_body(rng)
+        split += block_hash.find_token_ids(raw, True) is not None
+        assert _query_decoded(raw, True) == _query_decoded(raw, False), raw[:300]
+    assert split > 10
+
+
 @pytest.mark.parametrize("algo", ["sha256_cbor", "sha256", "xxhash_cbor", "xxhash"])
 def test_the_hash_chain_equals_the_python_reference(rng, algo):
     fast, reference = BlockHasher(algo, "0"), BlockHasher(algo, "0", accelerate=False)

@@ -197,6 +197,18 @@ async def test_events_without_anything_running_fails_fast(tmp_path):
     assert "no NATS server answered" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+async def _printed_curl(sim: subprocess.Popen) -> tuple[str, dict]:
+    """The URL and body of the curl `simulate` prints once the API shows a ratio above 0."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = await asyncio.to_thread(sim.stdout.readline)
+        assert line, f"simulate ended: {sim.stderr.read()}"
+        if line.startswith("curl "):
+            words = shlex.split(line.strip())
+            return words[2], json.loads(words[words.index("-d") + 1])
+    raise AssertionError("simulate printed no curl within 60s")
+
+
 async def test_simulate_shows_real_ratios_and_events_view_finds_local(tmp_path, targets):
     local = Local(tmp_path, targets).start()
     sim = None
@@ -207,16 +219,7 @@ async def test_simulate_shows_real_ratios_and_events_view_finds_local(tmp_path, 
         sim = subprocess.Popen([sys.executable, "-m", "cache_indexer.cli", "simulate", "--rate", "50"], cwd=tmp_path,
                                env=local.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
-        curl = None
-        deadline = time.monotonic() + 60
-        while curl is None and time.monotonic() < deadline:
-            line = await asyncio.to_thread(sim.stdout.readline)
-            assert line, f"simulate ended: {sim.stderr.read()}"
-            if line.startswith("curl "):
-                curl = line.strip()
-        assert curl, "simulate printed a curl"
-        words = shlex.split(curl)
-        url, body = words[2], json.loads(words[words.index("-d") + 1])
+        url, body = await _printed_curl(sim)
         assert url == f"http://127.0.0.1:{local.port}/kv-cache/hit-rate"
         async with aiohttp.ClientSession() as session:  # what the curl does
             async with session.post(url, data=json.dumps(body)) as resp:
@@ -284,3 +287,34 @@ def test_reconnect_warnings_are_throttled(caplog):
         warn("nats: %s", "connection refused")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["nats: connection refused", "nats: connection refused (59 more held back in the last 30s)"]
+
+
+async def test_simulate_registers_its_engines_and_asks_the_ecosystem_api(tmp_path, targets):
+    """`simulate --register --ask query`: the engines come in over POST /register (the local instance's
+    token), the ratio is checked and the curl printed with POST /query, and Ctrl-C unregisters them."""
+    local = Local(tmp_path, targets, None, "--set", "http.registrationToken=local-token").start()
+    sim = None
+    try:
+        await local.wait_ready()
+        sim = subprocess.Popen([sys.executable, "-m", "cache_indexer.cli", "simulate", "--rate", "50", "--register",
+                                "--ask", "query"], cwd=tmp_path, env=local.env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+        url, body = await _printed_curl(sim)
+        assert url == f"http://127.0.0.1:{local.port}/query"
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, data=json.dumps(body)) as resp:
+                answer = await resp.json()
+            assert resp.status == 200 and set(answer["instances"]) <= {"sim-0", "sim-1", "sim-2"}, answer
+            assert max(i["gpu"] for i in answer["instances"].values()) > 0
+            async with session.get(f"http://127.0.0.1:{local.port}/workers") as resp:
+                workers = await resp.json()
+            assert {w["instance_id"] for w in workers} == {"sim-0", "sim-1", "sim-2"}
+            assert {w["source"] for w in workers} == {"registration"}
+            os.killpg(sim.pid, signal.SIGINT)
+            assert await asyncio.to_thread(sim.wait, 15) == 0
+            async with session.get(f"http://127.0.0.1:{local.port}/workers") as resp:
+                assert await resp.json() == [], "simulate unregisters its engines"
+    finally:
+        if sim is not None and sim.poll() is None:
+            os.killpg(sim.pid, signal.SIGKILL)
+        local.kill()

@@ -8,7 +8,10 @@ The traffic is what prefix caching is for: a few shared system prompts (prompt 0
 the printed curl is short) and multi-turn conversations that grow turn by turn, pinned to a rank.
 
 The engines are listed in the targets overlay of the running ``cache-indexer local``
-(``runtime_file.simulated_targets_path``), or in ``--targets FILE``; the file is removed on exit.
+(``runtime_file.simulated_targets_path``), or in ``--targets FILE``; the file is removed on exit. With
+``--register`` they register themselves over ``POST /register`` instead (instance ids sim-0, sim-1 ...)
+and unregister on exit. ``--ask query`` checks the ratio and prints the curl with the ecosystem's
+``POST /query`` (Dynamo's shape) instead of the seed's ``POST /kv-cache/hit-rate``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import signal
 import sys
@@ -49,6 +53,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the engines to this targets file instead of the running local instance's overlay")
     p.add_argument("--api", metavar="URL", help="the hit-rate API to check and print the curl for "
                    "(default: the running local instance's)")
+    p.add_argument("--ask", choices=["hit-rate", "query"], default="hit-rate",
+                   help="the API to check the ratio with and print the curl for: the seed's POST /kv-cache/hit-rate "
+                        "(default) or the ecosystem's POST /query (Dynamo's standalone indexer's shape)")
+    p.add_argument("--register", action="store_true",
+                   help="register the engines over POST /register (and unregister them on exit) instead of "
+                        "listing them in a targets file; the token: --token, $CACHE_INDEXER_HTTP__REGISTRATIONTOKEN, "
+                        "or the running local instance's")
+    p.add_argument("--token", help="the registration token (http.registrationToken of the instance)")
+    p.add_argument("--model", default="default", help="the model name /register and /query carry (default: default)")
 
 
 class SimulatedEngine:
@@ -186,14 +199,38 @@ def demo_request(pods: list[str], block_size: int) -> dict:
     return {"server_ip": pods, "body": {"token_ids": DEMO_PROMPT, "cache_salt": "", "block_size": block_size}}
 
 
-def curl_line(api_url: str, request: dict) -> str:
-    return f"curl -s {api_url}/kv-cache/hit-rate -d '{json.dumps(request, separators=(', ', ': '))}'"
+def demo_query(block_size: int, model: str = "default") -> dict:
+    """The same question in the ecosystem's shape (POST /query)."""
+    return {"token_ids": DEMO_PROMPT, "model_name": model, "block_size": block_size}
 
 
-async def _ratios(session, api_url: str, request: dict) -> dict[str, float]:
-    async with session.post(f"{api_url}/kv-cache/hit-rate", json=request) as resp:
+def curl_line(api_url: str, request: dict, path: str = "/kv-cache/hit-rate") -> str:
+    return f"curl -s {api_url}{path} -d '{json.dumps(request, separators=(', ', ': '))}'"
+
+
+async def _ratios(session, api_url: str, request: dict, path: str) -> dict[str, float]:
+    """Per pod (instance), the L1 ratio of the demo prompt, through either API."""
+    async with session.post(f"{api_url}{path}", json=request) as resp:
         body = await resp.json(content_type=None)
+    if path == "/query":
+        return {pod: inst["gpu"] / len(DEMO_PROMPT) for pod, inst in (body.get("instances") or {}).items()}
     return {s["server_ip"]: s["l1_hit_ratio"] for s in body.get("server_score_list", [])}
+
+
+def _registrations(targets: list[dict], args: argparse.Namespace) -> list[dict]:
+    """The /register bodies of the simulated engines: one per rank, the pod's name as the instance id."""
+    return [{"instance_id": t["name"], "dp_rank": r, "endpoint": f"tcp://{t['host']}:{t['zmqPort'] + r}",
+             "replay_endpoint": f"tcp://{t['host']}:{t['replayPort'] + r}", "model_name": args.model,
+             "block_size": args.block_size} for t in targets for r in range(t["dpRanks"])]
+
+
+async def _register(session, api_url: str, token: str, bodies: list[dict], path: str = "/register") -> str | None:
+    """POST each body; the first refusal's message, or None."""
+    for body in bodies:
+        async with session.post(f"{api_url}{path}", json=body, headers={"Authorization": f"Bearer {token}"}) as resp:
+            if resp.status >= 300 and not (path == "/unregister" and resp.status == 404):
+                return f"{path} {resp.status}: {(await resp.json(content_type=None)).get('error')}"
+    return None
 
 
 async def simulate(cfg: Config, args: argparse.Namespace, out=sys.stdout) -> int:
@@ -201,7 +238,20 @@ async def simulate(cfg: Config, args: argparse.Namespace, out=sys.stdout) -> int
     import zmq.asyncio
 
     record = runtime_file.read_local()
-    if args.targets:
+    token = (args.token or os.environ.get("CACHE_INDEXER_HTTP__REGISTRATIONTOKEN")
+             or ((record or {}).get("config") or {}).get("http", {}).get("registrationToken", ""))
+    if args.register:
+        targets_path = None
+        if not token:
+            print("cache-indexer: --register needs the instance's registration token (--token, or "
+                  "$CACHE_INDEXER_HTTP__REGISTRATIONTOKEN; `cache-indexer local --set http.registrationToken=...`)",
+                  file=sys.stderr)
+            return 2
+        if record is None and not args.api:
+            print("cache-indexer: no running `cache-indexer local` found; start it first, or pass --api URL",
+                  file=sys.stderr)
+            return 2
+    elif args.targets:
         targets_path = Path(args.targets)
     elif record is not None:
         targets_path = runtime_file.simulated_targets_path()
@@ -220,30 +270,39 @@ async def simulate(cfg: Config, args: argparse.Namespace, out=sys.stdout) -> int
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    tmp = targets_path.with_suffix(".tmp")
-    targets_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(yaml.safe_dump({"vllm": targets}, sort_keys=False))
-    tmp.replace(targets_path)
-    pods = [t["ip"] for t in targets]
-    print(f"simulating {args.pods} pods x {args.dp_ranks} ranks ({', '.join(pods)}), block size {args.block_size}, "
-          f"{block_key.hashAlgo} seed {block_key.pythonHashSeed!r}; targets in {targets_path}", file=out, flush=True)
-    workload = Workload(engines, args.seed)
-    try:
-        await asyncio.wait_for(asyncio.gather(*(e.publisher.wait_subscribed(60) for e in engines)), 60)
-    except asyncio.TimeoutError:
-        print("cache-indexer: the bridge did not subscribe within 60s; is the instance watching "
-              f"{targets_path}?", file=sys.stderr)
-        stop.set()
-    request = demo_request(pods, args.block_size)
-    shown = False
-    deadline = loop.time() + args.duration if args.duration else None
-    next_report = loop.time() + 10
     async with aiohttp.ClientSession() as session:
+        if targets_path is not None:
+            tmp = targets_path.with_suffix(".tmp")
+            targets_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(yaml.safe_dump({"vllm": targets}, sort_keys=False))
+            tmp.replace(targets_path)
+            pods, where = [t["ip"] for t in targets], f"targets in {targets_path}"
+        else:
+            refused = await _register(session, api_url, token, _registrations(targets, args))
+            if refused:
+                print(f"cache-indexer: registration refused: {refused}", file=sys.stderr)
+                stop.set()
+            pods, where = [t["name"] for t in targets], f"registered at {api_url}/register"
+        print(f"simulating {args.pods} pods x {args.dp_ranks} ranks ({', '.join(pods)}), block size {args.block_size}, "
+              f"{block_key.hashAlgo} seed {block_key.pythonHashSeed!r}; {where}", file=out, flush=True)
+        workload = Workload(engines, args.seed)
+        try:
+            if not stop.is_set():
+                await asyncio.wait_for(asyncio.gather(*(e.publisher.wait_subscribed(60) for e in engines)), 60)
+        except asyncio.TimeoutError:
+            print("cache-indexer: the bridge did not subscribe within 60s; is the instance watching "
+                  f"{targets_path or 'its registrations'}?", file=sys.stderr)
+            stop.set()
+        path = "/query" if args.ask == "query" else "/kv-cache/hit-rate"
+        request = demo_query(args.block_size, args.model) if args.ask == "query" else demo_request(pods, args.block_size)
+        shown = False
+        deadline = loop.time() + args.duration if args.duration else None
+        next_report = loop.time() + 10
         while not stop.is_set() and (deadline is None or loop.time() < deadline):
             await workload.step()
             if not shown and workload.requests % 10 == 0:
                 try:
-                    ratios = await _ratios(session, api_url, request)
+                    ratios = await _ratios(session, api_url, request, path)
                 except (aiohttp.ClientError, ValueError) as exc:
                     ratios = {}
                     log.debug("API not answering yet: %s", exc)
@@ -251,7 +310,7 @@ async def simulate(cfg: Config, args: argparse.Namespace, out=sys.stdout) -> int
                     shown = True
                     print("L1 ratios of system prompt 0 now: " + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()),
                           file=out)
-                    print("try it (another terminal):\n" + curl_line(api_url, request), file=out, flush=True)
+                    print("try it (another terminal):\n" + curl_line(api_url, request, path), file=out, flush=True)
             if loop.time() >= next_report:
                 next_report += 10
                 print(f"{workload.requests} requests, {sum(e.stored for e in engines)} blocks stored, "
@@ -260,9 +319,16 @@ async def simulate(cfg: Config, args: argparse.Namespace, out=sys.stdout) -> int
                 await asyncio.wait_for(stop.wait(), 1 / args.rate)
             except asyncio.TimeoutError:
                 pass
-    targets_path.unlink(missing_ok=True)
+        if targets_path is None:
+            refused = await _register(session, api_url, token, [{"instance_id": t["name"]} for t in targets],
+                                      "/unregister")
+            if refused:
+                print(f"cache-indexer: {refused}", file=sys.stderr)
+    if targets_path is not None:
+        targets_path.unlink(missing_ok=True)
     for e in engines:
         await e.publisher.close()
     ctx.term()
-    print(f"stopped after {workload.requests} requests; the engines were removed from {targets_path}", file=out)
+    print(f"stopped after {workload.requests} requests; the engines were removed from "
+          f"{targets_path or 'the registrations'}", file=out)
     return 0

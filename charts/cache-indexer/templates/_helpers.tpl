@@ -270,6 +270,12 @@ CACHE_INDEXER_{{ upper $role }}_PASSWORD:
 {{- end -}}
 {{- end -}}
 
+{{/* The Secret holding the registration token (key "token"): registration.existingSecret, or the one
+     the chart generates and keeps across upgrades. */}}
+{{- define "cache-indexer.registrationSecret" -}}
+{{- .Values.registration.existingSecret | default (printf "%s-registration" (include "cache-indexer.fullname" .) | trunc 63 | trimSuffix "-") -}}
+{{- end -}}
+
 {{/* nats-box as the admin user (the nats CLI reads NATS_USER / NATS_PASSWORD). */}}
 {{- define "cache-indexer.natsBoxAuthEnv" -}}
 {{- if (.Values.auth | default dict).enabled -}}
@@ -282,9 +288,10 @@ NATS_PASSWORD:
 {{- end -}}
 {{- end -}}
 
-{{/* Our container's NATS credentials (.role: bridge or indexer): the bundled NATS's role user, or what
-     externalNats names in a Secret; files (nkey seed, .creds) are mounted by natsClientVolumes. */}}
-{{- define "cache-indexer.natsClientEnv" -}}
+{{/* Our container's environment (.role: bridge or indexer): its NATS credentials (the bundled NATS's
+     role user, or what externalNats names in a Secret; files, an nkey seed or .creds, are mounted by
+     natsClientVolumes), and the indexers' registration token (registration.enabled). */}}
+{{- define "cache-indexer.containerEnv" -}}
 {{- $env := list -}}
 {{- if .Values.nats.enabled -}}
 {{- if .Values.nats.auth.enabled -}}
@@ -303,6 +310,10 @@ NATS_PASSWORD:
 {{- $env = append $env (dict "name" $var "valueFrom" (dict "secretKeyRef" (dict "name" $x.secretName "key" (get $x $key)))) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+{{- if and (eq .role "indexer") .Values.registration.enabled -}}
+{{- $secret := include "cache-indexer.registrationSecret" . -}}
+{{- $env = append $env (dict "name" "CACHE_INDEXER_HTTP__REGISTRATIONTOKEN" "valueFrom" (dict "secretKeyRef" (dict "name" $secret "key" "token"))) -}}
 {{- end -}}
 {{- with $env }}
 env:

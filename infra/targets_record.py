@@ -1,6 +1,7 @@
 """What the active bridge publishes for, kept in the records bucket (``infra.streams.records_bucket``,
 ``snapshot.metaBucket``; key ``bridge.targets``): the vLLM pods it subscribes to and the Mooncake
-masters it polls.
+masters it polls, and the endpoints of those pods (where they came from: the API's ``/workers``).
+Written by the bridge, read by the bridge that takes over and by the API.
 
 Pods and masters that leave discovery are dropped from the index through the streams, but only by a
 bridge that sees them leave. One that left while no bridge watched (all were down, or a standby was
@@ -27,6 +28,7 @@ class TargetsRecord:
         self._store = RecordsKv(js, bucket, replicas)
         self._pods: set[str] | None = None
         self._masters: set[str] | None = None
+        self._endpoints: list[list] | None = None
 
     async def load(self) -> tuple[set[str], set[str]]:
         """(pods, masters) as last saved; empty when there is no record or it cannot be read."""
@@ -42,16 +44,30 @@ class TargetsRecord:
         self._pods, self._masters = set(pods), set(masters)
         return pods, masters
 
-    async def save(self, pods: set[str] | None = None, masters: set[str] | None = None) -> None:
-        """Replace the pods and/or the masters; written only when something changed."""
+    async def save(self, pods: set[str] | None = None, masters: set[str] | None = None,
+                   endpoints: list | None = None) -> None:
+        """Replace the pods (with their endpoints) and/or the masters; written only when something changed."""
         new_pods = self._pods if pods is None else set(pods)
         new_masters = self._masters if masters is None else set(masters)
-        if new_pods == self._pods and new_masters == self._masters:
+        new_endpoints = self._endpoints if endpoints is None else sorted(
+            ([e.pod, e.rank, e.pub, e.replay, e.name] for e in endpoints), key=lambda row: (row[0], row[1], row[2]))
+        if new_pods == self._pods and new_masters == self._masters and new_endpoints == self._endpoints:
             return
-        value = msgpack.packb({"pods": sorted(new_pods or ()), "masters": sorted(new_masters or ())})
+        value = msgpack.packb({"pods": sorted(new_pods or ()), "masters": sorted(new_masters or ()),
+                               "endpoints": new_endpoints or []})
         try:
             await (await self._store()).put(KEY, value)
         except Exception as exc:
             log.warning("bridge targets record not written (%s)", exc)
             return
-        self._pods, self._masters = new_pods, new_masters
+        self._pods, self._masters, self._endpoints = new_pods, new_masters, new_endpoints
+
+
+async def read_endpoints(store: RecordsKv) -> list[list] | None:
+    """The endpoints the active bridge last recorded ([pod, rank, pub, replay, name]); None: no record."""
+    try:
+        entry = await (await store()).get(KEY)
+    except (KeyNotFoundError, NotFoundError):
+        return None
+    record = msgpack.unpackb(entry.value) if entry.value else {}
+    return [list(e) for e in record.get("endpoints", ())]

@@ -1,0 +1,179 @@
+"""Engines registered over HTTP (``POST /register``), kept in the records bucket so that every bridge and
+replica sees them and they outlive restarts: key ``registration.<instance>.<dp_rank>``, a JSON value.
+
+The API writes (create, so that a second registration of one rank is refused, and delete); active
+bridges follow the keys (``follow``) and subscribe to each registration as to a discovered pod, under
+the instance id where a pod has its address; replicas follow them too (``/workers``, and ``/query``'s
+model filter and block size). A follower that loses its watch starts again from the bucket's values:
+the set it reports is always whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from infra.streams import RecordsKv
+from infra.tasks import cancel_and_wait
+from infra.throttled_log import ThrottledWarning
+
+log = logging.getLogger(__name__)
+
+PREFIX = "registration."
+#: An instance id: Dynamo's u64 (written in decimal), or a name of these characters. Neither can be a
+#: pod address (no dots, no colons), so a registered instance never takes a discovered pod's place.
+INSTANCE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+#: A ZMQ TCP endpoint an engine binds: tcp://host:port (a bracketed IPv6 host included)
+ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+MAX_DP_RANK = 1023
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    instance_id: str
+    dp_rank: int
+    endpoint: str  # the engine's PUB socket
+    replay_endpoint: str | None  # its ROUTER replay socket
+    model_name: str
+    routing_group: str
+    block_size: int
+    lora_name: str = ""
+
+    @property
+    def key(self) -> str:
+        return registration_key(self.instance_id, self.dp_rank)
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Registration":
+        """ValueError where the value is not a registration (written by hand, or by a newer version)."""
+        try:
+            raw = json.loads(data)
+            reg = cls(**{f: raw[f] for f in cls.__dataclass_fields__ if f in raw})
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"not a registration: {exc}") from None
+        error = reg.problem()
+        if error:
+            raise ValueError(error)
+        return reg
+
+    def problem(self) -> str | None:
+        """What makes this registration unusable; None when it is fine."""
+        if not INSTANCE_ID.fullmatch(self.instance_id):
+            return f"instance_id {self.instance_id!r}: an integer, or 1-128 letters, digits, '_' or '-'"
+        if not 0 <= self.dp_rank <= MAX_DP_RANK:
+            return f"dp_rank {self.dp_rank}: 0 to {MAX_DP_RANK}"
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is None and name == "replay_endpoint":
+                continue
+            m = ZMQ_ENDPOINT.fullmatch(value or "")
+            if not m or not 0 < int(m.group(2)) < 65536:
+                return f"{name} {value!r}: a ZMQ TCP endpoint, tcp://host:port"
+        if self.block_size <= 0:
+            return f"block_size {self.block_size}: a positive number of tokens"
+        return None
+
+
+def registration_key(instance_id: str, dp_rank: int) -> str:
+    return f"{PREFIX}{instance_id}.{dp_rank}"
+
+
+class RegistrationStore:
+    """The registrations in the records bucket: written by the API, followed by bridges and replicas."""
+
+    def __init__(self, js, bucket: str, replicas: int = 1, on_error: Callable[[], None] = lambda: None) -> None:
+        self._kv = RecordsKv(js, bucket, replicas)
+        #: what ``follow`` saw last, by key (a follower's view; the API checks it before writing)
+        self.current: dict[str, Registration] = {}
+        self.synced = asyncio.Event()  # ``current`` holds the bucket's values (once, at least)
+        self._on_error = on_error  # counts a lost watch or an unreadable value
+        self._task: asyncio.Task | None = None
+        self._warn = ThrottledWarning(log, every=30.0)
+
+    async def create(self, reg: Registration) -> bool:
+        """False where this rank of the instance is registered already."""
+        try:
+            await (await self._kv()).create(reg.key, reg.encode())
+        except KeyWrongLastSequenceError:
+            return False
+        self.current[reg.key] = reg
+        return True
+
+    async def delete(self, instance_id: str, dp_rank: int | None = None) -> list[Registration]:
+        """Delete the instance's registration (one rank, or all of them); what was deleted."""
+        kv = await self._kv()
+        gone = [reg for reg in list(self.current.values())
+                if reg.instance_id == instance_id and (dp_rank is None or reg.dp_rank == dp_rank)]
+        for reg in gone:
+            try:
+                await kv.delete(reg.key)
+            except KeyNotFoundError:
+                pass
+            self.current.pop(reg.key, None)
+        return gone
+
+    def follow(self, on_change: Callable[[list[Registration]], Awaitable[None]] | None = None) -> None:
+        """Keep ``current`` up to date, and call ``on_change`` with all of them once the bucket's values are
+        in, then after each change."""
+        self._task = asyncio.create_task(self._follow(on_change), name="registrations")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)  # (once is not enough around nats-py: infra/tasks.py)
+        self._task = None
+
+    async def _follow(self, on_change) -> None:
+        backoff = 0.5
+        while True:
+            watcher = None
+            try:
+                watcher = await (await self._kv()).watch(PREFIX + ">")
+                seen: dict[str, Registration] = {}
+                in_sync = False
+                async for entry in watcher:
+                    if entry is not None:
+                        self._take(seen, entry)
+                        if not in_sync:
+                            continue
+                    in_sync = True
+                    self.current = dict(seen)
+                    self.synced.set()
+                    backoff = 0.5
+                    if on_change is not None:
+                        await on_change(list(seen.values()))
+                raise ConnectionError("the registrations watch ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the watch is started again; what was known stays meanwhile
+                self._on_error()
+                self._warn("registrations not followed (%s); again in %.1fs", exc, backoff)
+            finally:
+                if watcher is not None:
+                    try:
+                        await watcher.stop()
+                    except Exception:
+                        pass
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+    def _take(self, seen: dict[str, Registration], entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            seen.pop(entry.key, None)
+            return
+        try:
+            reg = Registration.decode(entry.value)
+            if reg.key != entry.key:
+                raise ValueError(f"stored under {entry.key}, not its own key {reg.key}")
+        except ValueError as exc:
+            self._on_error()
+            log.error("registration %s ignored: %s", entry.key, exc)
+            return
+        seen[entry.key] = reg
