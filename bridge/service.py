@@ -183,6 +183,7 @@ class Bridge:
         if self.registrations is not None:
             await self.registrations.stop()
         self._discovered = self._registered = None
+        self._registered_pods = set()
         for sub in self.subscribers.values():
             await sub.stop()
         self.subscribers.clear()

@@ -8,8 +8,9 @@ after the CPU run does not count: vLLM does not look again. Per pod, ``l3``: the
 Mooncake segment (the best of its masters). Dynamo 1.6.1 answers the same (checked against it:
 tests/test_ecosystem_api.py).
 
-``match_keys`` is the reference: a walk over the request's block keys (computed lazily, so a cold
-request costs a hash or two) that stops when no worker of any stage is still matching.
+``KeyWalk`` (``match_keys`` in one go) is the reference: a walk over the request's block keys
+(computed lazily, so a cold request costs a hash or two) that stops when no worker of any stage is
+still matching; fed in slices, it leaves the event loop between them.
 ``NativeTierQuery`` is the native query (parse, hash and walk without the GIL) where nothing is
 offloaded: the three stages are then one, and the seed API's query answers it, over every worker.
 """
@@ -20,7 +21,6 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from indexer.block_index import WorkerTable
 from indexer.hit_rate import NativeQuery, Tier, _set_bits
 from schemas.block_hash import BlockHasher, LoRAKey, MultiModalKey
 
@@ -58,50 +58,83 @@ def _stages(l1: Tier | None) -> list:
     return stages
 
 
-def match_keys(keys: Iterable[int], n_blocks: int, l1: Tier | None, l3: Tier | None) -> TierMatch:
-    """The reference walk over the request's block keys (the engines' uint64 block hashes), lazily."""
-    stages = _stages(l1)
-    alive = [_all_mask(l1.workers) if l1 is not None else 0, 0, 0][:len(stages)]
-    ends: list[dict[int, int]] = [{} for _ in stages]  # per stage, worker -> block where its run ended
-    l3_table = l3.index.masks if l3 is not None else None
-    l3_alive = _all_mask(l3.workers) if l3 is not None else 0
-    l3_ends: dict[int, int] = {}
-    hashed = 0
-    it: Iterator[int] = iter(keys)
-    while hashed < n_blocks and (any(alive) or l3_alive):
-        key = next(it, None)
-        if key is None:
-            break
-        leaving = 0  # workers whose run of the stage before ended at this block: they try this stage's
-        for s, table in enumerate(stages):
-            a = alive[s] | leaving
-            if not a:
-                continue
-            m = a & table.get(key, 0) if table is not None else 0
-            leaving = a ^ m
-            for wid in _set_bits(leaving):
-                ends[s][wid] = hashed
-            alive[s] = m
-        if l3_alive:
-            m = l3_alive & l3_table.get(key, 0)
-            for wid in _set_bits(l3_alive ^ m):
-                l3_ends[wid] = hashed
-            l3_alive = m
-        hashed += 1
-    for s, a in enumerate(alive):  # still running at the end: this stage and the ones after end here
-        for wid in _set_bits(a):
-            for later in range(s, len(stages)):
-                ends[later][wid] = hashed
-    for wid in _set_bits(l3_alive):
-        l3_ends[wid] = hashed
-    out = TierMatch(n_blocks, hashed)
-    if l1 is not None:
-        for (pod, rank), wid in l1.workers.items():
+class KeyWalk:
+    """The reference walk over a request's block keys (the engines' uint64 block hashes), fed in slices
+    (``feed``) so that a caller on the event loop can let other work run between them; ``result`` once
+    fed. The workers are those of when it began."""
+
+    def __init__(self, n_blocks: int, l1: Tier | None, l3: Tier | None) -> None:
+        self.n_blocks, self.hashed = n_blocks, 0
+        self._stages = _stages(l1)
+        self._l1_workers = list(l1.workers.items()) if l1 is not None else []
+        self._l3_workers = list(l3.workers.items()) if l3 is not None else []
+        self._alive = [_mask(self._l1_workers), 0, 0][:len(self._stages)]
+        self._ends: list[dict[int, int]] = [{} for _ in self._stages]  # per stage, worker -> where its run ended
+        self._l3_table = l3.index.masks if l3 is not None else None
+        self._l3_alive = _mask(self._l3_workers)
+        self._l3_ends: dict[int, int] = {}
+
+    @property
+    def done(self) -> bool:
+        """Every block walked, or no worker of any stage or of L3 still matching."""
+        return self.hashed >= self.n_blocks or not (any(self._alive) or self._l3_alive)
+
+    def feed(self, keys: Iterable[int]) -> bool:
+        """Walk on over the next keys (in order, from where the last slice ended); whether to go on."""
+        stages, alive, ends, hashed = self._stages, self._alive, self._ends, self.hashed
+        for key in keys:
+            if hashed >= self.n_blocks or not (any(alive) or self._l3_alive):
+                break
+            leaving = 0  # workers whose run of the stage before ended at this block: they try this stage's
+            for s, table in enumerate(stages):
+                a = alive[s] | leaving
+                if not a:
+                    continue
+                m = a & table.get(key, 0) if table is not None else 0
+                leaving = a ^ m
+                for wid in _set_bits(leaving):
+                    ends[s][wid] = hashed
+                alive[s] = m
+            if self._l3_alive:
+                m = self._l3_alive & self._l3_table.get(key, 0)
+                for wid in _set_bits(self._l3_alive ^ m):
+                    self._l3_ends[wid] = hashed
+                self._l3_alive = m
+            hashed += 1
+        self.hashed = hashed
+        return not self.done
+
+    def result(self) -> TierMatch:
+        ends, hashed = self._ends, self.hashed
+        for s, a in enumerate(self._alive):  # still running at the end: this stage and the ones after end here
+            for wid in _set_bits(a):
+                for later in range(s, len(self._stages)):
+                    ends[later][wid] = hashed
+        for wid in _set_bits(self._l3_alive):
+            self._l3_ends[wid] = hashed
+        out = TierMatch(self.n_blocks, hashed)
+        for (pod, rank), wid in self._l1_workers:
             out.ranks.setdefault(pod, {})[rank] = tuple(ends[s].get(wid, 0) for s in range(3))
-    if l3 is not None:
-        for (pod, _), wid in l3.workers.items():
-            out.l3[pod] = max(out.l3.get(pod, 0), l3_ends.get(wid, 0))
-    return out
+        for (pod, _), wid in self._l3_workers:
+            out.l3[pod] = max(out.l3.get(pod, 0), self._l3_ends.get(wid, 0))
+        return out
+
+
+def match_keys(keys: Iterable[int], n_blocks: int, l1: Tier | None, l3: Tier | None) -> TierMatch:
+    """The reference walk over the request's block keys, in one go (keys are drawn lazily: a chain is
+    hashed only as far as the walk goes)."""
+    walk = KeyWalk(n_blocks, l1, l3)
+    walk.feed(keys)
+    return walk.result()
+
+
+def chain_keys(hasher: BlockHasher, tokens, block_size: int, cache_salt: str, lora: LoRAKey | None = None,
+               mm_features: Sequence[MultiModalKey] = ()) -> Iterator[int]:
+    """A request's block keys, hashed lazily (a chunk at a time) as they are drawn."""
+    for chunk in hasher.iter_block_hash_chunks(tokens, block_size, cache_salt=cache_salt or None, lora=lora,
+                                               mm_features=mm_features):
+        for digest in chunk:
+            yield int.from_bytes(digest[-8:], "big")
 
 
 def match_tokens(hasher: BlockHasher, tokens: Sequence[int], block_size: int, cache_salt: str, l1: Tier | None,
@@ -116,7 +149,7 @@ def match_tokens(hasher: BlockHasher, tokens: Sequence[int], block_size: int, ca
             return query.result(query.native.run())
         except NotImplementedError:
             pass  # a pickle token over 2**31-1: only the Python hasher encodes it
-    return match_keys(_chain_keys(hasher, tokens, block_size, cache_salt, lora, mm_features),
+    return match_keys(chain_keys(hasher, tokens, block_size, cache_salt, lora, mm_features),
                       len(tokens) // block_size, l1, l3)
 
 
@@ -159,17 +192,8 @@ def _offloaded(l1: Tier | None) -> bool:
     return any(index.worker_blocks for index in media.values())
 
 
-def _chain_keys(hasher: BlockHasher, tokens, block_size: int, cache_salt: str, lora, mm_features) -> Iterator[int]:
-    for chunk in hasher.iter_block_hash_chunks(tokens, block_size, cache_salt=cache_salt or None, lora=lora,
-                                               mm_features=mm_features):
-        for digest in chunk:
-            yield int.from_bytes(digest[-8:], "big")
-
-
-def _all_mask(workers: WorkerTable | None) -> int:
+def _mask(workers: list[tuple[object, int]]) -> int:
     m = 0
-    if workers is not None:
-        for _, wid in workers.items():
-            m |= 1 << wid
+    for _, wid in workers:
+        m |= 1 << wid
     return m
-

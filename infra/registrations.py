@@ -60,6 +60,10 @@ class Registration:
             reg = cls(**{f: raw[f] for f in cls.__dataclass_fields__ if f in raw})
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"not a registration: {exc}") from None
+        for name, kind in _TYPES.items():
+            value = getattr(reg, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"not a registration: {name} is {type(value).__name__}")
         error = reg.problem()
         if error:
             raise ValueError(error)
@@ -81,6 +85,10 @@ class Registration:
         if self.block_size <= 0:
             return f"block_size {self.block_size}: a positive number of tokens"
         return None
+
+
+_TYPES = {"instance_id": str, "dp_rank": int, "endpoint": str, "replay_endpoint": (str, type(None)), "model_name": str,
+          "routing_group": str, "block_size": int, "lora_name": str}
 
 
 def registration_key(instance_id: str, dp_rank: int) -> str:

@@ -26,6 +26,7 @@ from schemas.block_hash import BlockHasher
 from schemas.config import HttpConfig
 from schemas.tiered_api import QueryByHashRequest, QueryRequest
 from tests import dynamo_side_by_side as side
+from tests.test_api import EXTRA_KEY_CASES
 
 HASHER = BlockHasher("sha256_cbor", "0")
 B = 4
@@ -153,12 +154,11 @@ async def test_query_answers_on_the_query_threads_equal_the_reference_walks(monk
 
 # -- the contract ----------------------------------------------------------------------------------
 
-class _served:
-    """The app on 127.0.0.1 over ``l1``, for ``async with``: its base URL."""
+class _Served:
+    """An app on 127.0.0.1, for ``async with``: its base URL."""
 
-    def __init__(self, l1, max_body: int = 1 << 20) -> None:
-        http = HttpConfig(host="127.0.0.1", port=0, maxHitRateBodyBytes=max_body)
-        self.app = HitRateApi(http, HASHER, lambda: (l1, None), lambda: True, Metrics(), block_size=B).make_app()
+    def __init__(self, api: HitRateApi) -> None:
+        self.app = api.make_app()
 
     async def __aenter__(self) -> str:
         self.runner = web.AppRunner(self.app)
@@ -169,6 +169,12 @@ class _served:
 
     async def __aexit__(self, *exc) -> None:
         await self.runner.cleanup()
+
+
+def _served(l1, max_body: int = 1 << 20) -> _Served:
+    """The app over ``l1`` (PROMPT's block size)."""
+    http = HttpConfig(host="127.0.0.1", port=0, maxHitRateBodyBytes=max_body)
+    return _Served(HitRateApi(http, HASHER, lambda: (l1, None), lambda: True, Metrics(), block_size=B))
 
 
 BAD = [
@@ -249,3 +255,67 @@ def test_the_by_hash_decoder_and_the_contract_agree(body):
     raw = json.dumps(body).encode()
     assert (_accepted(decode_query_by_hash, raw, RequestError)
             == _accepted(QueryByHashRequest.model_validate_json, raw, ValidationError))
+
+
+async def test_a_long_walk_leaves_the_event_loop_between_slices(monkeypatch):
+    """/query_by_hash over many matching blocks: the reference walk yields to the loop every WALK_SLICE
+    blocks, and still answers the whole run."""
+    from api import tiered_query
+
+    monkeypatch.setattr(tiered_query, "WALK_SLICE", 64)
+    keys = list(range(1, 20_001))
+    l1 = L1State()
+    l1.apply({"v": 1, "type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0, "ts": 0.0,
+              "events": [{"kind": "stored", "medium": "GPU", "hashes": keys, "parent": None}]})
+    turns = 0
+    real_sleep = tiered_query.asyncio.sleep
+
+    async def counted(delay):
+        nonlocal turns
+        turns += 1
+        await real_sleep(delay)
+    monkeypatch.setattr(tiered_query.asyncio, "sleep", counted)
+    async with _served(l1, max_body=1 << 22) as base, aiohttp.ClientSession() as s:
+        async with s.post(base + "/query_by_hash", json={"block_hashes": keys, "model_name": "m"}) as r:
+            assert (await r.json())["instances"]["p"]["gpu"] == len(keys) * B
+    assert turns >= len(keys) // 64 - 1
+
+
+async def test_a_failing_computation_is_a_logged_500_not_a_dropped_connection(monkeypatch, caplog):
+    from api import tiered_query
+
+    def broken(*args):
+        raise RuntimeError("index unreadable")
+    monkeypatch.setattr(tiered_query.KeyWalk, "feed", broken)
+    async with _served(_state({("p", 0): [(0, 2, "GPU")]})) as base, aiohttp.ClientSession() as s:
+        async with s.post(base + "/query_by_hash", json={"block_hashes": H, "model_name": "m"}) as r:
+            assert r.status == 500 and "index unreadable" in (await r.json())["error"]
+    assert "failed" in caplog.text
+
+
+@pytest.mark.parametrize("case,encoding", EXTRA_KEY_CASES, ids=[f"{e}:{c['id']}" for c, e in EXTRA_KEY_CASES])
+async def test_lora_and_multimodal_queries_match_the_blocks_vllm_hashed(case, encoding):
+    """vLLM's own hashes of LoRA and multimodal requests (tests/data): /query names the adapter or the
+    items and matches every block; without them it does not; /query_by_hash with vLLM's hashes does."""
+    hasher = BlockHasher(case["hash_algo"], case["PYTHONHASHSEED"], encoding)
+    hashes = [b["event_block_hash_int"] for b in case["blocks"]]
+    l1 = L1State()
+    l1.apply({"v": 1, "type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0, "ts": 0.0,
+              "events": [{"kind": "stored", "medium": "GPU", "hashes": hashes, "parent": None}]})
+    body = {"token_ids": case["token_ids"], "block_size": case["block_size"], "cache_salt": case["cache_salt"] or "",
+            "model_name": "m"}
+    if case["lora"]:
+        body.update(lora_name=case["lora"]["lora_name"], lora_path=case["lora"]["lora_path"])
+    if case["mm_features"]:
+        body["mm_features"] = [{k: m[k] for k in ("identifier", "offset", "length")} for m in case["mm_features"]]
+    plain = {k: v for k, v in body.items() if k not in ("lora_name", "lora_path", "mm_features")}
+    full = len(hashes) * case["block_size"]
+    app = HitRateApi(HttpConfig(host="127.0.0.1", port=0), hasher, lambda: (l1, None), lambda: True, Metrics())
+    async with _Served(app) as base, aiohttp.ClientSession() as s:
+        for path, request, want in (("/query", body, full), ("/query_by_hash", {"block_hashes": hashes,
+                                                                                "block_size": case["block_size"],
+                                                                                "model_name": "m"}, full)):
+            async with s.post(base + path, json=request) as r:
+                assert (await r.json())["instances"]["p"]["gpu"] == want
+        async with s.post(base + "/query", json=plain) as r:
+            assert (await r.json())["instances"].get("p", {}).get("gpu", 0) < full

@@ -204,3 +204,45 @@ async def test_writes_need_the_token_before_the_body_is_sent(nats_url, stream_pr
                 writer.close()
     finally:
         await stack.stop()
+
+
+@pytest.mark.parametrize("value", [b"", b"{", b"[]", b'{"instance_id": "a"}', b'{"instance_id": "a", "dp_rank": "0", '
+                                   b'"endpoint": "tcp://h:1", "replay_endpoint": null, "model_name": "m", '
+                                   b'"routing_group": "g", "block_size": 4}',
+                                   b'{"instance_id": "a", "dp_rank": 0, "endpoint": "tcp://h:1", "replay_endpoint": null, '
+                                   b'"model_name": "m", "routing_group": "g", "block_size": true}'])
+def test_a_value_that_is_not_a_registration_is_refused_when_read(value):
+    """What the bucket holds is outside input too (written by hand, by a newer version): refused with a
+    ValueError, which the follower counts and logs, and the others stay."""
+    from infra.registrations import Registration
+
+    with pytest.raises(ValueError, match="registration|instance_id|endpoint"):
+        Registration.decode(value)
+
+
+async def test_the_follower_skips_a_bad_value_and_keeps_the_good_ones(nats_url, stream_prefix):
+    import nats
+
+    from infra.registrations import Registration, RegistrationStore
+    from infra.streams import kv_bucket
+
+    nc = await nats.connect(nats_url)
+    errors = []
+    store = RegistrationStore(nc.jetstream(), f"{stream_prefix}-meta", on_error=lambda: errors.append(1))
+    try:
+        good = Registration("a", 0, "tcp://127.0.0.1:5", None, "m", "default", 4)
+        assert await store.create(good)
+        kv = await kv_bucket(nc.jetstream(), f"{stream_prefix}-meta")
+        await kv.put("registration.b.0", b'{"instance_id": "b", "dp_rank": "x"}')
+        seen = []
+
+        async def on_change(regs):
+            seen.append(regs)
+        store.follow(on_change)
+        await wait_for(lambda: seen, 10, "the registrations read")
+        assert seen[-1] == [good] and errors == [1]
+        await store.delete("a")
+        await wait_for(lambda: seen[-1] == [], 10, "the deletion followed")
+    finally:
+        await store.stop()
+        await nc.close()
