@@ -35,19 +35,22 @@ static bh_libcrypto crypto;
  * the thread ends. */
 #define MEMO_SLOTS 32768 /* 2 MB a thread */
 static size_t memo_max_bytes = 8u << 20; /* read by query threads: __atomic */
-static __thread bh_memo *thread_memo;
-static pthread_key_t memo_key; /* frees a thread's memo when the thread ends */
+/* A thread's memo, freed when the thread ends. A key, not a __thread variable: a dlopen'ed module's
+ * __thread lives in dynamic TLS, which glibc frees when it reuses a finished thread's stack, out of
+ * ThreadSanitizer's sight (a false race report about one run in six). */
+static pthread_key_t memo_key;
 
 static void memo_free(void *p) { bh_memo_free(p); }
 
 static bh_memo *query_memo(void) {
     size_t max_bytes = __atomic_load_n(&memo_max_bytes, __ATOMIC_RELAXED);
     if (!max_bytes) return NULL;
-    if (!thread_memo) {
-        thread_memo = bh_memo_new(MEMO_SLOTS, max_bytes);
-        pthread_setspecific(memo_key, thread_memo);
+    bh_memo *memo = pthread_getspecific(memo_key);
+    if (!memo) {
+        memo = bh_memo_new(MEMO_SLOTS, max_bytes);
+        pthread_setspecific(memo_key, memo);
     }
-    return thread_memo;
+    return memo;
 }
 
 /* -- the Python type --------------------------------------------------------------------------------- */
@@ -56,6 +59,7 @@ typedef struct {
     nt_table t;
     pthread_rwlock_t lock;
     int batch_depth; /* > 0: batch() holds the write lock */
+    pthread_t batch_owner; /* the thread that holds it then (read with the GIL held, as it is written) */
 } Table;
 
 static void write_lock(Table *self) {
@@ -263,41 +267,60 @@ static PyObject *Table_as_dict(Table *self, PyObject *unused) {
     return d;
 }
 
-/* export_merged() -> (keys bytes, masks bytes, [(index, mask)]): every distinct hash once with the low
- * 64 bits of its worker mask (native uint64 arrays), and the whole mask of those held by a worker past
- * 63 (the snapshot format's "wide" masks). */
-static PyObject *Table_export_merged(Table *self, PyObject *unused) {
+/* export_chunks() -> [(chunk, keys, masks)]: each chunk's entries as native uint64 arrays, as snapshots
+ * (format 2) store them and load() takes them back: no distinct walk, no probing of other chunks. The
+ * copy runs under the read lock with the GIL released, so a caller on another thread leaves the event
+ * loop free (whose writers wait on the lock: the indexer holds its ingest back meanwhile). */
+static PyObject *Table_export_chunks(Table *self, PyObject *unused) {
+    if (self->batch_depth && pthread_equal(self->batch_owner, pthread_self())) {
+        PyErr_SetString(PyExc_RuntimeError, "export_chunks inside this thread's batch(): it holds the write lock");
+        return NULL;
+    }
     nt_table *t = &self->t;
-    size_t n = (size_t)nt_distinct(t), j = 0;
-    PyObject *keys = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
-    PyObject *masks = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
-    PyObject *wide = PyList_New(0);
-    if (!keys || !masks || !wide) goto fail;
-    uint64_t *k = (uint64_t *)PyBytes_AS_STRING(keys), *m = (uint64_t *)PyBytes_AS_STRING(masks);
-    for (size_t c = 0; c < t->nchunks; c++) {
-        nt_chunk *ch = &t->chunks[c];
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_rdlock(&self->lock);
+    Py_END_ALLOW_THREADS
+    size_t n = t->nchunks;
+    PyObject *out = PyList_New(0);
+    uint64_t **dst = calloc(n ? n * 2 : 1, sizeof *dst);
+    if (!out || !dst) goto fail;
+    for (size_t c = 0; c < n; c++) {
+        const nt_chunk *ch = &t->chunks[c];
+        size_t count = ch->used + (ch->has_zero ? 1 : 0);
+        if (!count) continue;
+        PyObject *keys = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * 8));
+        PyObject *masks = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * 8));
+        PyObject *row = keys && masks ? Py_BuildValue("(nOO)", (Py_ssize_t)c, keys, masks) : NULL;
+        if (row) {
+            dst[2 * c] = (uint64_t *)PyBytes_AS_STRING(keys);
+            dst[2 * c + 1] = (uint64_t *)PyBytes_AS_STRING(masks);
+        }
+        Py_XDECREF(keys);
+        Py_XDECREF(masks);
+        if (!row || PyList_Append(out, row) < 0) { Py_XDECREF(row); goto fail; }
+        Py_DECREF(row);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t c = 0; c < n; c++) {
+        if (!dst[2 * c]) continue;
+        const nt_chunk *ch = &t->chunks[c];
+        size_t j = 0;
         for (size_t i = 0; i <= ch->cap; i++) {
             uint64_t key, mask;
-            if (!nt_chunk_entry(ch, i, &key, &mask)) continue;
-            size_t d = 0;
-            while (d < c && !nt_chunk_get(&t->chunks[d], key)) d++;
-            if (d < c || j >= n) continue; /* listed with the first chunk holding it */
-            k[j] = key;
-            m[j] = c == 0 ? mask : 0;
-            int is_wide = c > 0;
-            for (size_t e = c + 1; e < t->nchunks && !is_wide; e++) is_wide = nt_chunk_get(&t->chunks[e], key) != 0;
-            if (is_wide) {
-                PyObject *full = mask_of(self, key);
-                PyObject *row = full ? Py_BuildValue("(nN)", (Py_ssize_t)j, full) : NULL;
-                if (!row || PyList_Append(wide, row) < 0) { Py_XDECREF(row); goto fail; }
-                Py_DECREF(row);
+            if (nt_chunk_entry(ch, i, &key, &mask)) {
+                dst[2 * c][j] = key;
+                dst[2 * c + 1][j++] = mask;
             }
-            j++;
         }
     }
-    return Py_BuildValue("(NNN)", keys, masks, wide);
+    Py_END_ALLOW_THREADS
+    pthread_rwlock_unlock(&self->lock);
+    free(dst);
+    return out;
 fail:
-    Py_XDECREF(keys); Py_XDECREF(masks); Py_XDECREF(wide);
+    pthread_rwlock_unlock(&self->lock);
+    free(dst);
+    Py_XDECREF(out);
     return NULL;
 }
 
@@ -362,7 +385,10 @@ static PyObject *Table_counts(Table *self, PyObject *unused) {
 }
 
 static PyObject *Table_batch_begin(Table *self, PyObject *unused) {
-    if (self->batch_depth == 0) write_lock(self);
+    if (self->batch_depth == 0) {
+        write_lock(self);
+        self->batch_owner = pthread_self();
+    }
     self->batch_depth++;
     Py_INCREF(self);
     return (PyObject *)self;
@@ -386,7 +412,8 @@ static PyMethodDef Table_methods[] = {
     {"get", (PyCFunction)Table_get, METH_VARARGS, "get(hash, default=None) -> mask of the workers holding it"},
     {"as_dict", (PyCFunction)Table_as_dict, METH_NOARGS, "{hash: mask} of the whole table"},
     {"load", (PyCFunction)Table_load, METH_VARARGS, "load(chunk, keys, masks): add a chunk's entries"},
-    {"export_merged", (PyCFunction)Table_export_merged, METH_NOARGS, "(keys, low masks, [(index, wide mask)])"},
+    {"export_chunks", (PyCFunction)Table_export_chunks, METH_NOARGS,
+     "[(chunk, keys, masks)]: per chunk, native uint64 arrays (read lock held, GIL released while copying)"},
     {"worker_counts", (PyCFunction)Table_worker_counts, METH_NOARGS, "{wid: blocks held}"},
     {"candidates", (PyCFunction)Table_candidates, METH_O, "(wid, epoch) pairs of these workers, as uint64 bytes"},
     {"counts", (PyCFunction)Table_counts, METH_NOARGS,
@@ -693,15 +720,14 @@ static PyObject *set_memo_bytes(PyObject *self, PyObject *arg) {
     if (n == -1 && PyErr_Occurred()) return NULL;
     if (n < 0) return PyErr_Format(PyExc_ValueError, "memo bytes must be >= 0");
     __atomic_store_n(&memo_max_bytes, (size_t)n, __ATOMIC_RELAXED);
-    memo_free(thread_memo);
-    thread_memo = NULL;
+    memo_free(pthread_getspecific(memo_key));
     pthread_setspecific(memo_key, NULL);
     Py_RETURN_NONE;
 }
 
 /* memo_stats() -> (hits, misses, bytes kept) of the calling thread's digest memo. */
 static PyObject *memo_stats(PyObject *self, PyObject *unused) {
-    bh_memo *m = thread_memo;
+    bh_memo *m = pthread_getspecific(memo_key);
     return Py_BuildValue("(KKK)", m ? (unsigned long long)m->hits : 0ULL, m ? (unsigned long long)m->misses : 0ULL,
                          m ? (unsigned long long)m->bytes : 0ULL);
 }

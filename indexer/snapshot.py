@@ -1,12 +1,14 @@
 """L1 index snapshots: a compact, fast-loading encoding and their store in NATS.
 
 Encoding: a msgpack header (stream sequence covered, workers, per-worker stream cursors) followed by
-two raw little-endian uint64 arrays (block hashes, worker bitmasks; bitmasks wider than 64 bits go in
-the header). The native index writes and loads the arrays straight from its tables (by chunks of 64
-workers), the pure-Python one with two ``array`` conversions and a ``dict(zip())``: no per-entry
-parsing either way. The format is the one earlier versions write and read, so replicas of both can
-share snapshots during a rolling upgrade. The offload media (CPU, STORAGE) follow as more pairs of
-arrays, described by the header's ``media``: a reader that predates them ignores both.
+raw little-endian uint64 arrays (block hashes, worker bitmasks). Up to 64 workers (format 1) one pair
+an index, as every version writes and reads (replicas of both share snapshots during a rolling
+upgrade); past 64 workers (format 2) one pair per chunk of 64 workers, as the native table holds and
+loads them, copied without the GIL (``L1Snapshot``: the indexer takes it off the event loop). A
+replica older than format 2 refuses such a snapshot and rebuilds from the stream. The native index
+writes and loads the arrays straight from its tables, the pure-Python one with ``array`` conversions:
+no per-entry parsing either way. The offload media (CPU, STORAGE) follow as more pairs of arrays,
+described by the header's ``media``: a reader that predates them ignores both.
 
 Store: the object store bucket holds ``l1-<seq>`` objects; the KV key ``snapshot.l1`` points at the
 newest one and is moved with compare-and-set, so a reader always finds a complete snapshot and an
@@ -37,49 +39,81 @@ from nats.js.errors import (KeyNotFoundError, KeyWrongLastSequenceError, NotFoun
                             ObjectNotFoundError)
 
 from infra.streams import RecordsKv, object_store, unsubscribe_quietly
-from indexer.block_index import BlockIndex
+from indexer.block_index import BlockIndex, Chunks
 from indexer.l1_state import L1State
 from schemas.block_hash import U64_MASK
 
 log = logging.getLogger(__name__)
 
+#: One merged pair of arrays per index, masks wider than 64 bits in the header: written while every
+#: table spans one chunk of 64 workers (then it is what each chunk holds), read by every version.
 FORMAT = "cache-indexer-l1-v1"
+#: A pair of arrays per chunk of 64 workers, as the native table holds and loads them: written past 64
+#: workers, where merging cost a walk of every chunk probing the ones before (O(entries x chunks)).
+FORMAT_CHUNKS = "cache-indexer-l1-v2"
 CHUNK_SIZE = 512 * 1024  # below the default 1 MB max_payload; fewer chunks than nats-py's 128 KiB
 POINTER_KEY = "snapshot.l1"
 
 
-def _index_part(index: BlockIndex) -> tuple[dict, list[bytes]]:
-    """One index's header fields and arrays (little-endian uint64 hashes, then masks)."""
-    keys, masks, wide = index.export_merged()
-    if sys.byteorder != "little":
-        keys, masks = array("Q", keys), array("Q", masks)
-        keys.byteswap()
-        masks.byteswap()
-    return {
-        "count": len(keys) // 8,
-        "worker_blocks": list(index.worker_blocks.items()),
-        "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in wide},
-        "groups": [[wid, list(held_by.items())] for wid, held_by in index.groups.items()],
-        "copies": [[wid, list(extra.items())] for wid, extra in index.copies.items()],
-    }, [keys, masks]
+class L1Snapshot:
+    """A snapshot in the making. Taken (``__init__``) on the event loop: the Python-side state (workers,
+    cursors, KV-cache groups, copies). ``export`` copies the tables (the native one without the GIL: it
+    may run on another thread while the loop serves queries, as long as nothing is applied meanwhile),
+    ``encode`` makes the bytes."""
+
+    def __init__(self, state: L1State, stream_seq: int) -> None:
+        self.stream_seq = stream_seq
+        self.indexes = [(None, state.index)] + [(name, index) for name, index in state.media.items()
+                                                if index.worker_blocks]
+        self.header = {"stream_seq": stream_seq,
+                       "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
+                       "cursors": state.cursor_rows()}
+        self.sides = [_side(index) for _, index in self.indexes]
+
+    def export(self) -> list[Chunks]:
+        return [index.export_chunks() for _, index in self.indexes]
+
+    def encode(self, exported: list[Chunks]) -> bytes:
+        arrays: list[bytes] = []
+        parts = []
+        merged = all(c == 0 for chunks in exported for c, _, _ in chunks)
+        for side, chunks in zip(self.sides, exported):
+            rows = []
+            for c, keys, masks in chunks:
+                arrays += _little_endian(keys, masks)
+                rows.append([c, len(keys) // 8])
+            parts.append({**side, "count": sum(n for _, n in rows), "wide": {}} if merged else {**side, "chunks": rows})
+        header = dict(self.header, format=FORMAT if merged else FORMAT_CHUNKS)
+        header.update(parts[0])
+        media = {name: part for (name, _), part in zip(self.indexes[1:], parts[1:])}
+        if media:
+            header["media"] = media
+        head = msgpack.packb(header)
+        return b"".join([len(head).to_bytes(8, "little"), head, *arrays])
+
+
+def _side(index: BlockIndex) -> dict:
+    """What an index keeps beside its table: per-worker counts, KV-cache groups, duplicate copies."""
+    return {"worker_blocks": list(index.worker_blocks.items()),
+            "groups": [[wid, list(held_by.items())] for wid, held_by in index.groups.items()],
+            "copies": [[wid, list(extra.items())] for wid, extra in index.copies.items()]}
+
+
+def _little_endian(*arrays: bytes) -> list[bytes]:
+    if sys.byteorder == "little":
+        return list(arrays)
+    out = []
+    for raw in arrays:
+        a = array("Q", raw)
+        a.byteswap()
+        out.append(a.tobytes())
+    return out
 
 
 def encode_l1(state: L1State, stream_seq: int) -> bytes:
-    header, arrays = _index_part(state.index)
-    header.update({
-        "format": FORMAT, "stream_seq": stream_seq,
-        "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
-        "cursors": state.cursor_rows(),
-    })
-    media = {}
-    for name, index in state.media.items():
-        if index.worker_blocks:
-            media[name], more = _index_part(index)
-            arrays += more
-    if media:
-        header["media"] = media
-    head = msgpack.packb(header)
-    return b"".join([len(head).to_bytes(8, "little"), head, *arrays])
+    """A whole snapshot on the caller's thread."""
+    snap = L1Snapshot(state, stream_seq)
+    return snap.encode(snap.export())
 
 
 def decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
@@ -95,31 +129,51 @@ def decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
 def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
     n = int.from_bytes(data[:8], "little")
     header = msgpack.unpackb(bytes(data[8:8 + n]), raw=False, strict_map_key=False)
-    if header.get("format") != FORMAT:
+    if header.get("format") not in (FORMAT, FORMAT_CHUNKS):
         raise ValueError(f"unknown snapshot format {header.get('format')!r}")
     body = memoryview(data)[8 + n:]
     state = L1State()
     for pod, rank, wid in header["workers"]:
         state.workers.restore(pod, rank, wid)
-    _restore_index(state.index, header, body)
-    body = body[header["count"] * 16:]
+    body = _restore_index(state.index, header, body)
     for name, part in header.get("media", {}).items():  # absent before the offload media
         index = state.media.get(name)
         if index is None:
             raise ValueError(f"snapshot holds unknown medium {name!r}")
-        _restore_index(index, part, body)
-        body = body[part["count"] * 16:]
+        body = _restore_index(index, part, body)
         state.adopt_offloaded(wid for wid, n in part["worker_blocks"] if n)
     for row in header["cursors"]:  # older snapshots lack the last fields (parts, journal, early_since)
         state.restore_cursor(*row)
     return state, header["stream_seq"]
 
 
-def _restore_index(index: BlockIndex, part: dict, body: memoryview) -> None:
+def _restore_index(index: BlockIndex, part: dict, body: memoryview) -> memoryview:
+    """Load one index's part; the body after its arrays."""
     groups = {wid: dict(pairs) for wid, pairs in part.get("groups", ())}  # absent before KV-cache groups
     copies = {wid: {tuple(k) if isinstance(k, list) else k: n for k, n in pairs}  # absent before copies
               for wid, pairs in part.get("copies", ())}
-    index.restore_chunks(_chunks(part, body), dict(part["worker_blocks"]), groups, copies)
+    if "chunks" in part:  # format 2
+        chunks = []
+        for c, count in part["chunks"]:
+            keys, masks = _native_endian(body[:count * 8], body[count * 8:count * 16])
+            chunks.append((c, keys, masks))
+            body = body[count * 16:]
+    else:
+        chunks = _chunks(part, body)
+        body = body[part["count"] * 16:]
+    index.restore_chunks(chunks, dict(part["worker_blocks"]), groups, copies)
+    return body
+
+
+def _native_endian(keys: memoryview, masks: memoryview) -> tuple[bytes, bytes]:
+    if sys.byteorder == "little":
+        return bytes(keys), bytes(masks)
+    out = []
+    for raw in (keys, masks):
+        a = array("Q", raw)
+        a.byteswap()
+        out.append(a.tobytes())
+    return out[0], out[1]
 
 
 def _chunks(header: dict, body: memoryview) -> list[tuple[int, bytes, bytes]]:

@@ -61,6 +61,11 @@ class Metrics:
                                               "Snapshot reads that failed (object pruned or damaged while read).",
                                               registry=r)
         self.snapshot_writes = Counter(p + "snapshot_writes_total", "Snapshots written by this replica.", registry=r)
+        self.snapshot_ingest_pause = Histogram(p + "snapshot_ingest_pause_seconds",
+                                               "How long L1 ingest waited while a snapshot copied the tables "
+                                               "(off the event loop: queries are answered meanwhile).",
+                                               buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                               registry=r)
         self.stream_reloads = Counter(p + "stream_reloads_total", "Reloads after the next message was purged.", registry=r)
         self.history_lost = Counter(p + "stream_history_lost_total",
                                     "Times the stream's retained messages did not reach back to the index.", registry=r)

@@ -22,7 +22,7 @@ from indexer.block_index import _native_index
 from indexer.block_index import BlockIndex, NativeBlockIndex
 from indexer.hit_rate import NativeQuery, score
 from indexer.l1_state import L1State
-from indexer.snapshot import _chunks, decode_l1, encode_l1
+from indexer.snapshot import decode_l1, encode_l1
 from schemas.block_hash import BlockHasher
 from tests.conftest import needs_native
 
@@ -52,11 +52,9 @@ def _same(ref: BlockIndex, nat: NativeBlockIndex) -> None:
 
 
 def _reloaded(index: BlockIndex, into: type) -> BlockIndex:
-    """``index`` through the snapshot encoding into an index of type ``into``."""
-    keys, masks, wide = index.export_merged()
-    header = {"count": len(keys) // 8, "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little") for i, m in wide}}
+    """``index`` through the snapshot encoding (its chunks) into an index of type ``into``."""
     out = into()
-    out.restore_chunks(_chunks(header, memoryview(keys + masks)), index.worker_blocks, index.groups, index.copies)
+    out.restore_chunks(index.export_chunks(), index.worker_blocks, index.groups, index.copies)
     return out
 
 
@@ -218,18 +216,32 @@ def test_a_query_prepared_before_a_clear_does_not_count_the_next_owner_of_the_wo
     assert query.result(query.run()).scores[0].ratios == [0.0, 0.0]
 
 
-def test_snapshots_are_written_as_earlier_versions_write_them():
-    """Replicas of this version and earlier ones share snapshots during a rolling upgrade: the native
-    index writes the format the pure-Python one writes (one array of hashes, one of 64-bit masks, wider
-    masks in the header), workers past 63 included, and either's snapshot loads into the native one."""
-    events = [(f"10.0.{w // 250}.{w % 250}", 0, [7, 8, w + 100]) for w in range(70)]
+def _v1_blob(state, seq: int) -> bytes:
+    """A snapshot as versions before format 2 wrote it at any size: one merged pair of arrays, masks
+    wider than 64 bits in the header."""
+    blocks = state.index.blocks
+    keys = array("Q", blocks)
+    masks = array("Q", (m & ((1 << 64) - 1) for m in blocks.values()))
+    header = {"format": "cache-indexer-l1-v1", "stream_seq": seq, "count": len(keys),
+              "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
+              "worker_blocks": list(state.index.worker_blocks.items()), "cursors": state.cursor_rows(),
+              "wide": {str(i): m.to_bytes((m.bit_length() + 7) // 8, "little")
+                       for i, m in enumerate(blocks.values()) if m >> 64}}
+    head = msgpack.packb(header)
+    return len(head).to_bytes(8, "little") + head + keys.tobytes() + masks.tobytes()
+
+
+@pytest.mark.parametrize("workers,written", [(64, "cache-indexer-l1-v1"), (70, "cache-indexer-l1-v2")])
+def test_snapshots_up_to_64_workers_are_written_as_earlier_versions_write_them(workers, written):
+    """Replicas of this version and earlier ones share snapshots during a rolling upgrade: up to 64 workers
+    both indexes write format 1 (one pair of arrays); past 64, format 2 (a pair per chunk of 64 workers,
+    no merging walk), which an earlier replica refuses and rebuilds from the stream. Each loads into
+    either index, and a format-1 snapshot with masks past 64 workers (as earlier versions wrote them)
+    still loads."""
+    events = [(f"10.0.{w // 250}.{w % 250}", 0, [7, 8, w + 100]) for w in range(workers)]
     ref, nat = _states(events)
-    ref_blob, nat_blob = encode_l1(ref, 9), encode_l1(nat, 9)
-    n = int.from_bytes(ref_blob[:8], "little")
-    ref_head, nat_head = msgpack.unpackb(ref_blob[8:8 + n]), msgpack.unpackb(nat_blob[8:8 + int.from_bytes(nat_blob[:8], "little")])
-    assert ref_head["format"] == nat_head["format"] == "cache-indexer-l1-v1"
-    assert ref_head["count"] == nat_head["count"] == len(ref.index.blocks) and len(nat_head["wide"]) == 2 + 6
-    for blob in (ref_blob, nat_blob):
+    for blob, fmt in ((encode_l1(ref, 9), written), (encode_l1(nat, 9), written), (_v1_blob(ref, 9), "cache-indexer-l1-v1")):
+        assert msgpack.unpackb(blob[8:8 + int.from_bytes(blob[:8], "little")])["format"] == fmt
         loaded, seq = decode_l1(blob)
         assert seq == 9 and loaded.index.blocks == ref.index.blocks
         assert type(loaded.index) is NativeBlockIndex
@@ -276,7 +288,18 @@ def test_queries_on_threads_see_whole_messages_while_events_and_snapshots_go_on(
         finally:
             pool.close()
 
-    threads = [threading.Thread(target=ask) for _ in range(3)] + [threading.Thread(target=ask_the_pool)]
+    exporting = [nat]  # the state the exporter copies (the main thread replaces it at each reload)
+
+    def export() -> None:  # a snapshot's copy of the tables, off the main thread, as the indexer takes it
+        try:
+            while not stop.is_set():
+                for c, keys, masks in exporting[0].index.export_chunks():
+                    assert len(keys) == len(masks) and c >= 0
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=ask) for _ in range(3)] + [threading.Thread(target=ask_the_pool),
+                                                                  threading.Thread(target=export)]
     for t in threads:
         t.start()
     rng = random.Random(11)
@@ -298,6 +321,7 @@ def test_queries_on_threads_see_whole_messages_while_events_and_snapshots_go_on(
             holding[pod] = not holding[pod]
             if i % 500 == 0:
                 nat, _ = decode_l1(encode_l1(nat, i))
+                exporting[0] = nat
     finally:
         stop.set()
         for t in threads:

@@ -3,6 +3,7 @@ tail, replicas agreeing, bridges killed mid-burst and resumed from the stream.""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -367,3 +368,41 @@ async def test_a_three_node_cluster_keeps_ingesting_and_restarting_when_a_node_d
 
 async def _equals(value, expected) -> bool:
     return await value == expected
+
+
+async def test_a_snapshot_copies_the_tables_off_the_loop_while_queries_are_answered_and_ingest_waits(stack, monkeypatch):
+    """While a snapshot copies the tables (held here on its thread until the test lets it go), the replica
+    answers queries and applies nothing; then the waiting messages are applied, in order, and the
+    snapshot loads to the state it was taken at."""
+    import threading
+
+    from indexer import snapshot as snapshot_module
+
+    s, engines = stack
+    rng = random.Random(5)
+    await burst(engines, rng, 20)
+    indexer = s.replica.indexer
+    await indexer.wait_applied(await s.settled(), 20)
+    before = state_view(indexer)
+    copying, release = threading.Event(), threading.Event()
+    export = snapshot_module.L1Snapshot.export
+
+    def held(self):
+        copying.set()
+        assert release.wait(30)
+        return export(self)
+    monkeypatch.setattr(indexer, "lease", None)  # this test takes the snapshot itself
+    monkeypatch.setattr(snapshot_module.L1Snapshot, "export", held)
+    taking = asyncio.create_task(indexer.snapshot_now())
+    await wait_for(copying.is_set, 10, "the snapshot to start copying")
+    applied = indexer.applied_seq
+    await burst(engines, rng, 10)
+    last = await s.settled()
+    assert await answers(s.session), "queries answered while the tables are copied"
+    assert indexer.applied_seq == applied, "nothing applied meanwhile"
+    release.set()
+    assert await taking
+    await indexer.wait_applied(last, 20)
+    loaded, seq = snapshot_module.decode_l1(await indexer.snapshots.read((await indexer.snapshots.pointer()).name))
+    assert seq == applied
+    assert {k: {h for h, m in loaded.blocks.items() if m >> wid & 1} for k, wid in loaded.workers.items()} == before
