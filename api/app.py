@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 from aiohttp import web
 
+from api.explain import Explainer
 from api.hit_rate_request import HitRateQuery, decode_hit_rate_request, decode_split_request
 from api.json_request import RequestError
 from api.ops import add_ops_routes
@@ -27,6 +28,7 @@ from api.request_body import within as _within
 from api.registration_api import REGISTER_PATH, UNREGISTER_PATH, WORKERS_PATH
 from api.tiered_query import QUERY_BY_HASH_PATH, QUERY_PATH, TieredQueryApi
 from infra.registrations import RegistrationStore
+from infra.streams import RecordsKv
 from infra.metrics import Metrics
 from schemas.block_hash import BlockHasher, find_token_ids
 from indexer.hit_rate import NativeQuery, ScoreResult, Tier, configure_native_query, score
@@ -57,10 +59,11 @@ class HitRateApi:
     def __init__(self, http: HttpConfig, hasher: BlockHasher, tiers: Callable[[], Sequence[Tier | None]],
                  ready: Callable[[], bool], metrics: Metrics, block_size: int = 16,
                  registrations: Callable[[], RegistrationStore | None] = lambda: None,
-                 more_routes: Sequence = ()) -> None:
+                 more_routes: Sequence = (), records: Callable[[], RecordsKv | None] = lambda: None) -> None:
         """``block_size``: the engines' (``blockKey.blockSize``), for /query requests that give none;
         ``registrations``: the registered engines (/query answers them for their model only);
-        ``more_routes``: other route sets (``add_routes(app)``), e.g. the registration API."""
+        ``more_routes``: other route sets (``add_routes(app)``), e.g. the registration API; ``records``:
+        the records bucket (the bridge's), which ``explain`` reads."""
         self.http = http
         self.hasher = hasher
         self.tiers = tiers
@@ -74,6 +77,7 @@ class HitRateApi:
         configure_native_query(http.digestMemoBytes)
         self.tiered = TieredQueryApi(http, hasher, block_size, tiers, registrations, self._run_native)
         self.more_routes = list(more_routes)
+        self.explainer = Explainer(hasher, records)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
@@ -206,7 +210,9 @@ class HitRateApi:
         except BodyRefused as exc:
             return _error(exc.status, str(exc))
         try:
-            result = await self._score(self._decode(body), len(body))
+            req = self._decode(body)
+            result = await self._score(req, len(body))
+            explained = await self.explainer.explain(req, result, self.tiers()[0]) if req.explain else None
         except RequestError as exc:
             return _error(400, str(exc))
         except Exception as exc:
@@ -215,6 +221,8 @@ class HitRateApi:
         self.metrics.hashed_blocks.inc(result.hashed_blocks)
         items = [{"server_ip": s.pod, "l1_hit_ratio": s.ratios[0], "l3_hit_ratio": s.ratios[1],
                   "message": "" if s.known else UNKNOWN_POD_MESSAGE, "status": 0} for s in result.scores]
+        for item, why in zip(items, explained or ()):
+            item["explain"] = why
         self._observe_answer(result.scores)
         return web.Response(body=msgspec.json.encode({"status": 0, "message": "", "server_score_list": items}),
                             content_type="application/json")

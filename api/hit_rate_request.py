@@ -45,6 +45,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True):
 class _Request(msgspec.Struct, forbid_unknown_fields=True):
     server_ip: Annotated[list[Annotated[str, msgspec.Meta(pattern=r"\S")]], msgspec.Meta(min_length=1)]
     body: _Body
+    explain: bool = False
 
 
 _decoder = msgspec.json.Decoder(_Request)
@@ -58,6 +59,7 @@ class HitRateQuery:
     cache_salt: str
     lora: LoRAKey | None = None
     mm_features: tuple[MultiModalKey, ...] = ()
+    explain: bool = False
 
     def tokens(self) -> array:
         """The token ids (format 'Q'); RequestError where the array is malformed."""
@@ -72,7 +74,8 @@ def decode_hit_rate_request(body: bytes, max_candidates: int | None = None) -> H
     return HitRateQuery(server_ip=req.server_ip, token_json=bytes(body.token_ids), block_size=body.block_size,
                         cache_salt=body.cache_salt,
                         lora=LoRAKey(body.lora_name, body.lora_path) if body.lora_name else None,
-                        mm_features=tuple(MultiModalKey(m.identifier, m.offset, m.length) for m in body.mm_features))
+                        mm_features=tuple(MultiModalKey(m.identifier, m.offset, m.length) for m in body.mm_features),
+                        explain=req.explain)
 
 
 def decode_split_request(body: bytes, span: tuple[int, int], max_candidates: int | None = None) -> HitRateQuery:

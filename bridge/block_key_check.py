@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from bridge.vllm_events import HashProbe
 from infra.metrics import Metrics
@@ -25,7 +26,12 @@ log = logging.getLogger(__name__)
 
 
 class BlockKeyCheck:
-    def __init__(self, block_key, metrics: Metrics, interval: float = 30.0) -> None:
+    def __init__(self, block_key, metrics: Metrics, interval: float = 30.0,
+                 on_verdict: Callable[[str, bool, str], None] | None = None) -> None:
+        """``on_verdict(pod, ok, advice)``: called when a pod's verdict is first known or changes (the
+        bridge records it for ``explain``)."""
+        self.on_verdict = on_verdict
+        self._verdicts: dict[str, bool] = {}
         self.block_key = block_key
         self.hasher = BlockHasher.for_block_key(block_key)
         self.metrics = metrics
@@ -45,19 +51,26 @@ class BlockKeyCheck:
         self._due[pod] = now + self.interval
         ok = matches(self.hasher, probe)
         self.metrics.block_key_checks.labels("match" if ok else "mismatch").inc()
+        advice = ""
         if ok:
             self.mismatched.discard(pod)
         else:
             if pod not in self.mismatched:
+                advice = diagnose(probe, self.block_key.pythonHashSeed)
                 log.error("pod %s hashes blocks differently from blockKey (hashAlgo=%s, pythonHashSeed=%r): every "
                           "hit ratio for it will be 0. %s", pod, self.block_key.hashAlgo,
-                          self.block_key.pythonHashSeed, diagnose(probe, self.block_key.pythonHashSeed))
+                          self.block_key.pythonHashSeed, advice)
             self.mismatched.add(pod)
         self.metrics.block_key_mismatched_pods.set(len(self.mismatched))
+        if self._verdicts.get(pod) != ok:
+            self._verdicts[pod] = ok
+            if self.on_verdict is not None:
+                self.on_verdict(pod, ok, advice or ("" if ok else diagnose(probe, self.block_key.pythonHashSeed)))
         return ok
 
     def forget(self, pod: str) -> None:
         self._due.pop(pod, None)
+        self._verdicts.pop(pod, None)
         self.mismatched.discard(pod)
         self.metrics.block_key_mismatched_pods.set(len(self.mismatched))
 

@@ -40,6 +40,7 @@ from infra.targets_record import TargetsRecord
 from bridge.endpoint import Endpoint
 from bridge.vllm_subscriber import VllmSubscriber
 from infra.lease import Lease
+from infra.block_key_verdicts import write_verdict
 from infra.metrics import Metrics
 from infra.registrations import Registration, RegistrationStore
 from infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
@@ -73,7 +74,8 @@ class Bridge:
         self.receive_budget = ReceiveBudget(cfg.ingest.l1.maxBufferedBytes)
         self.metrics.bridge_buffered_bytes.set_function(lambda: self.receive_budget.taken)
         interval = cfg.ingest.l1.blockKeyCheckInterval
-        self.block_key_check = BlockKeyCheck(cfg.blockKey, self.metrics, interval) if interval else None
+        self.block_key_check = BlockKeyCheck(cfg.blockKey, self.metrics, interval, self._record_verdict) if interval else None
+        self._verdict_writes: set[asyncio.Task] = set()
         self._watch_task: asyncio.Task | None = None
         #: what discovery and the registrations list, all of it (a sharded bridge subscribes to its share)
         self._endpoints: list[Endpoint] = []
@@ -155,6 +157,16 @@ class Bridge:
                     await self._stop_sources()
             except Exception:  # this loop must outlive any one change, or leadership is no longer followed
                 log.exception("following the bridge lease failed")
+
+    def _record_verdict(self, pod: str, ok: bool, advice: str) -> None:
+        """A pod's blockKey verdict changed: recorded for explain (a task of its own: the check runs in
+        the receive path, which must not wait on NATS)."""
+        if self.targets_record is None:
+            return
+        task = asyncio.get_running_loop().create_task(write_verdict(self.targets_record.store, pod, ok, advice),
+                                                      name="blockkey-verdict")
+        self._verdict_writes.add(task)
+        task.add_done_callback(self._verdict_writes.discard)
 
     async def _start_sources(self) -> None:
         self._inherited_pods, self._inherited_masters = await self.targets_record.load()

@@ -27,7 +27,8 @@ class Replica:
                                        self.metrics)
         self.api = HitRateApi(cfg.http, BlockHasher.for_block_key(cfg.blockKey), tiers=lambda: (self.indexer.l1, self.indexer.l3),
                               ready=self.indexer.is_ready, metrics=self.metrics, block_size=cfg.blockKey.blockSize,
-                              registrations=lambda: self.registrations, more_routes=[registration])
+                              registrations=lambda: self.registrations, more_routes=[registration],
+                              records=lambda: self._records)
         self.http = HttpServer(self.api.make_app(), cfg.http, self.metrics)
 
     async def start(self) -> None:

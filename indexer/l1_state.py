@@ -116,6 +116,9 @@ class L1State(TierIndex):
         self._lost_log = ThrottledWarning(log, every=10.0)
         #: per offload medium, its index over the same worker ids (the GPU's is ``self.index``)
         self.media: dict[str, BlockIndex] = {m: new_block_index() for m in OFFLOAD_MEDIA}
+        #: pod -> [first, last] stream time (ns) of its messages applied by this replica (0: not known, as
+        #: in benchmarks): what ``explain`` reports as "since" and "last event"
+        self.activity: dict[str, list[int]] = {}
         #: workers that stored in an offload medium since they were last cleared whole: a GPU ``cleared``
         #: keeps their id, which the media's entries still name
         self._offloaded: set[int] = set()
@@ -149,6 +152,11 @@ class L1State(TierIndex):
         if "last_seq" in msg and (error := run_error(msg)):
             raise ValueError(f"malformed run of batches: {error}")
         key = (msg["pod"], msg["rank"])
+        seen = self.activity.get(key[0])
+        if seen is None:
+            self.activity[key[0]] = [self._now, self._now]
+        else:
+            seen[1] = self._now
         gen, seq, part = msg["gen"], msg["seq"], msg.get("part", 0)
         cur = self.cursors.get(key)
         if cur is None or gen > cur.gen:
@@ -268,6 +276,7 @@ class L1State(TierIndex):
         self.cursors[key] = _Cursor(gen=gen, next_seq=msg["next_seq"], reset_seen=True)
 
     def _on_pod_removed(self, pod: str) -> None:
+        self.activity.pop(pod, None)
         for rank in list(self.workers.pod_workers(pod)):
             self._clear((pod, rank))
         for key, cur in self.cursors.items():

@@ -25,7 +25,7 @@ KEY = "bridge.targets"
 
 class TargetsRecord:
     def __init__(self, js, bucket: str, replicas: int = 1) -> None:
-        self._store = RecordsKv(js, bucket, replicas)
+        self.store = RecordsKv(js, bucket, replicas)  # the records bucket (the bridge's other records go there too)
         self._pods: set[str] | None = None
         self._masters: set[str] | None = None
         self._endpoints: list[list] | None = None
@@ -33,7 +33,7 @@ class TargetsRecord:
     async def load(self) -> tuple[set[str], set[str]]:
         """(pods, masters) as last saved; empty when there is no record or it cannot be read."""
         try:
-            entry = await (await self._store()).get(KEY)
+            entry = await (await self.store()).get(KEY)
             record = msgpack.unpackb(entry.value) if entry.value else {}
             pods, masters = set(record.get("pods", ())), set(record.get("masters", ()))
         except (KeyNotFoundError, NotFoundError):
@@ -56,7 +56,7 @@ class TargetsRecord:
         value = msgpack.packb({"pods": sorted(new_pods or ()), "masters": sorted(new_masters or ()),
                                "endpoints": new_endpoints or []})
         try:
-            await (await self._store()).put(KEY, value)
+            await (await self.store()).put(KEY, value)
         except Exception as exc:
             log.warning("bridge targets record not written (%s)", exc)
             return

@@ -53,6 +53,29 @@ class HitRateRequest(BaseModel):
     server_ip: list[Annotated[str, Field(pattern=r"\S")]] = Field(
         min_length=1, description="Candidate vLLM pod IPs; answered in this order. Empty or blank entries are a 400.")
     body: HitRateBody
+    explain: bool = Field(False, description="Also say, per candidate, why its ratio is what it is (`explain` in "
+                                             "each item). An extension of this project.")
+
+
+class Explanation(BaseModel):
+    """Why a candidate's L1 ratio is what it is (``explain: true``)."""
+
+    cause: str = Field(description="One line: unknown pod, no events since subscribed, blockKey mismatch, the "
+                                   "prefix stopping at block k, or the whole prefix cached.")
+    known: bool = Field(description="Events of the pod were applied by this replica.")
+    subscribed: bool | None = Field(description="The active bridge subscribes to it (null: its record is unreadable).")
+    ranks: list[int] = Field(description="Its data-parallel ranks that hold blocks.")
+    first_seen_s_ago: float | None = Field(description="Since its first event this replica applied (stream time).")
+    last_event_s_ago: float | None = Field(description="Since its last event this replica applied.")
+    request_blocks: int = Field(description="Full blocks in the request.")
+    l1_blocks: int = Field(description="Of them, cached from block 0 on its GPU (its best rank).")
+    first_missing_block: int | None = Field(description="The first block not cached (null: all are).")
+    block_key_ok: bool | None = Field(description="The bridge's last check of the engine's hash against blockKey "
+                                                  "(null: not checked yet).")
+    block_key_advice: str = Field("", description="On a mismatch, the setting the engine's hash matches.")
+    first_block_matches_under: list[dict[str, str | None]] = Field(
+        description="Other usual settings (hashAlgo, pythonHashSeed, extraKeysEncoding) under which the request's "
+                    "first block is on the pod: blockKey differs from the engine's.")
 
 
 class ServerScore(BaseModel):
@@ -61,6 +84,7 @@ class ServerScore(BaseModel):
     l3_hit_ratio: float = Field(ge=0, le=1, description="Longest cached prefix in the pod's Mooncake segment / full blocks.")
     message: str = ""
     status: int = 0
+    explain: Explanation | None = Field(None, description="Only with `explain: true` in the request.")
 
 
 class HitRateResponse(BaseModel):
