@@ -1,4 +1,4 @@
-"""python -m bench [all|hashing|memory|query|ingest|replay|refcounts|l3|dynamo|fanout] [--quick] [--write]
+"""python -m bench [all|hashing|memory|query|ingest|replay|refcounts|l3|dynamo|fanout|fleet] [--quick] [--full] [--write]
 
 Runs the benchmarks and prints one Markdown report; --write also stores it in bench/RESULTS.md.
 """
@@ -6,6 +6,7 @@ Runs the benchmarks and prints one Markdown report; --write also stores it in be
 from __future__ import annotations
 
 import datetime
+import inspect
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ SECTIONS = {
     "l3": ("Mooncake polling in local mode: poll time, CPU per poll and API latency while polls run", "bench.l3_poll"),
     "dynamo": ("Side by side with NVIDIA Dynamo's standalone KV indexer: ingest, CPU, query", "bench.dynamo"),
     "fanout": ("The index partitioned by worker: a query fanned out to two partitions", "bench.fanout"),
+    "fleet": ("A fleet: fill, snapshots, a rolling update of every pod and a restore, with the query path probed",
+              "bench.fleet"),
 }
 
 
@@ -32,6 +35,7 @@ def _parser():
     p.add_argument("names", nargs="*", metavar="NAME", choices=["all", *SECTIONS], default=["all"],
                    help="benchmarks to run (default: all)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--full", action="store_true", help="full sizes where a benchmark has them (fleet: 50M entries)")
     p.add_argument("--write", action="store_true", help="also write the report to bench/RESULTS.md")
     return p
 
@@ -53,7 +57,8 @@ def main(argv: list[str]) -> int:
             parts += [f"## {title}", "", f"not available: {exc}", ""]
             continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        res = mod.run(quick=quick)
+        res = mod.run(quick=quick, full=True) if args.full and "full" in inspect.signature(mod.run).parameters \
+            else mod.run(quick=quick)
         parts += [f"## {title}", "", (mod.__doc__ or "").strip(), "", mod.table(res), ""]
     report = "\n".join(parts)
     print(report)

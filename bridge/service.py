@@ -57,6 +57,8 @@ _HEADER_ROOM = 1024
 #: A subscription without a connection to its engine for longer makes the bridge not ready: a pod that
 #: discovery lists as ready but whose events cannot be received is a blind spot to see, not to guess.
 DISCONNECTED_UNREADY_AFTER = 60.0
+#: Sockets the bridge's ZMQ context may open (two per engine rank, and libzmq's own)
+MAX_ZMQ_SOCKETS = 65536
 #: Shard targets: a vLLM pod (its IP) or a Mooncake master (its name).
 POD, MASTER = "pod:", "master:"
 
@@ -66,6 +68,9 @@ class Bridge:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.ctx = zmq.asyncio.Context()
+        # libzmq's default is 1,023 sockets a context: a SUB and a replay DEALER per endpoint stopped a
+        # bridge at about 500 engine ranks (bench fleet); the file descriptor limit is the real bound
+        self.ctx.max_sockets = MAX_ZMQ_SOCKETS
         self.subscribers: dict[Endpoint, VllmSubscriber] = {}
         self.nc = None
         self.publisher: JetStreamPublisher | None = None

@@ -652,3 +652,20 @@ async def test_a_backlog_goes_out_in_runs_and_a_lone_batch_at_once(nats_url, str
             assert (run.headers["Kv-Seq"], run.headers["Kv-Seq-Last"], run.headers["Kv-Events"]) == ("1", "256", "256")
     finally:
         await stack.stop()
+
+
+async def test_a_bridge_subscribes_to_more_engine_ranks_than_one_zmq_context_held_by_default(nats_url, stream_prefix):
+    """libzmq allows 1,023 sockets a context by default, and the bridge opens two per engine rank (SUB
+    and replay DEALER): at fleet size (bench fleet, 1,000 pods x 2 ranks) it stopped at about 500 ranks.
+    600 ranks here, each subscribed and indexed."""
+    stack = await L1Stack(make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"})).start()
+    stack.ctx.max_sockets = 4096  # the engines' side (this test's own context)
+    try:
+        engines = [stack.engine(f"127.7.{i // 250}.{i % 250 + 1}") for i in range(600)]
+        await stack.connect(*[(e, e.host, 0) for e in engines])
+        assert len(stack.bridge.subscribers) == 600
+        await engines[-1].publish([stored([12345], block_size=16)])
+        await wait_for(lambda: stack.replica.indexer.l1.workers.get(engines[-1].host, 0) is not None, 20,
+                       "the 600th rank's block indexed")
+    finally:
+        await stack.stop()
