@@ -123,13 +123,16 @@ class ShardLeases:
         """The member keys present (a watch of ``member.>`` alone: the bucket also holds a lease per
         target, which listing every key would read each round)."""
         watcher = await self._kv.watch(MEMBER + ">", ignore_deletes=True, meta_only=True)
-        try:
+
+        async def present() -> set[str]:
             found = set()
             async for entry in watcher:
                 if entry is None:  # the present values are all in
-                    return found
+                    break
                 found.add(entry.key[len(MEMBER):])
             return found
+        try:  # bounded: a marker that never comes fails this round (retried), not the bridge's placement
+            return await asyncio.wait_for(present(), max(self.ttl, 1.0))
         finally:
             await watcher.stop()
 

@@ -32,6 +32,9 @@ INSTANCE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 #: A ZMQ TCP endpoint an engine binds: tcp://host:port (a bracketed IPv6 host included)
 ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
 MAX_DP_RANK = 1023
+#: How long the bucket's present values may take to come in before the watch is started again (a
+#: watch whose end-of-values marker never comes would leave registrations unread for ever)
+SYNC_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,19 +148,18 @@ class RegistrationStore:
             try:
                 watcher = await (await self._kv()).watch(PREFIX + ">")
                 seen: dict[str, Registration] = {}
-                in_sync = False
-                async for entry in watcher:
-                    if entry is not None:
-                        self._take(seen, entry)
-                        if not in_sync:
-                            continue
-                    in_sync = True
+                updates = watcher.__aiter__()
+                while (entry := await asyncio.wait_for(updates.__anext__(), SYNC_TIMEOUT)) is not None:
+                    self._take(seen, entry)  # the bucket's values, up to the marker that they are all in
+                while True:
                     self.current = dict(seen)
                     self.synced.set()
                     backoff = 0.5
                     if on_change is not None:
                         await on_change(list(seen.values()))
-                raise ConnectionError("the registrations watch ended")
+                    entry = await updates.__anext__()
+                    if entry is not None:
+                        self._take(seen, entry)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the watch is started again; what was known stays meanwhile
