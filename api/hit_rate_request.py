@@ -20,7 +20,7 @@ from typing import Annotated
 import msgspec
 
 from schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
-from api.json_request import RequestError, decode_json, token_array
+from api.json_request import RequestError, cut_token_array, decode_json, token_array
 from schemas.block_hash import LoRAKey, MultiModalKey
 
 
@@ -81,7 +81,7 @@ def decode_hit_rate_request(body: bytes, max_candidates: int | None = None) -> H
 def decode_split_request(body: bytes, span: tuple[int, int], max_candidates: int | None = None) -> HitRateQuery:
     """A request whose token array ``find_token_ids`` found at ``span``: the rest of it decoded here, as
     ``decode_hit_rate_request`` decodes a whole one, the array left unparsed (a view of ``body``)."""
-    start, stop = span
-    req = decode_hit_rate_request(body[:start] + b"[]" + body[stop:], max_candidates)
-    req.token_json = memoryview(body)[start:stop]  # no copy
+    rest, token_json = cut_token_array(body, span)
+    req = decode_hit_rate_request(rest, max_candidates)
+    req.token_json = token_json
     return req

@@ -33,6 +33,14 @@ def decode_json(decoder: msgspec.json.Decoder, body: bytes, misfit: type[Request
         raise RequestError("invalid JSON: nested too deeply") from None
 
 
+def cut_token_array(body: bytes, span: tuple[int, int]) -> tuple[bytes, memoryview]:
+    """A body whose token array the accelerator found at ``span`` (``find_token_ids``): the body with an
+    empty array in its place, for the decoder (which would scan a 240k-token array for 3 ms), and the
+    array's JSON text, a view of ``body`` (no copy), for the parser."""
+    start, stop = span
+    return body[:start] + b"[]" + body[stop:], memoryview(body)[start:stop]
+
+
 def token_array(raw: bytes | memoryview, field: str, misfit: type[RequestError] = RequestError) -> array:
     """The token ids of a JSON array (format 'Q'); ``misfit`` naming ``field`` where it is not a flat array
     of integers in [0, 2**64)."""

@@ -20,7 +20,7 @@ from typing import Annotated
 import msgspec
 from aiohttp import web
 
-from api.json_request import RequestError, UnprocessableRequest, decode_json, token_array
+from api.json_request import RequestError, UnprocessableRequest, cut_token_array, decode_json, token_array
 from api.request_body import BodyRefused, read_body
 from indexer.hit_rate import Tier
 from indexer.hit_rate import NativeQuery
@@ -84,14 +84,12 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
 
 
 def decode_query(body: bytes) -> tuple[_Query, bytes | memoryview]:
-    """The request and its token array's JSON text, not yet parsed (``query_tokens`` parses it). Where the
-    accelerator finds the array (one scan), only the rest of the body goes through msgspec, which would
-    scan a 240k-token array for 3 ms."""
+    """The request and its token array's JSON text, not yet parsed (``query_tokens`` parses it); only the
+    rest of the body goes through msgspec where the accelerator finds the array (``cut_token_array``)."""
     span = find_token_ids(body, True) if find_token_ids is not None else None
     if span is not None:
-        start, stop = span
-        req = _decode(_query_decoder, body[:start] + b"[]" + body[stop:])
-        return req, memoryview(body)[start:stop]
+        rest, token_json = cut_token_array(body, span)
+        return _decode(_query_decoder, rest), token_json
     req = _decode(_query_decoder, body)
     if not len(req.token_ids):
         raise UnprocessableRequest("missing field `token_ids`")

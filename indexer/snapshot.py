@@ -64,7 +64,7 @@ class L1Snapshot:
     def __init__(self, state: L1State, stream_seq: int) -> None:
         self.stream_seq = stream_seq
         self.indexes = [(None, state.index)] + [(name, index) for name, index in state.media.items()
-                                                if index.worker_blocks]
+                                                if index.block_count()]
         self.header = {"stream_seq": stream_seq,
                        "workers": [[pod, rank, wid] for (pod, rank), wid in state.workers.items()],
                        "cursors": state.cursor_rows()}
@@ -80,7 +80,7 @@ class L1Snapshot:
         for side, chunks in zip(self.sides, exported):
             rows = []
             for c, keys, masks in chunks:
-                arrays += _little_endian(keys, masks)
+                arrays += _swap_on_big_endian(keys, masks)
                 rows.append([c, len(keys) // 8])
             parts.append({**side, "count": sum(n for _, n in rows), "wide": {}} if merged else {**side, "chunks": rows})
         header = dict(self.header, format=FORMAT if merged else FORMAT_CHUNKS)
@@ -99,9 +99,11 @@ def _side(index: BlockIndex) -> dict:
             "copies": [[wid, list(extra.items())] for wid, extra in index.copies.items()]}
 
 
-def _little_endian(*arrays: bytes) -> list[bytes]:
+def _swap_on_big_endian(*arrays: bytes | memoryview) -> list[bytes]:
+    """uint64 arrays between this machine's byte order and the snapshot's (little-endian): the same swap
+    both ways, none on a little-endian machine."""
     if sys.byteorder == "little":
-        return list(arrays)
+        return [bytes(raw) for raw in arrays]
     out = []
     for raw in arrays:
         a = array("Q", raw)
@@ -155,7 +157,7 @@ def _restore_index(index: BlockIndex, part: dict, body: memoryview) -> memoryvie
     if "chunks" in part:  # format 2
         chunks = []
         for c, count in part["chunks"]:
-            keys, masks = _native_endian(body[:count * 8], body[count * 8:count * 16])
+            keys, masks = _swap_on_big_endian(body[:count * 8], body[count * 8:count * 16])
             chunks.append((c, keys, masks))
             body = body[count * 16:]
     else:
@@ -163,17 +165,6 @@ def _restore_index(index: BlockIndex, part: dict, body: memoryview) -> memoryvie
         body = body[part["count"] * 16:]
     index.restore_chunks(chunks, dict(part["worker_blocks"]), groups, copies)
     return body
-
-
-def _native_endian(keys: memoryview, masks: memoryview) -> tuple[bytes, bytes]:
-    if sys.byteorder == "little":
-        return bytes(keys), bytes(masks)
-    out = []
-    for raw in (keys, masks):
-        a = array("Q", raw)
-        a.byteswap()
-        out.append(a.tobytes())
-    return out[0], out[1]
 
 
 def _chunks(header: dict, body: memoryview) -> list[tuple[int, bytes, bytes]]:

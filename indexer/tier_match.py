@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from indexer.hit_rate import NativeQuery, Tier, _set_bits
-from schemas.block_hash import BlockHasher, LoRAKey, MultiModalKey
+from indexer.l1_state import OFFLOAD_MEDIA
+from schemas.block_hash import BlockHasher, LoRAKey, MultiModalKey, event_block_hash
 
 #: A pod's ranks and what each holds, in blocks: (gpu, cpu, disk)
 RankLevels = dict[int, tuple[int, int, int]]
@@ -51,11 +52,8 @@ def _stages(l1: Tier | None) -> list:
     if l1 is None:
         return []
     media = getattr(l1, "media", None) or {}
-    stages = [l1.index.masks]
-    for name in ("CPU", "STORAGE"):
-        index = media.get(name)
-        stages.append(index.masks if index is not None and index.worker_blocks else None)
-    return stages
+    return [l1.index.masks] + [index.masks if (index := media.get(name)) is not None and index.block_count() else None
+                               for name in OFFLOAD_MEDIA]
 
 
 class KeyWalk:
@@ -131,26 +129,8 @@ def match_keys(keys: Iterable[int], n_blocks: int, l1: Tier | None, l3: Tier | N
 def chain_keys(hasher: BlockHasher, tokens, block_size: int, cache_salt: str, lora: LoRAKey | None = None,
                mm_features: Sequence[MultiModalKey] = ()) -> Iterator[int]:
     """A request's block keys, hashed lazily (a chunk at a time) as they are drawn."""
-    for chunk in hasher.iter_block_hash_chunks(tokens, block_size, cache_salt=cache_salt or None, lora=lora,
-                                               mm_features=mm_features):
-        for digest in chunk:
-            yield int.from_bytes(digest[-8:], "big")
-
-
-def match_tokens(hasher: BlockHasher, tokens: Sequence[int], block_size: int, cache_salt: str, l1: Tier | None,
-                 l3: Tier | None, lora: LoRAKey | None = None, mm_features: Sequence[MultiModalKey] = ()) -> TierMatch:
-    """A tokenized request's match: the native query where it covers the request (``NativeTierQuery``),
-    else ``match_keys`` over the hash chain."""
-    if not isinstance(tokens, array):
-        tokens = array("Q", tokens)
-    query = NativeTierQuery.prepare(hasher, tokens, block_size, cache_salt, l1, l3, lora, mm_features)
-    if query is not None:
-        try:
-            return query.result(query.native.run())
-        except NotImplementedError:
-            pass  # a pickle token over 2**31-1: only the Python hasher encodes it
-    return match_keys(chain_keys(hasher, tokens, block_size, cache_salt, lora, mm_features),
-                      len(tokens) // block_size, l1, l3)
+    return map(event_block_hash, hasher.iter_block_hashes(tokens, block_size, cache_salt=cache_salt or None,
+                                                           lora=lora, mm_features=mm_features))
 
 
 class NativeTierQuery:
@@ -188,8 +168,10 @@ class NativeTierQuery:
 
 
 def _offloaded(l1: Tier | None) -> bool:
+    """Whether any offload medium holds blocks (the count of the table's headers: no walk, no dict of
+    every worker, as this is asked per query)."""
     media = getattr(l1, "media", None) or {}
-    return any(index.worker_blocks for index in media.values())
+    return any(index.block_count() for index in media.values())
 
 
 def _mask(workers: list[tuple[object, int]]) -> int:

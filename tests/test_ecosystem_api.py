@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 import random
 import shutil
 
@@ -20,7 +21,7 @@ from api.tiered_query import decode_query, decode_query_by_hash, query_tokens
 from bench.dynamo import dynamo_python, in_loopback_namespace
 from indexer.hit_rate import NATIVE_QUERY
 from indexer.l1_state import L1State
-from indexer.tier_match import match_keys, match_tokens
+from indexer.tier_match import NativeTierQuery, match_keys
 from infra.metrics import Metrics
 from schemas.block_hash import BlockHasher
 from schemas.config import HttpConfig
@@ -132,7 +133,9 @@ def test_the_native_match_equals_the_reference_walk():
         l1 = _state(histories)
         tokens = PROMPT[:rng.randint(0, len(PROMPT))]
         keys = HASHER.event_hashes(tokens, B)
-        native, ref = match_tokens(HASHER, tokens, B, "", l1, None), match_keys(keys, len(keys), l1, None)
+        query = NativeTierQuery.prepare(HASHER, array("Q", tokens), B, "", l1, None)
+        assert query is not None, "nothing offloaded: the native query answers"
+        native, ref = query.result(query.native.run()), match_keys(keys, len(keys), l1, None)
         assert (native.ranks, native.full_blocks) == (ref.ranks, ref.full_blocks), (seed, histories, len(tokens))
 
 
