@@ -7,6 +7,7 @@ import logging
 from aiohttp import web
 
 from api.header_guard import HeaderGuard
+from infra.loop_lag import LoopLagMonitor
 from schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
@@ -28,14 +29,20 @@ class HttpServer:
             access_log=None,
         )
         self.port = cfg.port
+        #: the event loop's pauses, as the process serving this API sees them
+        self.loop_lag = LoopLagMonitor(metrics) if metrics is not None else None
 
     async def start(self) -> None:
         await self.runner.setup()
         site = self.guard.site(self.runner, self.cfg.host, self.cfg.port)
         await site.start()
         self.port = site.port
+        if self.loop_lag is not None:
+            self.loop_lag.start()
         log.info("serving the API on http://%s:%d", self.cfg.host, self.port)
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish within http.shutdownTimeout."""
         await self.runner.cleanup()
+        if self.loop_lag is not None:
+            await self.loop_lag.stop()

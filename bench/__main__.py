@@ -22,7 +22,8 @@ SECTIONS = {
     "l3": ("Mooncake polling in local mode: poll time, CPU per poll and API latency while polls run", "bench.l3_poll"),
     "dynamo": ("Side by side with NVIDIA Dynamo's standalone KV indexer: ingest, CPU, query", "bench.dynamo"),
     "fanout": ("The index partitioned by worker: a query fanned out to two partitions", "bench.fanout"),
-    "fleet": ("A fleet: fill, snapshots, a rolling update of every pod and a restore, with the query path probed",
+    "fleet": ("A fleet: fill, snapshots, a rolling update of every pod, discovery churn and a restore, with the query "
+              "path probed",
               "bench.fleet"),
 }
 

@@ -4,6 +4,10 @@ driven by lines on stdin so that the benchmark times each phase:
 
 - ``fill``: every rank stores a shared system prompt (real tokens, vLLM's hashes) and then its own
   blocks up to ``--blocks``, 64 a message; answered ``FILLED``;
+- ``trickle``: from now on a single-block store every 0.1 s, over the pods (a fleet at rest still stores
+  now and then, so snapshots keep coming due), until ``still``; answered ``TRICKLING``, ``STILL``;
+- ``touch``: once the bridge has subscribed to every rank again, one single-block store on each (vLLM
+  drops what it publishes before a subscriber joins); answered ``TOUCHED``;
 - ``restart``: a rolling update: pod by pod, each rank restarts (seq from 0, an empty replay buffer:
   the bridge resets the worker, the indexer clears it) and fills again; answered ``RESTARTED``.
 
@@ -48,6 +52,14 @@ async def _fill(eng: VllmPublisher, blocks: int, rng: random.Random) -> int:
     return n
 
 
+async def _trickle(engines: list[list[VllmPublisher]], rng: random.Random) -> None:
+    i = 0
+    while True:
+        await engines[i % len(engines)][0].publish([stored([rng.getrandbits(64)], block_size=BLOCK)])
+        i += 1
+        await asyncio.sleep(0.1)
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pods", type=int, required=True)
@@ -68,6 +80,7 @@ async def main() -> None:
     await asyncio.gather(*(eng.wait_subscribed(300) for ranks in engines for eng in ranks))
     print("SUBSCRIBED", flush=True)
     rng = random.Random(1)
+    trickling: asyncio.Task | None = None
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -78,6 +91,19 @@ async def main() -> None:
                 for eng in ranks:
                     n += await _fill(eng, args.blocks, rng)
             print(f"FILLED {n}", flush=True)
+        elif line == "trickle":  # a store now and then, over the pods: snapshots keep coming due
+            trickling = asyncio.create_task(_trickle(engines, rng))
+            print("TRICKLING", flush=True)
+        elif line == "touch":  # one store on every rank once the bridge subscribed again (its first contact)
+            await asyncio.gather(*(eng.wait_subscribed(600) for ranks in engines for eng in ranks))
+            for ranks in engines:
+                for eng in ranks:
+                    await eng.publish([stored([rng.getrandbits(64)], block_size=BLOCK)])
+            print("TOUCHED", flush=True)
+        elif line == "still":
+            trickling.cancel()
+            await asyncio.gather(trickling, return_exceptions=True)
+            print("STILL", flush=True)
         elif line == "restart":
             n = 0
             for ranks in engines:  # pod by pod, as a rolling update goes

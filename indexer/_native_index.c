@@ -3,8 +3,9 @@
  * GIL (indexer/block_index.py's NativeBlockIndex wraps it; the pure-Python BlockIndex stays the
  * reference and the fallback, and tests/test_native_index.py holds the two equal).
  *
- * Layout: worker ids are grouped by 64 ("chunks"); per chunk an open-addressing table (linear probing,
- * backward-shift deletion, load <= 7/8) maps a block hash to the 64-bit mask of the chunk's workers
+ * Layout: worker ids are grouped by 64 ("chunks"); per chunk, 256 open-addressing tables (segments,
+ * chosen by the hash; linear probing, backward-shift deletion, load <= 7/8; each grows on its own, so a
+ * store never moves more than one segment) map a block hash to the 64-bit mask of the chunk's workers
  * holding it: 16 bytes a slot, shared by every worker of the chunk holding the block. Per worker, the
  * hashes it stored, in an array that may keep hashes removed since (compacted when it reaches twice
  * what the worker holds): clearing a worker (pod removal, AllBlocksCleared) costs its own blocks, not
@@ -255,9 +256,9 @@ static PyObject *Table_as_dict(Table *self, PyObject *unused) {
     if (!d) return NULL;
     for (size_t c = 0; c < self->t.nchunks; c++) {
         nt_chunk *ch = &self->t.chunks[c];
-        for (size_t i = 0; i <= ch->cap; i++) {
-            uint64_t key, m;
-            if (!nt_chunk_entry(ch, i, &key, &m)) continue;
+        nt_iter it = {0};
+        uint64_t key, m;
+        while (nt_chunk_next(ch, &it, &key, &m)) {
             PyObject *k = PyLong_FromUnsignedLongLong(key);
             PyObject *v = k ? mask_of(self, key) : NULL;
             if (!v || PyDict_SetItem(d, k, v) < 0) { Py_XDECREF(k); Py_XDECREF(v); Py_DECREF(d); return NULL; }
@@ -305,12 +306,11 @@ static PyObject *Table_export_chunks(Table *self, PyObject *unused) {
         if (!dst[2 * c]) continue;
         const nt_chunk *ch = &t->chunks[c];
         size_t j = 0;
-        for (size_t i = 0; i <= ch->cap; i++) {
-            uint64_t key, mask;
-            if (nt_chunk_entry(ch, i, &key, &mask)) {
-                dst[2 * c][j] = key;
-                dst[2 * c + 1][j++] = mask;
-            }
+        nt_iter it = {0};
+        uint64_t key, mask;
+        while (nt_chunk_next(ch, &it, &key, &mask)) {
+            dst[2 * c][j] = key;
+            dst[2 * c + 1][j++] = mask;
         }
     }
     Py_END_ALLOW_THREADS
@@ -376,12 +376,13 @@ static PyObject *Table_candidates(Table *self, PyObject *arg) {
 }
 
 /* counts() -> ((block, worker) entries, bytes allocated, hashes held counted once per chunk holding them,
- * hashes looked at by clears so far, distinct scans so far): a pass over the chunk and worker headers,
- * never a walk of the table (len() is the distinct count, and walks it past 64 workers). */
+ * hashes looked at by clears so far, distinct scans so far, slots moved by growth so far): a pass
+ * over the chunk and worker headers, never a walk of the table (len() is the distinct count, and walks it
+ * past 64 workers). */
 static PyObject *Table_counts(Table *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKK)", (unsigned long long)self->t.entries, (unsigned long long)nt_bytes(&self->t),
+    return Py_BuildValue("(KKKKKK)", (unsigned long long)self->t.entries, (unsigned long long)nt_bytes(&self->t),
                          (unsigned long long)nt_per_chunk(&self->t), (unsigned long long)self->t.clear_visits,
-                         (unsigned long long)self->t.distinct_scans);
+                         (unsigned long long)self->t.distinct_scans, (unsigned long long)self->t.grown_slots);
 }
 
 static PyObject *Table_batch_begin(Table *self, PyObject *unused) {

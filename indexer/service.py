@@ -30,6 +30,7 @@ from infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_st
 from infra.tasks import cancel_and_wait
 from indexer.l1_state import L1State
 from indexer.l3_state import L3State
+from indexer.run_slices import run_slices
 from indexer.snapshot import L1Snapshot, SnapshotStore
 from schemas.config import Config
 
@@ -212,18 +213,35 @@ class Indexer:
                 self._reloading = True
                 self._tasks.append(asyncio.create_task(self._reload(), name="indexer-reload"))
                 return
-        lost = self.l1.stats.lost_gaps
+        state = self.l1
+        lost = state.stats.lost_gaps
         try:
-            self.l1.apply(msgpack.unpackb(msg.data, raw=False), _stored_ns(msg))
-        except Exception as exc:  # a bad message is counted and skipped, never fatal
-            self.metrics.ingest_errors.labels(self._stream).inc()
-            log.warning("stream %s seq %d: cannot apply message: %s", self._stream, seq, exc)
-        if self.l1.stats.lost_gaps != lost:
-            self.metrics.ingest_lost_gaps.inc(self.l1.stats.lost_gaps - lost)
+            pieces = run_slices(msgpack.unpackb(msg.data, raw=False))
+        except Exception as exc:
+            pieces = []
+            self._refused(seq, exc)
+        for i, piece in enumerate(pieces):
+            if i:  # the loop answers queries between the slices of a long run
+                await asyncio.sleep(0)
+                if not self._ingest_open.is_set():
+                    await self._ingest_open.wait()
+                if self.l1 is not state or self._reloading or self._stopping:
+                    return  # rebuilt meanwhile: the new state is fed from the stream
+            try:  # each slice on its own, as the whole run was: the cursor moves past what is refused
+                state.apply(piece, _stored_ns(msg))
+            except Exception as exc:
+                self._refused(seq, exc)
+        if state.stats.lost_gaps != lost:
+            self.metrics.ingest_lost_gaps.inc(state.stats.lost_gaps - lost)
         self.applied_seq = seq
         self.metrics.ingest_applied.labels(self._stream).inc()
         if not self.ready.is_set():
             self._check_ready()
+
+    def _refused(self, seq: int, exc: Exception) -> None:
+        """A bad message (or slice of one) is counted and skipped, never fatal."""
+        self.metrics.ingest_errors.labels(self._stream).inc()
+        log.warning("stream %s seq %d: cannot apply message: %s", self._stream, seq, exc)
 
     def _check_ready(self) -> None:
         if self.applied_seq >= self.target_seq and self.l3_applied_seq >= self.l3_target_seq and not self._reloading:

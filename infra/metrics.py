@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
@@ -41,6 +42,12 @@ class Metrics:
                                           "Candidates no KV-cache event was seen for (a router naming pods by "
                                           "anything but the IP the bridge subscribes to shows up here).",
                                           registry=r)
+        self.loop_lag = Histogram(p + "event_loop_lag_seconds", "How late a timer set every 5 ms fired: kind=wall, "
+                                  "as measured; kind=busy, the part the loop's thread spent on the CPU (this "
+                                  "process's own work held the loop; the rest was waiting for a core).",
+                                  ["kind"], buckets=_LAG_BUCKETS, registry=r)
+        self.loop_lag_max = Gauge(p + "event_loop_lag_max_seconds", "The longest event_loop_lag_seconds of the last "
+                                  "10 to 20 s, by kind.", ["kind"], registry=r)
         # index / ingest
         self.index_blocks = Gauge(p + "index_blocks", "Block hashes held, by tier: distinct up to 64 workers, past "
                                   "that counted once per group of 64 workers holding them (the exact count walks "
