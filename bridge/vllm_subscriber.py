@@ -282,8 +282,9 @@ class VllmSubscriber:
                     upto, self._dropped_upto = self._dropped_upto, None
                     sequencer = self.sequencer
                     if sequencer.gen is not None and sequencer.last is not None and upto > sequencer.last:
-                        await self._guarded(sequencer.publish_buffered(sequencer.last + 1, None),
-                                            "replaying from the engine's buffer")
+                        gen = sequencer.gen
+                        if not await self._guarded(sequencer.replay_tail(upto), "replaying from the engine's buffer"):
+                            await self._tail_again(upto, gen)
                     continue
                 if self.sequencer.pending.batches:
                     await self._guarded(self.sequencer.flush(), "publishing batches")
@@ -305,14 +306,28 @@ class VllmSubscriber:
             await self._guarded(self.sequencer.flush(), "publishing batches")
             await asyncio.sleep(0)
 
-    async def _guarded(self, work, what: str) -> None:
-        """Run ``work`` of the subscription's loop; a failure is logged, never the end of the loop."""
+    async def _guarded(self, work, what: str):
+        """Run ``work`` of the subscription's loop; a failure is logged, never the end of the loop (None)."""
         try:
-            await work
+            return await work
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("%s rank %d: %s failed", self.ep.pod, self.ep.rank, what)
+            return None
+
+    async def _tail_again(self, upto: int, gen: int) -> None:
+        """The dropped tail up to ``upto`` did not come from the engine's buffer: asked again after the
+        replay cooldown (live batches arriving meanwhile go first; their gap handling may settle it)."""
+        if self.sequencer.gen != gen:
+            return  # a new generation meanwhile: it starts from the engine's buffer itself
+        self._dropped_upto = max(upto, self._dropped_upto or 0)
+        self.metrics.bridge_replays.labels("tail_retry").inc()
+        self._queued.clear()
+        try:
+            await asyncio.wait_for(self._queued.wait(), max(self.cfg.replayCooldown, self.cfg.backoffInitial))
+        except asyncio.TimeoutError:
+            pass
 
     def _take_usual(self, frames: list[bytes]) -> bool:
         """The sequencer's path without a coroutine for the usual batch (``take_usual``); False:

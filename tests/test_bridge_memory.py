@@ -20,6 +20,7 @@ import zmq.asyncio
 from cache_indexer.replica import Replica
 from cache_indexer.simulate.vllm_engine import VllmPublisher, batch_payload, stored
 from tests.conftest import free_port, make_config, metric_value, wait_for
+from tests.l1_stack import L1Stack
 from tests.test_recovery import spawn, write_config
 
 BURST = 16000
@@ -81,3 +82,37 @@ async def test_a_burst_larger_than_the_budget_stays_within_it_and_drops_are_repl
         await replica.stop()
         await eng.close()
         ctx.term()
+
+
+async def test_a_dropped_tail_the_engine_does_not_replay_at_once_is_asked_again_while_the_engine_is_idle(
+        nats_url, stream_prefix):
+    """The end of a burst is dropped for want of room, and the engine then publishes nothing more (an
+    idle engine sends no live batch whose gap would bring it). The first replay request goes unanswered
+    (an engine busy with its own work): the replay cooldown starts, during which gaps become resets and
+    the tail's replay gets nothing. The bridge asks for the tail again after the cooldown: the index ends
+    holding the burst from its last reset to its last batch. The bridge used to ask once: at 2,000 ranks,
+    a fleet's fill ended with 9M of its 50M entries held, for good."""
+    cfg = make_config(nats_url, stream_prefix, ingest={"l1": {
+        "replayCooldown": "5s", "replayTimeout": "500ms", "maxBufferedBytes": "2MiB", "maxBatchBytes": "1MiB",
+        "blockKeyCheckInterval": 0}})
+    s = await L1Stack(cfg).start()
+    try:
+        eng = s.engine(replay_port=0, buffer_steps=5000)
+        await s.connect((eng, "127.0.0.1", 0))
+        l1 = s.replica.indexer.l1
+        await eng.publish([stored([1], block_size=4)])
+        await wait_for(lambda: l1.index.entries() == 1, 30, "the first batch indexed")
+        eng.replay_deaf = 1
+        n = 2000
+        for i in range(n):  # 24 MB as fast as the socket takes them, then nothing
+            await eng.publish_payload(batch_payload([stored([1000 + i], block_size=TOKENS)]))
+        last = 1000 + n - 1
+        await wait_for(lambda: l1.blocks.get(last), 30, "the burst's last batch indexed")
+        held = {h for h, _ in l1.blocks.items()} - {1}  # the first batch stays unless a reset came since
+        first = min(held)
+        assert held == set(range(first, last + 1)), "from the last reset on, every batch of the burst"
+        m = s.bridge_metrics
+        assert m.bridge_batches.labels("overflow")._value.get() > 0, "the burst was over the budget"
+        assert eng.replay_deaf == 0, "the unanswered request was made"
+    finally:
+        await s.stop()

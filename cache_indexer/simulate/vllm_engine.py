@@ -58,6 +58,8 @@ class VllmPublisher:
         #: answer at most this many batches per replay request, without the end marker, as a ROUTER past
         #: its send high-water mark does (deterministically, where the socket's drops depend on timing)
         self.replay_cut = replay_cut
+        #: the next this many replay requests get no answer at all (an engine too busy to answer in time)
+        self.replay_deaf = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         #: batches published since this object was made, across engine restarts (tests wait on it)
@@ -108,6 +110,9 @@ class VllmPublisher:
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
             self.replay_requests.append(start)
+            if self.replay_deaf > 0:
+                self.replay_deaf -= 1
+                continue
             sent = 0
             for seq, payload in list(self.buffer):
                 if seq >= start:
