@@ -207,7 +207,7 @@ async def _run(size: dict, pin: bool = True) -> dict:
                     env={"KUBECONFIG": str(_kubeconfig(tmp / "kubeconfig", kube.url))}, stderr=bridge_log)
     indexer_log = open(tmp / "indexer.log", "w")
     indexer = _spawn(indexer_args, mine, stderr=indexer_log)
-    out: dict = {"size": dict(size, entries=entries), "pinned": bool(mine), "lag": {}}
+    out: dict = {"size": dict(size, entries=entries), "pinned": bool(mine), "lag": {}, "bridge_lag": {}}
     probe = Probe(f"http://127.0.0.1:{api}/kv-cache/hit-rate", pod_host(0))
     try:
         async with aiohttp.ClientSession() as s:
@@ -230,9 +230,11 @@ async def _run(size: dict, pin: bool = True) -> dict:
             async def phase(name: str, work) -> float:
                 probe.phase = name
                 before, t = await _lag_buckets(s, api), time.monotonic()
+                bridge_before = await _lag_buckets(s, bridge_port)
                 await work()
                 took = time.monotonic() - t
                 out["lag"][name] = _lag_between(before, await _lag_buckets(s, api))
+                out["bridge_lag"][name] = _lag_between(bridge_before, await _lag_buckets(s, bridge_port))
                 return took
 
             def command(line: str, answer: str):
@@ -371,4 +373,7 @@ def table(res: dict) -> str:
         if lag:
             rows.append(f"| {phase}: the replica's loop held by its own work (busy) / late in all (wall), "
                         f"{lag['busy']['samples']:,} samples | {_lag(lag['busy'])} / {_lag(lag['wall'])} |")
+        lag = res.get("bridge_lag", {}).get(phase)
+        if lag:
+            rows.append(f"| {phase}: the bridge's loop, busy / wall | {_lag(lag['busy'])} / {_lag(lag['wall'])} |")
     return "\n".join(rows)

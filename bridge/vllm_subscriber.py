@@ -216,8 +216,8 @@ class VllmSubscriber:
                             raise error
                     else:
                         self._receive_burst(plain)
-                    if self._queue:
-                        self._queued.set()
+                    if self._queue or self._dropped_upto is not None:  # a drop too: its replay is due
+                        self._queued.set()  # (all of a burst may drop while other engines fill the budget)
                     if plain.get(zmq.EVENTS) & zmq.POLLIN:
                         await asyncio.sleep(0)  # more is there: let the others run first
                         continue

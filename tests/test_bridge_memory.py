@@ -116,3 +116,32 @@ async def test_a_dropped_tail_the_engine_does_not_replay_at_once_is_asked_again_
         assert eng.replay_deaf == 0, "the unanswered request was made"
     finally:
         await s.stop()
+
+
+async def test_an_engine_whose_every_batch_was_dropped_gets_them_replayed(nats_url, stream_prefix):
+    """The receive budget is shared: while other engines' queued batches fill it (taken here by the
+    test), every batch of a quiet engine is dropped, its own queue staying empty. It must still get
+    them replayed once there is room, although it publishes nothing more. The subscriber waited for a
+    batch in its queue to wake up, so the drops waited for the engine's next live batch: at 2,000 ranks
+    a fleet's fill stopped at 9M of its 50M entries."""
+    cfg = make_config(nats_url, stream_prefix, ingest={"l1": {
+        "replayCooldown": "1s", "replayTimeout": "2s", "maxBufferedBytes": "2MiB", "maxBatchBytes": "1MiB",
+        "blockKeyCheckInterval": 0}})
+    s = await L1Stack(cfg).start()
+    try:
+        eng = s.engine(replay_port=0)
+        await s.connect((eng, "127.0.0.1", 0))
+        l1 = s.replica.indexer.l1
+        await eng.publish([stored([1], block_size=4)])
+        await wait_for(lambda: l1.index.entries() == 1, 30, "the first batch indexed")
+        budget = s.bridge.receive_budget
+        others = budget.limit // 2 - budget.taken
+        assert budget.take_live(others), "the other engines' queued batches fill the live half"
+        dropped = s.bridge_metrics.bridge_batches.labels("overflow")
+        for i in range(5):
+            await eng.publish([stored([100 + i], block_size=4)])
+        await wait_for(lambda: dropped._value.get() == 5, 10, "the quiet engine's batches dropped")
+        budget.give(others)  # the others' batches published
+        await wait_for(lambda: l1.index.entries() == 6, 20, "the dropped batches replayed and indexed")
+    finally:
+        await s.stop()
