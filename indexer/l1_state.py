@@ -108,6 +108,8 @@ class L1State(TierIndex):
     def __init__(self, max_early: int = 1024) -> None:
         super().__init__()
         self.cursors: dict[tuple[str, int], _Cursor] = {}
+        #: pod -> the ranks it has cursors for (``knows`` looks at those, not at every worker's)
+        self._pod_ranks: dict[str, set[int]] = {}
         self.max_early = max_early
         self.stats = ApplyStats()
         #: workers with early batches -> when the first was stored (for EARLY_TIMEOUT_NS)
@@ -165,8 +167,8 @@ class L1State(TierIndex):
             if cur is not None:
                 self._clear(key)
                 self._waiting.pop(key, None)
-            cur = self.cursors[key] = _Cursor(gen=gen, next_seq=seq, next_part=part,
-                                              journal=[] if self._now else None, journal_since=self._now)
+            cur = self._set_cursor(key, _Cursor(gen=gen, next_seq=seq, next_part=part,
+                                                journal=[] if self._now else None, journal_since=self._now))
         elif gen < cur.gen:
             self.stats.stale += 1
             return
@@ -273,7 +275,7 @@ class L1State(TierIndex):
             return
         self._clear(key)
         self._waiting.pop(key, None)
-        self.cursors[key] = _Cursor(gen=gen, next_seq=msg["next_seq"], reset_seen=True)
+        self._set_cursor(key, _Cursor(gen=gen, next_seq=msg["next_seq"], reset_seen=True))
 
     def _on_pod_removed(self, pod: str) -> None:
         self.activity.pop(pod, None)
@@ -376,6 +378,11 @@ class L1State(TierIndex):
                     index.clear(wid)
             self.workers.release(*key)
 
+    def _set_cursor(self, key: tuple[str, int], cur: _Cursor) -> _Cursor:
+        self.cursors[key] = cur
+        self._pod_ranks.setdefault(key[0], set()).add(key[1])
+        return cur
+
     # -- snapshots ---------------------------------------------------------------------------------
     def cursor_rows(self) -> list[list]:
         """Every worker's position, as snapshots store it (indexer/snapshot.py)."""
@@ -386,9 +393,9 @@ class L1State(TierIndex):
                        next_part: int = 0, journal: list[dict] | None = None, early_since: int = 0,
                        journal_since: int = 0) -> None:
         """A position from ``cursor_rows`` (the last fields are absent from older snapshots)."""
-        cur = self.cursors[(pod, rank)] = _Cursor(gen=gen, next_seq=next_seq, reset_seen=reset_seen,
-                                                  early={(m["seq"], m.get("part", 0)): m for m in early},
-                                                  next_part=next_part, journal=journal, journal_since=journal_since)
+        cur = self._set_cursor((pod, rank), _Cursor(gen=gen, next_seq=next_seq, reset_seen=reset_seen,
+                                                    early={(m["seq"], m.get("part", 0)): m for m in early},
+                                                    next_part=next_part, journal=journal, journal_since=journal_since))
         if cur.early:
             self._wait_from((pod, rank), cur, early_since)
 
@@ -399,9 +406,15 @@ class L1State(TierIndex):
     # -- queries -----------------------------------------------------------------------------------
     def knows(self, pod: str) -> bool:
         """Events were seen for the pod and it was not removed, though it may hold nothing now (after
-        AllBlocksCleared or a reset). Scans the cursors: asked only for pods without workers. A copy of
-        them first (one C call): a query thread may ask while the event loop applies a message."""
-        return any(key[0] == pod and cur.next_seq != _DEAD for key, cur in list(self.cursors.items()))
+        AllBlocksCleared or a reset). Looks at the pod's own cursors (a scan of every cursor cost 0.3 ms a
+        query at 2,000 workers, while a pod restarted). A copy of its ranks first (one C call): a query
+        thread may ask while the event loop applies a message."""
+        cursors = self.cursors
+        for rank in list(self._pod_ranks.get(pod, ())):
+            cur = cursors.get((pod, rank))
+            if cur is not None and cur.next_seq != _DEAD:
+                return True
+        return False
 
 
 def _check_plausible(msg: dict, stored_ns: int) -> None:

@@ -24,6 +24,7 @@ import msgpack
 from nats.js import api
 
 from infra.lease import Lease
+from infra.loop_turns import LoopTurns
 from infra.metrics import Metrics
 from infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
                            stream_id, unsubscribe_quietly)
@@ -31,7 +32,7 @@ from infra.tasks import cancel_and_wait
 from indexer.l1_state import L1State
 from indexer.l3_state import L3State
 from indexer.run_slices import run_slices
-from indexer.snapshot import L1Snapshot, SnapshotStore
+from indexer.snapshot import L1Snapshot, PartsReader, SnapshotStore
 from schemas.config import Config
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class Indexer:
         self._ingest_open = asyncio.Event()
         self._ingest_open.set()
         self._l1_stream_id = self._l3_stream_id = ""
+        #: the loop's turns while stream messages are applied one after the other (L1 and L3 alike)
+        self._turns = LoopTurns()
 
     def is_ready(self) -> bool:
         """Caught up with the streams at start-up, and connected to NATS (or not for long: a short
@@ -182,6 +185,7 @@ class Indexer:
         self.metrics.ingest_applied.labels(self.cfg.nats.l3Stream.name).inc()
         if not self.ready.is_set():
             self._check_ready()
+        await self._turns.done()
 
     async def _reload(self) -> None:
         self.reloads += 1
@@ -222,7 +226,7 @@ class Indexer:
             self._refused(seq, exc)
         for i, piece in enumerate(pieces):
             if i:  # the loop answers queries between the slices of a long run
-                await asyncio.sleep(0)
+                await self._turns.give()
                 if not self._ingest_open.is_set():
                     await self._ingest_open.wait()
                 if self.l1 is not state or self._reloading or self._stopping:
@@ -237,6 +241,7 @@ class Indexer:
         self.metrics.ingest_applied.labels(self._stream).inc()
         if not self.ready.is_set():
             self._check_ready()
+        await self._turns.done()  # a backlog is applied in turns: queries are answered between them
 
     def _refused(self, seq: int, exc: Exception) -> None:
         """A bad message (or slice of one) is counted and skipped, never fatal."""
@@ -262,12 +267,12 @@ class Indexer:
         finally:
             self._ingest_open.set()
         self.metrics.snapshot_ingest_pause.observe(time.perf_counter() - t)
-        blob = await asyncio.to_thread(snap.encode, exported)
+        blob = PartsReader(await asyncio.to_thread(snap.encode_parts, exported))
         saved = await self.snapshots.save(blob, seq, self._l1_stream_id)
         self._last_snapshot_seq, self._last_snapshot_time = seq, time.monotonic()
         if not saved:
             return False
-        log.info("snapshot at stream seq %d: %.1f MB in %.2fs", seq, len(blob) / 1e6, time.perf_counter() - t)
+        log.info("snapshot at stream seq %d: %.1f MB in %.2fs", seq, blob.size / 1e6, time.perf_counter() - t)
         if self.cfg.snapshot.purge:
             upto = seq + 1 - self.cfg.snapshot.purgeKeep
             if upto > 1:

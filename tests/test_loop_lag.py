@@ -4,6 +4,7 @@ here a blocking sleep) as ``wall`` lag only; read over real HTTP from /metrics."
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import aiohttp
@@ -11,6 +12,7 @@ import aiohttp
 from api.ops import make_ops_app
 from api.server import HttpServer
 from infra.loop_lag import WindowMax
+from infra.loop_turns import LoopTurns
 from infra.metrics import Metrics
 from schemas.config import HttpConfig
 from tests.conftest import wait_for
@@ -69,3 +71,19 @@ async def test_a_long_step_of_the_processs_own_work_shows_as_busy_lag():
 async def test_a_loop_kept_off_the_cpu_shows_as_wall_lag_only():
     lag = await _served(lambda: time.sleep(0.08))
     assert lag["wall"] >= 0.06 and lag["busy"] < 0.03, lag
+
+
+async def test_work_hands_the_loop_a_turn_once_its_budget_is_spent():
+    now = [0.0]
+    turns = LoopTurns(budget=0.002, clock=lambda: now[0])
+    ran: list[float] = []
+
+    async def query() -> None:
+        ran.append(now[0])
+    asyncio.get_running_loop().create_task(query())
+    now[0] = 0.001
+    await turns.done()  # within the budget: no turn, the query waits
+    assert ran == [] and turns.given == 0
+    now[0] = 0.0025
+    await turns.done()  # spent: the query runs before the next piece of work
+    assert ran == [0.0025] and turns.given == 1

@@ -10,7 +10,7 @@ import nats
 import pytest
 
 from indexer.l1_state import L1State
-from indexer.snapshot import SnapshotStore, encode_l1
+from indexer.snapshot import PartsReader, SnapshotStore, encode_l1
 from tests.conftest import wait_for
 
 
@@ -141,3 +141,23 @@ async def test_a_meta_bucket_that_did_not_answer_once_is_asked_again(js, buckets
     assert await store.pointer() is None and len(calls) == 2
     assert await store.save(encode_l1(state_with(10, 3), 5), 5)
     assert (await store.pointer()).stream_seq == 5
+
+
+def test_a_snapshot_in_pieces_reads_as_its_bytes_whatever_the_chunk_size():
+    """The indexer hands the object store a snapshot's pieces (``PartsReader``), never one joined copy:
+    read in chunks of any size, they are the bytes ``encode`` joins. The seed is printed."""
+    seed = random.SystemRandom().randrange(1 << 32)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    for _ in range(50):
+        parts = [rng.randbytes(rng.choice([0, 1, 7, 8, 100, 5000])) for _ in range(rng.randrange(0, 12))]
+        reader = PartsReader(parts)
+        assert reader.size == sum(map(len, parts))
+        size, out = rng.choice([1, 3, 64, 4096, 1 << 20]), bytearray()
+        while True:
+            buf = bytearray(size)
+            n = reader.readinto(buf)
+            if not n:
+                break
+            out += buf[:n]
+        assert bytes(out) == b"".join(parts)
