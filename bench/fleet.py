@@ -53,9 +53,14 @@ FULL = {"pods": 1_000, "ranks": 2, "blocks": 25_000}
 PROBE_EVERY = 0.005
 
 
-def _rss(pid: int) -> int:
+def _status(pid: int, field: str) -> int:
+    """Bytes of a /proc/<pid>/status field (VmRSS: resident now, VmHWM: the most resident so far)."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _rss(pid: int) -> int:
+    return _status(pid, "VmRSS")
 
 
 def _pin(pid: int, cpus: set[int] | None) -> None:
@@ -302,6 +307,8 @@ async def _run(size: dict, pin: bool = True) -> dict:
             await probe.stop()
             out["probe"] = {name: probe.summary(name) for name in ("fill", "snapshots", "rolling update",
                                                                    "discovery churn")}
+            out["indexer_peak_mb"] = _status(indexer.pid, "VmHWM") / 1e6  # snapshots included
+            out["bridge_peak_mb"] = _status(bridge.pid, "VmHWM") / 1e6
             indexer.send_signal(signal.SIGKILL)
             indexer.wait()
             t = time.monotonic()
@@ -358,8 +365,10 @@ def table(res: dict) -> str:
         f"found through Kubernetes list/watch{'; replica and probe on a core of their own' if res['pinned'] else ''} |",
         f"| fill, end to end (engines -> bridge -> JetStream -> replica) | {res['fill_s']:.1f} s: "
         f"{res['ingest_entries_per_s']:,.0f} entries/s |",
-        f"| replica resident memory | {res['indexer_rss_mb']:,.0f} MB ({res['bytes_per_entry']:.0f} B per entry) |",
-        f"| bridge resident memory | {res['bridge_rss_mb']:,.0f} MB |",
+        f"| replica resident memory after the fill / at its peak (snapshots included) | {res['indexer_rss_mb']:,.0f} MB "
+        f"({res['bytes_per_entry']:.0f} B per entry) / {res.get('indexer_peak_mb', 0):,.0f} MB |",
+        f"| bridge resident memory after the fill / at its peak | {res['bridge_rss_mb']:,.0f} MB / "
+        f"{res.get('bridge_peak_mb', 0):,.0f} MB |",
         f"| snapshots written / size / write time | {res['snapshots']} / {res.get('snapshot_mb', '-')} MB / "
         f"{res.get('snapshot_write_s', '-')} s |",
         f"| ingest paused by a snapshot's table copy (mean) | {_ms(res['snapshot_ingest_pause_ms'])} |",

@@ -268,7 +268,11 @@ class Indexer:
             self._ingest_open.set()
         self.metrics.snapshot_ingest_pause.observe(time.perf_counter() - t)
         blob = PartsReader(await asyncio.to_thread(snap.encode_parts, exported))
-        saved = await self.snapshots.save(blob, seq, self._l1_stream_id)
+        del exported  # the pieces are the reader's alone now: it frees them in turns
+        try:
+            saved = await self.snapshots.save(blob, seq, self._l1_stream_id)
+        finally:
+            await blob.release()
         self._last_snapshot_seq, self._last_snapshot_time = seq, time.monotonic()
         if not saved:
             return False

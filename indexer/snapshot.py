@@ -111,6 +111,13 @@ class PartsReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    async def release(self) -> None:
+        """Frees the pieces one at a time, the event loop getting a turn between them: a whole snapshot
+        freed at once (800 MB at 50M entries, handed back to the system) held the loop for 50 ms."""
+        while self._parts:
+            self._parts.pop().release()
+            await asyncio.sleep(0)
+
     def readinto(self, buf) -> int:
         out = memoryview(buf).cast("B")
         n = 0

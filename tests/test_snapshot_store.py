@@ -161,3 +161,23 @@ def test_a_snapshot_in_pieces_reads_as_its_bytes_whatever_the_chunk_size():
                 break
             out += buf[:n]
         assert bytes(out) == b"".join(parts)
+
+
+async def test_a_snapshots_pieces_are_freed_one_at_a_time_with_the_loop_free_between():
+    pieces = [bytes(1000) for _ in range(20)]
+    reader = PartsReader(pieces)
+    del pieces
+    turns = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+    ticking = asyncio.create_task(other())
+    await asyncio.sleep(0)
+    before = turns
+    await reader.release()
+    ticking.cancel()
+    assert reader.readinto(bytearray(10)) == 0, "nothing left"
+    assert turns - before >= 19, "the loop ran other work between two pieces"
