@@ -1,26 +1,55 @@
 """How long the event loop was kept from answering, measured from inside the process.
 
-A probe from outside (a router's latency, a benchmark's client) cannot tell a pause of the replica's
-own work (a long step on the event loop, which delays every query behind it) from a process waiting for
+A probe from outside (a router's latency, a benchmark's client) cannot tell a pause of the process's
+own work (a long step of the event loop, which delays every query behind it) from a process waiting for
 a core the node gives to someone else. Both matter, to different people: the first is this product's
-to fix, the second is sizing (CPU requests and limits). A timer set every ``every`` seconds measures
-how late it fires (``lag``); the CPU time the loop's thread used meanwhile bounds how much of that was
-its own work (``busy``: the smaller of the two). A step of d seconds shows as a lag between d - every
-and d, so the figures are within ``every`` (5 ms) of the pause.
+to fix, the second is sizing (CPU requests and limits). Two measures:
+
+- the lag: a timer set every ``every`` seconds, and how late it fires (wall clock: both causes);
+- the steps: every callback the loop runs (``asyncio.Handle._run``: a task's step, an I/O callback),
+  timed in CPU time of the loop's thread, so waiting for a core does not count: the longest piece of
+  this process's own work, which a query arriving meanwhile waits for. Steps of 1 ms or more are
+  counted (two clock reads a step otherwise); those over WARN_AFTER are logged with what ran.
 """
 
 from __future__ import annotations
 
 import asyncio
+import asyncio.events
 import logging
 import time
+from collections.abc import Callable
 
 from infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
-#: pauses of the loop's own work longer than this are logged (throttled): every query waited that long
+#: steps of the loop's own work longer than this are logged (throttled): every query waited that long
 WARN_AFTER = 0.1
+#: steps shorter than this are not recorded
+STEP_LEAST = 0.001
+
+_observers: list[Callable[[float, asyncio.Handle], None]] = []
+_plain_run = asyncio.events.Handle._run
+
+
+def _timed_run(self: asyncio.Handle) -> None:
+    start = time.thread_time()
+    _plain_run(self)
+    took = time.thread_time() - start
+    if took >= STEP_LEAST:
+        for observe in _observers:
+            observe(took, self)
+
+
+def _what(handle: asyncio.Handle) -> str:
+    """A task's name and where its coroutine stands now, or the callback."""
+    task = getattr(handle._callback, "__self__", None)
+    if isinstance(task, asyncio.Task):
+        frame = getattr(task.get_coro(), "cr_frame", None)
+        at = f" at {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+        return f"task {task.get_name()}{at}"
+    return repr(handle._callback)[:200]
 
 
 class WindowMax:
@@ -48,27 +77,26 @@ class LoopLagMonitor:
         self.every = every
         self._task: asyncio.Task | None = None
         self._lag_max = WindowMax()
-        self._busy_max = WindowMax()
+        self._step_max = WindowMax()
         self._warn = ThrottledWarning(log, every=30.0)
 
-    def observe(self, lag: float, busy: float) -> None:
-        m = self.metrics
-        m.loop_lag.labels("wall").observe(lag)
-        m.loop_lag.labels("busy").observe(busy)
-        m.loop_lag_max.labels("wall").set(self._lag_max.add(lag))
-        m.loop_lag_max.labels("busy").set(self._busy_max.add(busy))
-        if busy > WARN_AFTER:
-            self._warn("the event loop was held %.0f ms by this process's own work (queries waited as long)",
-                       busy * 1e3)
+    def observe_step(self, took: float, handle: asyncio.Handle) -> None:
+        self.metrics.loop_step.observe(took)
+        self.metrics.loop_step_max.set(self._step_max.add(took))
+        if took > WARN_AFTER:
+            self._warn("a step of the event loop took %.0f ms of this process's own work (queries waited as "
+                       "long): %s", took * 1e3, _what(handle))
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                t, cpu = loop.time(), time.thread_time()
+                t = loop.time()
                 await asyncio.sleep(self.every)
                 lag = max(0.0, loop.time() - t - self.every)
-                self.observe(lag, min(lag, time.thread_time() - cpu))
+                self.metrics.loop_lag.observe(lag)
+                self.metrics.loop_lag_max.set(self._lag_max.add(lag))
+                self.metrics.loop_step_max.set(self._step_max.add(0.0))  # a quiet window ends too
             except asyncio.CancelledError:
                 raise
             except Exception:  # never fatal: a monitor that dies would read as a quiet loop
@@ -77,6 +105,8 @@ class LoopLagMonitor:
 
     def start(self) -> None:
         if self._task is None:
+            asyncio.events.Handle._run = _timed_run  # once per process; the plain one when nobody watches
+            _observers.append(self.observe_step)
             self._task = asyncio.create_task(self._run(), name="event-loop-lag")
 
     async def stop(self) -> None:
@@ -84,3 +114,6 @@ class LoopLagMonitor:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+            _observers.remove(self.observe_step)
+            if not _observers:
+                asyncio.events.Handle._run = _plain_run

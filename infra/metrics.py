@@ -42,12 +42,17 @@ class Metrics:
                                           "Candidates no KV-cache event was seen for (a router naming pods by "
                                           "anything but the IP the bridge subscribes to shows up here).",
                                           registry=r)
-        self.loop_lag = Histogram(p + "event_loop_lag_seconds", "How late a timer set every 5 ms fired: kind=wall, "
-                                  "as measured; kind=busy, the part the loop's thread spent on the CPU (this "
-                                  "process's own work held the loop; the rest was waiting for a core).",
-                                  ["kind"], buckets=_LAG_BUCKETS, registry=r)
+        self.loop_lag = Histogram(p + "event_loop_lag_seconds", "How late a timer set every 5 ms fired (wall clock: "
+                                  "this process's own work, or waiting for a core).", buckets=_LAG_BUCKETS,
+                                  registry=r)
         self.loop_lag_max = Gauge(p + "event_loop_lag_max_seconds", "The longest event_loop_lag_seconds of the last "
-                                  "10 to 20 s, by kind.", ["kind"], registry=r)
+                                  "10 to 20 s.", registry=r)
+        self.loop_step = Histogram(p + "event_loop_step_seconds", "Steps of the event loop (a task's step, an I/O "
+                                   "callback) of 1 ms or more, in CPU time of the loop's thread: this process's "
+                                   "own work, which a query arriving meanwhile waits for.", buckets=_LAG_BUCKETS,
+                                   registry=r)
+        self.loop_step_max = Gauge(p + "event_loop_step_max_seconds", "The longest event_loop_step_seconds of the "
+                                   "last 10 to 20 s.", registry=r)
         # index / ingest
         self.index_blocks = Gauge(p + "index_blocks", "Block hashes held, by tier: distinct up to 64 workers, past "
                                   "that counted once per group of 64 workers holding them (the exact count walks "
