@@ -380,6 +380,8 @@ def table(res: dict) -> str:
         f"{res['restore_to_ready_s']:.1f} s ({res['readyz_503_while_loading']}) |",
     ]
     for phase, p in res["probe"].items():
+        rows.append(f"| {phase}: probe p50 / p99 / max ({p['n']:,} requests) | {_ms(p['p50_ms'])} / "
+                    f"{_ms(p['p99_ms'])} / {_ms(p['max_ms'])} |")
         lag = res["lag"].get(phase)
         if lag:
             rows.append(f"| {phase}: the replica's event loop: steps of its own work (CPU) / lag of a 5 ms timer "
