@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 OnChange = Callable[[list[Endpoint]], Awaitable[None]]
 
 
+#: how long watch events gather before the targets are published (a burst becomes one publish)
+PUBLISH_AFTER = 0.1
+
+
 def label_selector(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
@@ -102,6 +106,8 @@ class KubernetesDiscovery:
         self.pods: dict[str, object] = {}  # uid -> pod
         self._task: asyncio.Task | None = None
         self._last: list[Endpoint] | None = None
+        self._dirty = False
+        self._publishing: asyncio.Task | None = None
 
     async def _client(self) -> client.ApiClient:
         if self._api_client is None:
@@ -117,7 +123,7 @@ class KubernetesDiscovery:
 
     async def stop(self) -> None:
         if self._task:
-            await cancel_and_wait(self._task)
+            await cancel_and_wait(self._task, self._publishing)
         if self._api_client is not None:
             await self._api_client.close()
 
@@ -126,6 +132,26 @@ class KubernetesDiscovery:
         if eps != self._last:
             self._last = eps
             await self.on_change(eps)
+
+    def _changed(self) -> None:
+        """A watch event: the targets are published once the events at hand are read. A burst (a rolling
+        update, a node drained, 1,000 pods deleted) is one publish, not one per event: each maps every
+        pod and the bridge reconciles every target, so a publish per event cost O(pods) per event (the
+        bridge's loop held up to 0.5 s at a time while 1,000 pods left)."""
+        self._dirty = True
+        if self._publishing is None or self._publishing.done():
+            self._publishing = asyncio.create_task(self._publish_changes(), name="k8s-discovery-publish")
+
+    async def _publish_changes(self) -> None:
+        while self._dirty:
+            await asyncio.sleep(PUBLISH_AFTER)
+            self._dirty = False
+            try:
+                await self._publish()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the next event publishes again; never a silent end
+                log.exception("kubernetes discovery: publishing the targets failed")
 
     async def _loop(self) -> None:
         api = client.CoreV1Api(await self._client())
@@ -148,7 +174,7 @@ class KubernetesDiscovery:
                             self.pods.pop(pod.metadata.uid, None)
                         elif event["type"] in ("ADDED", "MODIFIED"):
                             self.pods[pod.metadata.uid] = pod
-                        await self._publish()
+                        self._changed()
             except asyncio.CancelledError:
                 raise
             except ApiException as exc:

@@ -96,6 +96,22 @@ async def test_pod_lifecycle(discovery):
     await wait_for(lambda: seen.pods() == set(), 10, "deleted")
 
 
+async def test_a_burst_of_watch_events_is_published_once_not_once_an_event(discovery):
+    """300 pods deleted at once (a namespace drained) reach the bridge as a few publishes of the whole
+    set, not 300: each publish maps every pod and the bridge reconciles every target (the bridge's loop
+    was held up to 0.5 s at a time while 1,000 pods left)."""
+    kube, d, seen = discovery
+    for i in range(300):
+        kube.add(make_pod(f"vllm-{i}", f"127.0.1.{i % 250 + 1}" if i < 250 else f"127.0.2.{i - 249}"))
+    d.start()
+    await wait_for(lambda: len(seen.pods()) == 300 and kube.watching, 10, "every pod a target")
+    before = len(seen.history)
+    for i in range(300):
+        kube.delete(f"vllm-{i}")
+    await wait_for(lambda: seen.pods() == set(), 10, "every pod gone")
+    assert len(seen.history) - before <= 5, f"{len(seen.history) - before} publishes for one burst"
+
+
 async def test_ports_by_name_and_dp_ranks(discovery):
     kube, d, seen = discovery
     kube.add(make_pod("vllm-dp", "127.0.0.43", zmq_port=6000, replay_port=6100,
