@@ -178,7 +178,7 @@ def _kubeconfig(path: Path, url: str) -> Path:
     return path
 
 
-async def _run(size: dict, pin: bool = True) -> dict:
+async def _run(size: dict, pin: bool = True, bridges: int = 1) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     targets = tmp / "targets.yaml"
     entries = size["pods"] * size["ranks"] * size["blocks"]
@@ -209,13 +209,20 @@ async def _run(size: dict, pin: bool = True) -> dict:
     bridge_log = open(tmp / "bridge.log", "w")
     # the fleet's 2,000 engines answer replays from one Python process (vLLM: a process each), slower
     # than vLLM's: a replay that times out turns its gap into a reset during the cooldown
-    bridge = _spawn(["-m", "cache_indexer.cli", "bridge", *common, "--set", f"http.port={bridge_port}",
-                     "--set", "ingest.l1.replayTimeout=30s",
-                     "--set", "discovery.mode=kubernetes", "--set", "discovery.namespace=infer"], rest,
-                    env={"KUBECONFIG": str(_kubeconfig(tmp / "kubeconfig", kube.url))}, stderr=bridge_log)
+    kubeconfig = _kubeconfig(tmp / "kubeconfig", kube.url)
+
+    def start_bridge(port: int) -> subprocess.Popen:
+        sharded = ["--set", "ingest.sharded=true"] if bridges > 1 else []
+        return _spawn(["-m", "cache_indexer.cli", "bridge", *common, "--set", f"http.port={port}", *sharded,
+                       "--set", "ingest.l1.replayTimeout=30s",
+                       "--set", "discovery.mode=kubernetes", "--set", "discovery.namespace=infer"], rest,
+                      env={"KUBECONFIG": str(kubeconfig)}, stderr=bridge_log)
+    bridge = start_bridge(bridge_port)
+    others = [start_bridge(free_port()) for _ in range(bridges - 1)]  # sharded: the pods spread over them
     indexer_log = open(tmp / "indexer.log", "w")
     indexer = _spawn(indexer_args, mine, stderr=indexer_log)
-    out: dict = {"size": dict(size, entries=entries), "pinned": bool(mine), "lag": {}, "bridge_lag": {}}
+    out: dict = {"size": dict(size, entries=entries), "pinned": bool(mine), "bridges": bridges, "lag": {},
+                 "bridge_lag": {}}
     probe = Probe(f"http://127.0.0.1:{api}/kv-cache/hit-rate", pod_host(0))
     try:
         async with aiohttp.ClientSession() as s:
@@ -265,7 +272,7 @@ async def _run(size: dict, pin: bool = True) -> dict:
             out["ingest_entries_per_s"] = entries / out["fill_s"]
             out["indexer_rss_mb"] = _rss(indexer.pid) / 1e6
             out["bytes_per_entry"] = (_rss(indexer.pid) - rss0) / entries
-            out["bridge_rss_mb"] = _rss(bridge.pid) / 1e6
+            out["bridge_rss_mb"] = _rss(bridge.pid) / 1e6  # the first bridge's
 
             writes = "cache_indexer_snapshot_writes_total"
 
@@ -324,7 +331,7 @@ async def _run(size: dict, pin: bool = True) -> dict:
             out["restore_to_ready_s"] = time.monotonic() - t
             out["readyz_503_while_loading"] = unready
     finally:
-        for p in (engines, bridge, indexer):
+        for p in (engines, bridge, indexer, *others):
             p.kill()
             p.wait()
         indexer_log.close()
@@ -363,7 +370,8 @@ def table(res: dict) -> str:
     rows = [
         "| measure | value |", "|---|---|",
         f"| fleet | {z['pods']:,} pods x {z['ranks']} ranks x {z['blocks']:,} blocks = {z['entries']:,} entries, "
-        f"found through Kubernetes list/watch{'; replica and probe on a core of their own' if res['pinned'] else ''} |",
+        f"found through Kubernetes list/watch{'; replica and probe on a core of their own' if res['pinned'] else ''}"
+        f"{f'; {b} sharded bridges' if (b := res.get('bridges', 1)) > 1 else ''} |",
         f"| fill, end to end (engines -> bridge -> JetStream -> replica) | {res['fill_s']:.1f} s: "
         f"{res['ingest_entries_per_s']:,.0f} entries/s |",
         f"| replica resident memory after the fill / at its peak (snapshots included) | {res['indexer_rss_mb']:,.0f} MB "
