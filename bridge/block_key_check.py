@@ -65,7 +65,7 @@ class BlockKeyCheck:
         if self._verdicts.get(pod) != ok:
             self._verdicts[pod] = ok
             if self.on_verdict is not None:
-                self.on_verdict(pod, ok, advice or ("" if ok else diagnose(probe, self.block_key.pythonHashSeed)))
+                self.on_verdict(pod, ok, advice)  # a new mismatch is a new entry in ``mismatched``: advised above
         return ok
 
     def forget(self, pod: str) -> None:

@@ -287,7 +287,7 @@ static PyObject *Table_export_chunks(Table *self, PyObject *unused) {
     if (!out || !dst) goto fail;
     for (size_t c = 0; c < n; c++) {
         const nt_chunk *ch = &t->chunks[c];
-        size_t count = ch->used + (ch->has_zero ? 1 : 0);
+        size_t count = nt_chunk_size(ch);
         if (!count) continue;
         PyObject *keys = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * 8));
         PyObject *masks = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * 8));

@@ -403,14 +403,11 @@ static int nt_load(nt_table *t, size_t c, const uint64_t *keys, const uint64_t *
     size_t *count = calloc(NT_SEGS, sizeof *count);
     if (!count) return -1;
     for (size_t i = 0; i < n; i++) count[nt_seg_index(keys[i])] += keys[i] && masks[i];
-    for (size_t g = 0; g < NT_SEGS; g++) {
-        size_t want = ch->segs[g].used + count[g];
-        if (count[g] && want * 8 > ch->segs[g].cap * 7 && nt_rehash(ch, &ch->segs[g], nt_cap_for(g, want)) < 0) {
-            free(count);
-            return -1;
-        }
-    }
+    int room = 0;
+    for (size_t g = 0; g < NT_SEGS && !room; g++)
+        if (count[g]) room = nt_room(t, ch, &ch->segs[g], ch->segs[g].used + count[g]);
     free(count);
+    if (room < 0) return -1;
     for (size_t i = 0; i < n; i++) {
         uint64_t prev, fresh;
         if (!masks[i]) continue;

@@ -220,9 +220,9 @@ class Indexer:
         state = self.l1
         lost = state.stats.lost_gaps
         try:
-            pieces = run_slices(msgpack.unpackb(msg.data, raw=False))
+            pieces, stored = run_slices(msgpack.unpackb(msg.data, raw=False)), _stored_ns(msg)
         except Exception as exc:
-            pieces = []
+            pieces, stored = [], None
             self._refused(seq, exc)
         for i, piece in enumerate(pieces):
             if i:  # the loop answers queries between the slices of a long run
@@ -232,7 +232,7 @@ class Indexer:
                 if self.l1 is not state or self._reloading or self._stopping:
                     return  # rebuilt meanwhile: the new state is fed from the stream
             try:  # each slice on its own, as the whole run was: the cursor moves past what is refused
-                state.apply(piece, _stored_ns(msg))
+                state.apply(piece, stored)
             except Exception as exc:
                 self._refused(seq, exc)
         if state.stats.lost_gaps != lost:
