@@ -8,12 +8,14 @@
  * bind(path) -> bool: look the functions up through pyzmq's own extension module at ``path``, which
  * must already be loaded (RTLD_NOLOAD): the very library, and so the very context, pyzmq's sockets
  * live in; False when it is not loaded, lacks a function or is older than 4.1 (a different zmq_msg_t).
- * drain(socket_address, max_messages[, fail_at]) -> (messages, error): each received message's frames
+ * drain(socket_address, max_messages[, fail_at[, fail_append_at]]) -> (messages, error): each received message's frames
  * as bytes, up to the first EAGAIN (nothing more queued), and None; or, where something failed, the
  * whole messages received before it and the exception (OSError(errno) from libzmq: the socket is
  * closed or broken; MemoryError: that message is lost whole, its remaining frames read and dropped so
  * that the next call starts at a message boundary). ``socket_address`` is pyzmq's Socket.underlying;
- * ``fail_at`` (tests) fails that frame of the call as an allocation would.
+ * ``fail_at`` (tests) fails that frame of the call as an allocation would, ``fail_append_at`` the adding of
+ * that message of the call to the list. Whatever fails, the messages received before it come back:
+ * they are off the socket, and nothing else holds them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -77,10 +79,20 @@ static PyObject *bound_library(PyObject *self, PyObject *noargs) {
     Py_RETURN_NONE;
 }
 
+/* The exception set now (taken: none is set after), or MemoryError where none is. */
+static PyObject *taken_error(void) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value ? value : Py_NewRef(PyExc_MemoryError);
+}
+
 static PyObject *drain(PyObject *self, PyObject *args) {
     unsigned long long address;
-    Py_ssize_t max_messages, fail_at = -1;
-    if (!PyArg_ParseTuple(args, "Kn|n", &address, &max_messages, &fail_at)) return NULL;
+    Py_ssize_t max_messages, fail_at = -1, fail_append_at = -1;
+    if (!PyArg_ParseTuple(args, "Kn|nn", &address, &max_messages, &fail_at, &fail_append_at)) return NULL;
     if (!z.bound) {
         PyErr_SetString(PyExc_RuntimeError, "libzmq not bound");
         return NULL;
@@ -103,7 +115,7 @@ static PyObject *drain(PyObject *self, PyObject *args) {
                 if (!started && (err == EAGAIN || err == EINTR)) goto done; /* nothing more queued */
                 if (failed) PyErr_Clear(); /* the socket's own error is the one that counts */
                 error = PyObject_CallFunction(PyExc_OSError, "is", err, strerror(err));
-                if (!error) goto fail;
+                if (!error) error = taken_error();
                 break;
             }
             started = 1;
@@ -121,26 +133,22 @@ static PyObject *drain(PyObject *self, PyObject *args) {
             z.msg_close(&msg);
             if (!more) break; /* the frames of one message arrive together: the rest is never EAGAIN */
         }
-        if (failed && !error) { /* the message is lost whole; the socket stays at a message boundary */
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            Py_XDECREF(type);
-            Py_XDECREF(tb);
-            error = value ? value : Py_NewRef(PyExc_MemoryError);
-        }
+        if (failed && !error) error = taken_error(); /* the message is lost whole; the socket stays at a message boundary */
         if (frames) {
-            int rc = PyList_Append(out, frames);
+            int rc = i == fail_append_at ? (PyErr_NoMemory(), -1) : PyList_Append(out, frames);
             Py_DECREF(frames);
-            if (rc < 0) goto fail;
+            if (rc < 0) {
+                Py_XDECREF(error); /* (none: a message with an error is not appended) */
+                error = taken_error(); /* this message is lost; the ones before it come back */
+            }
         }
     }
-done:
-    return Py_BuildValue("(NN)", out, error ? error : Py_NewRef(Py_None));
-fail:
-    Py_XDECREF(error);
-    Py_DECREF(out);
-    return NULL;
+done:;
+    PyObject *result = PyTuple_New(2); /* where even this fails, the messages are lost with it */
+    if (!result) { Py_DECREF(out); Py_XDECREF(error); return NULL; }
+    PyTuple_SET_ITEM(result, 0, out);
+    PyTuple_SET_ITEM(result, 1, error ? error : Py_NewRef(Py_None));
+    return result;
 }
 
 static PyMethodDef methods[] = {

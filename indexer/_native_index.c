@@ -20,6 +20,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -54,25 +55,97 @@ static bh_memo *query_memo(void) {
     return memo;
 }
 
+/* -- exiting ----------------------------------------------------------------------------------------- */
+/* A process that exits while a query hashes would run EVP_Digest* after libcrypto's own exit handler
+ * freed the digest (registered when libcrypto initialised, before ours: handlers run in reverse). Ours
+ * (exit_handler) runs first: it stops new queries, joins every open pool's threads (a running query
+ * finishes) and waits, bounded, for queries running on other threads (query() without the GIL). */
+static pthread_mutex_t exit_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t exit_cv = PTHREAD_COND_INITIALIZER;
+static int exiting;
+static size_t running_jobs;
+/* The native query threads (the Python type QueryPool). */
+typedef struct QueryPool {
+    PyObject_HEAD
+    np_pool pool;
+    int open;
+    struct QueryPool *next_open; /* the open pools (open_pools), for the exit handler */
+} QueryPool;
+static QueryPool *open_pools;
+#define EXIT_WAIT_SECONDS 10
+
+static int job_enter(void) {
+    pthread_mutex_lock(&exit_mu);
+    int ok = !exiting;
+    if (ok) running_jobs++;
+    pthread_mutex_unlock(&exit_mu);
+    return ok;
+}
+
+static void job_leave(void) {
+    pthread_mutex_lock(&exit_mu);
+    if (--running_jobs == 0) pthread_cond_broadcast(&exit_cv);
+    pthread_mutex_unlock(&exit_mu);
+}
+
+static np_job *pool_stop(QueryPool *p);
+
+static void exit_handler(void) {
+    pthread_mutex_lock(&exit_mu);
+    exiting = 1;
+    QueryPool *pools = open_pools;
+    open_pools = NULL;
+    pthread_mutex_unlock(&exit_mu);
+    for (QueryPool *p = pools, *next; p; p = next) {
+        next = p->next_open;
+        pool_stop(p); /* the jobs left are not freed: they hold Python objects, and Python is gone */
+    }
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += EXIT_WAIT_SECONDS;
+    pthread_mutex_lock(&exit_mu);
+    while (running_jobs && pthread_cond_timedwait(&exit_cv, &exit_mu, &until) != ETIMEDOUT) {
+    }
+    pthread_mutex_unlock(&exit_mu);
+}
+
 /* -- the Python type --------------------------------------------------------------------------------- */
 typedef struct {
     PyObject_HEAD
     nt_table t;
     pthread_rwlock_t lock;
-    int batch_depth; /* > 0: batch() holds the write lock */
-    pthread_t batch_owner; /* the thread that holds it then (read with the GIL held, as it is written) */
+    int batch_depth; /* > 0: batch() holds the write lock, for batch_owner */
+    pthread_t batch_owner; /* the thread that holds it then (read and written with the GIL held) */
 } Table;
 
-static void write_lock(Table *self) {
-    if (self->batch_depth) return;
-    if (pthread_rwlock_trywrlock(&self->lock) == 0) return;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_rwlock_wrlock(&self->lock);
-    Py_END_ALLOW_THREADS
+/* Whether the calling thread holds the table's batch (with the GIL held). */
+static int in_own_batch(const Table *self) {
+    return self->batch_depth > 0 && pthread_equal(self->batch_owner, pthread_self());
 }
 
-static void write_unlock(Table *self) {
-    if (!self->batch_depth) pthread_rwlock_unlock(&self->lock);
+/* A lock call's failure as an exception (EDEADLK, EAGAIN...: never expected, never ignored). */
+static int lock_failed(int rc, const char *what) {
+    PyErr_Format(PyExc_RuntimeError, "native table: %s failed: %s", what, strerror(rc));
+    return -1;
+}
+
+/* The write lock for one call, unless this thread's batch holds it already; another thread's batch is
+ * waited for like any writer (without the GIL). 0, or -1 with an exception. */
+static int write_lock(Table *self) {
+    if (in_own_batch(self)) return 0;
+    int rc = pthread_rwlock_trywrlock(&self->lock);
+    if (rc == EBUSY) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = pthread_rwlock_wrlock(&self->lock);
+        Py_END_ALLOW_THREADS
+    }
+    return rc ? lock_failed(rc, "taking the write lock") : 0;
+}
+
+static int write_unlock(Table *self) {
+    if (in_own_batch(self)) return 0;
+    int rc = pthread_rwlock_unlock(&self->lock);
+    return rc ? lock_failed(rc, "releasing the write lock") : 0;
 }
 
 static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
@@ -91,6 +164,7 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void Table_dealloc(Table *self) {
+    if (in_own_batch(self)) pthread_rwlock_unlock(&self->lock); /* a batch never exited: a lock is never destroyed held */
     nt_free(&self->t);
     pthread_rwlock_destroy(&self->lock);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -105,6 +179,8 @@ typedef struct {
     size_t n;
 } U64s;
 
+static void u64s_release(U64s *u);
+
 static int u64s_get(PyObject *o, U64s *out) {
     memset(out, 0, sizeof *out);
     if (!PyObject_CheckBuffer(o)) {
@@ -115,7 +191,7 @@ static int u64s_get(PyObject *o, U64s *out) {
         if (!out->owned) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-            if (!PyLong_Check(item) || PyBool_Check(item)) {
+            if (!PyLong_Check(item)) { /* (a bool is the int it stands for, as array('Q') takes it) */
                 Py_DECREF(seq); free(out->owned); out->owned = NULL;
                 PyErr_SetString(PyExc_TypeError, "block hashes must be ints");
                 return -1;
@@ -133,15 +209,32 @@ static int u64s_get(PyObject *o, U64s *out) {
         out->n = (size_t)n;
         return 0;
     }
-    if (PyObject_GetBuffer(o, &out->view, PyBUF_SIMPLE) < 0) return -1;
+    if (PyObject_GetBuffer(o, &out->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    out->has_view = 1;
+    const char *f = out->view.format ? out->view.format : "B";
+    if (*f == '@' || *f == '=' || (*f == '<' && PY_LITTLE_ENDIAN)) f++;
+    int bytes = out->view.itemsize == 1 && (!strcmp(f, "B") || !strcmp(f, "b") || !strcmp(f, "c"));
+    int words = out->view.itemsize == 8 && (!strcmp(f, "Q") || !strcmp(f, "L"));
+    if (!bytes && !words) {
+        u64s_release(out);
+        PyErr_Format(PyExc_TypeError, "a hash buffer holds native uint64s (format 'Q', or bytes), not format '%s'",
+                     out->view.format ? out->view.format : "B");
+        return -1;
+    }
     if (out->view.len % 8) {
-        PyBuffer_Release(&out->view);
+        u64s_release(out);
         PyErr_SetString(PyExc_ValueError, "a hash buffer holds whole uint64s");
         return -1;
     }
-    out->has_view = 1;
-    out->data = (const uint64_t *)out->view.buf;
     out->n = (size_t)out->view.len / 8;
+    if ((uintptr_t)out->view.buf % 8) { /* bytes at any offset (a slice of a message): copied, aligned */
+        out->owned = malloc(out->n ? out->n * 8 : 1);
+        if (!out->owned) { u64s_release(out); PyErr_NoMemory(); return -1; }
+        memcpy(out->owned, out->view.buf, out->n * 8);
+        out->data = out->owned;
+    } else {
+        out->data = (const uint64_t *)out->view.buf;
+    }
     return 0;
 }
 
@@ -152,6 +245,10 @@ static void u64s_release(U64s *u) {
 }
 
 static int wid_arg(PyObject *o, uint32_t *wid) {
+    if (!PyLong_Check(o) || PyBool_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "a worker id is an int, not %.100s", Py_TYPE(o)->tp_name);
+        return -1;
+    }
     long long v = PyLong_AsLongLong(o);
     if (v == -1 && PyErr_Occurred()) return -1;
     if (v < 0 || v > NT_MAX_WORKERS - 1) {
@@ -177,11 +274,11 @@ static PyObject *Table_store(Table *self, PyObject *args) {
     if (wid_hashes_args(args, &wid, &hs) < 0) return NULL;
     PyObject *flags = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)hs.n);
     if (!flags) { u64s_release(&hs); return NULL; }
-    write_lock(self);
+    if (write_lock(self) < 0) { u64s_release(&hs); Py_DECREF(flags); return NULL; }
     long long added = nt_store(&self->t, wid, hs.data, hs.n, (unsigned char *)PyBytes_AS_STRING(flags));
-    write_unlock(self);
+    int unlocked = write_unlock(self);
     u64s_release(&hs);
-    if (added < 0) { Py_DECREF(flags); return PyErr_NoMemory(); }
+    if (added < 0 || unlocked < 0) { Py_DECREF(flags); return unlocked < 0 ? NULL : PyErr_NoMemory(); }
     return Py_BuildValue("(LN)", added, flags);
 }
 
@@ -190,11 +287,11 @@ static PyObject *Table_remove(Table *self, PyObject *args) {
     uint32_t wid;
     U64s hs;
     if (wid_hashes_args(args, &wid, &hs) < 0) return NULL;
-    write_lock(self);
+    if (write_lock(self) < 0) { u64s_release(&hs); return NULL; }
     long long removed = nt_remove(&self->t, wid, hs.data, hs.n);
-    write_unlock(self);
+    int unlocked = write_unlock(self);
     u64s_release(&hs);
-    if (removed < 0) return PyErr_NoMemory();
+    if (unlocked < 0) return NULL;
     return PyLong_FromLongLong(removed);
 }
 
@@ -215,9 +312,9 @@ static PyObject *Table_holds(Table *self, PyObject *args) {
 static PyObject *Table_clear(Table *self, PyObject *arg) {
     uint32_t wid;
     if (wid_arg(arg, &wid) < 0) return NULL;
-    write_lock(self);
+    if (write_lock(self) < 0) return NULL;
     uint64_t held = nt_clear(&self->t, wid);
-    write_unlock(self);
+    if (write_unlock(self) < 0) return NULL;
     return PyLong_FromUnsignedLongLong(held);
 }
 
@@ -273,14 +370,16 @@ static PyObject *Table_as_dict(Table *self, PyObject *unused) {
  * copy runs under the read lock with the GIL released, so a caller on another thread leaves the event
  * loop free (whose writers wait on the lock: the indexer holds its ingest back meanwhile). */
 static PyObject *Table_export_chunks(Table *self, PyObject *unused) {
-    if (self->batch_depth && pthread_equal(self->batch_owner, pthread_self())) {
+    if (in_own_batch(self)) {
         PyErr_SetString(PyExc_RuntimeError, "export_chunks inside this thread's batch(): it holds the write lock");
         return NULL;
     }
     nt_table *t = &self->t;
+    int lrc;
     Py_BEGIN_ALLOW_THREADS
-    pthread_rwlock_rdlock(&self->lock);
+    lrc = pthread_rwlock_rdlock(&self->lock);
     Py_END_ALLOW_THREADS
+    if (lrc) return (void)lock_failed(lrc, "taking the read lock"), NULL;
     size_t n = t->nchunks;
     PyObject *out = PyList_New(0);
     uint64_t **dst = calloc(n ? n * 2 : 1, sizeof *dst);
@@ -335,12 +434,15 @@ static PyObject *Table_load(Table *self, PyObject *args) {
     if (u64s_get(m, &masks) < 0) { u64s_release(&keys); return NULL; }
     int rc = -2;
     if (keys.n == masks.n) {
-        write_lock(self);
-        rc = nt_load(&self->t, (size_t)c, keys.data, masks.data, keys.n);
-        write_unlock(self);
+        if (write_lock(self) < 0) rc = -3;
+        else {
+            rc = nt_load(&self->t, (size_t)c, keys.data, masks.data, keys.n);
+            if (write_unlock(self) < 0) rc = -3;
+        }
     }
     u64s_release(&keys);
     u64s_release(&masks);
+    if (rc == -3) return NULL;
     if (rc == -2) return PyErr_Format(PyExc_ValueError, "keys and masks differ in length");
     if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -385,19 +487,27 @@ static PyObject *Table_counts(Table *self, PyObject *unused) {
                          (unsigned long long)self->t.distinct_scans, (unsigned long long)self->t.grown_slots);
 }
 
+/* with table: the write lock held until the with-block ends, on this thread (nested: counted). Another
+ * thread's batch is waited for; a thread's query or snapshot inside its own batch is refused. */
 static PyObject *Table_batch_begin(Table *self, PyObject *unused) {
-    if (self->batch_depth == 0) {
-        write_lock(self);
+    if (in_own_batch(self)) {
+        self->batch_depth++;
+    } else {
+        if (write_lock(self) < 0) return NULL;
         self->batch_owner = pthread_self();
+        self->batch_depth = 1;
     }
-    self->batch_depth++;
     Py_INCREF(self);
     return (PyObject *)self;
 }
 
 static PyObject *Table_exit(Table *self, PyObject *args) {
-    if (self->batch_depth <= 0) return PyErr_Format(PyExc_RuntimeError, "__exit__ without __enter__");
-    if (--self->batch_depth == 0) pthread_rwlock_unlock(&self->lock);
+    if (!in_own_batch(self))
+        return PyErr_Format(PyExc_RuntimeError, "__exit__ by a thread that did not enter this table's batch");
+    if (--self->batch_depth == 0) {
+        int rc = pthread_rwlock_unlock(&self->lock);
+        if (rc) return (void)lock_failed(rc, "releasing the batch's write lock"), NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -451,7 +561,8 @@ typedef struct {
     uint64_t *lengths[NT_MAX_TIERS];
     nt_query_in in;
     /* the outcome */
-    int rc; /* nt_query's, or -1 out of memory */
+    int rc; /* nt_query's, -1 out of memory, -4 a lock call failed (lock_err), -5 the process is exiting */
+    int lock_err;
     const char *err; /* a malformed token array: what is wrong, at byte err_at */
     size_t err_at, n_tokens;
     nt_query_out res;
@@ -526,6 +637,10 @@ fail:
 static void job_run(np_job *link) {
     QueryJob *j = (QueryJob *)link;
     uint64_t *parsed = NULL;
+    if (!job_enter()) { /* the process is exiting: libcrypto's clean-up may come next */
+        j->rc = -5;
+        return;
+    }
     if (j->raw_json) {
         j->err = bh_parse_u64_array(j->tokbuf.buf, (size_t)j->tokbuf.len, &parsed, &j->n_tokens, &j->err_at);
         if (!j->err && !parsed && j->n_tokens) j->rc = -1;
@@ -537,12 +652,18 @@ static void job_run(np_job *link) {
     j->in.n_tokens = j->n_tokens;
     j->in.memo = query_memo();
     if (j->rc == 0 && !j->err) {
-        for (int t = 0; t < j->ntiers; t++) if (j->tables[t]) pthread_rwlock_rdlock(&j->tables[t]->lock);
-        j->rc = nt_query(&j->in, j->lengths, &j->res);
-        for (int t = j->ntiers; t-- > 0;) if (j->tables[t]) pthread_rwlock_unlock(&j->tables[t]->lock);
+        int locked = 0;
+        for (; locked < j->ntiers; locked++) {
+            if (!j->tables[locked]) continue;
+            int rc = pthread_rwlock_rdlock(&j->tables[locked]->lock);
+            if (rc) { j->rc = -4; j->lock_err = rc; break; }
+        }
+        if (j->rc == 0) j->rc = nt_query(&j->in, j->lengths, &j->res);
+        while (locked-- > 0) if (j->tables[locked]) pthread_rwlock_unlock(&j->tables[locked]->lock);
     }
     free(parsed);
     j->in.tokens = NULL;
+    job_leave();
 }
 
 /* The job's answer, (n_tokens, hashed, [lengths per tier]); NULL with its exception. */
@@ -557,6 +678,8 @@ static PyObject *job_result(const QueryJob *j) {
         PyErr_SetString(PyExc_RuntimeError, "libcrypto sha256 failed");
         return NULL;
     }
+    if (j->rc == -4) return PyErr_Format(PyExc_RuntimeError, "the query's read lock failed: %s", strerror(j->lock_err));
+    if (j->rc == -5) return PyErr_Format(PyExc_RuntimeError, "the process is exiting: no query runs now");
     PyObject *per_tier = PyList_New(j->ntiers);
     for (int t = 0; per_tier && t < j->ntiers; t++) {
         size_t n = j->pairs[t].n / 2;
@@ -584,6 +707,12 @@ static PyObject *job_result(const QueryJob *j) {
 static PyObject *query(PyObject *self, PyObject *args) {
     QueryJob *j = job_new(args);
     if (!j) return NULL;
+    for (int t = 0; t < j->ntiers; t++) {
+        if (j->tables[t] && in_own_batch(j->tables[t])) { /* its read lock would deadlock (EDEADLK) */
+            job_free(j);
+            return PyErr_Format(PyExc_RuntimeError, "query() inside this thread's batch of a table it reads");
+        }
+    }
     Py_BEGIN_ALLOW_THREADS
     job_run(&j->link);
     Py_END_ALLOW_THREADS
@@ -593,11 +722,6 @@ static PyObject *query(PyObject *self, PyObject *args) {
 }
 
 /* -- the query threads ------------------------------------------------------------------------------- */
-typedef struct {
-    PyObject_HEAD
-    np_pool pool;
-    int open;
-} QueryPool;
 
 static PyObject *QueryPool_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     Py_ssize_t threads;
@@ -609,7 +733,20 @@ static PyObject *QueryPool_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         Py_DECREF(self);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    self->open = 1;
+    pthread_mutex_lock(&exit_mu);
+    self->open = !exiting;
+    if (self->open) {
+        self->next_open = open_pools;
+        open_pools = self;
+    }
+    pthread_mutex_unlock(&exit_mu);
+    if (!self->open) {
+        Py_BEGIN_ALLOW_THREADS
+        np_stop(&self->pool);
+        Py_END_ALLOW_THREADS
+        Py_DECREF(self);
+        return PyErr_Format(PyExc_RuntimeError, "the process is exiting");
+    }
     return (PyObject *)self;
 }
 
@@ -620,15 +757,28 @@ static void free_jobs(np_job *j) {
     }
 }
 
-static PyObject *QueryPool_close(QueryPool *self, PyObject *unused) {
+/* Takes the pool off the open list and stops its threads (without the GIL: a running job never needs
+ * it); the jobs not collected, for the caller. NULL where the exit handler stopped it already. */
+static np_job *pool_stop(QueryPool *self) {
+    int mine = 0;
+    pthread_mutex_lock(&exit_mu);
     if (self->open) {
         self->open = 0;
-        np_job *left;
-        Py_BEGIN_ALLOW_THREADS
-        left = np_stop(&self->pool); /* a running job finishes first: it never needs the GIL */
-        Py_END_ALLOW_THREADS
-        free_jobs(left);
+        mine = 1;
+        for (QueryPool **p = &open_pools; *p; p = &(*p)->next_open) {
+            if (*p == self) { *p = self->next_open; break; }
+        }
     }
+    pthread_mutex_unlock(&exit_mu);
+    return mine ? np_stop(&self->pool) : NULL;
+}
+
+static PyObject *QueryPool_close(QueryPool *self, PyObject *unused) {
+    np_job *left;
+    Py_BEGIN_ALLOW_THREADS
+    left = pool_stop(self); /* a running job finishes first: it never needs the GIL */
+    Py_END_ALLOW_THREADS
+    free_jobs(left);
     Py_RETURN_NONE;
 }
 
@@ -715,6 +865,15 @@ static PyTypeObject QueryPoolType = {
 
 static PyObject *sha256_available(PyObject *self, PyObject *unused) { return PyBool_FromLong(crypto.loaded); }
 
+/* _fail_allocs_after(n): the tables' n+1-th allocation from now on fails, as out of memory would (tests;
+ * -1: none fails). */
+static PyObject *fail_allocs_after(PyObject *self, PyObject *arg) {
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    nt_fail_after = n < 0 ? -1 : n;
+    Py_RETURN_NONE;
+}
+
 /* set_memo_bytes(n): the bound of the memos made from now on; the calling thread's own memo starts again. */
 static PyObject *set_memo_bytes(PyObject *self, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
@@ -738,14 +897,18 @@ static PyMethodDef methods[] = {
     {"sha256_available", sha256_available, METH_NOARGS, "Whether the query can hash (libcrypto's sha256 loaded)."},
     {"memo_stats", memo_stats, METH_NOARGS, "(hits, misses, bytes kept) of this thread's digest memo."},
     {"set_memo_bytes", set_memo_bytes, METH_O, "Bound of the digest memos made from now on (0: none)."},
+    {"_fail_allocs_after", fail_allocs_after, METH_O, "Tests: the tables' allocations fail after n more (-1: never)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_index", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__native_index(void) {
-    bh_load_libcrypto(&crypto);
+    bh_load_libcrypto(&crypto); /* libcrypto initialised (a digest made): its exit handler is in before ours */
     if (pthread_key_create(&memo_key, memo_free) != 0) return PyErr_NoMemory();
+    static int exit_registered;
+    if (!exit_registered && atexit(exit_handler) != 0) return PyErr_NoMemory();
+    exit_registered = 1;
     if (PyType_Ready(&TableType) < 0 || PyType_Ready(&QueryPoolType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

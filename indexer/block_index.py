@@ -9,7 +9,8 @@ Two implementations of one index, held equal by tests/test_native_index.py:
   worker ids``; single-bit masks are shared int objects, so an entry costs the dict slot plus the
   hash's int object (about 80 bytes). Clearing a worker walks the dict once.
 A worker is a (pod, rank) pair interned to a small integer; a block held by several workers costs one
-entry, not one per worker.
+entry, not one per worker. Both implementations take the same inputs and refuse the same ones, before
+changing anything: worker ids 0..MAX_WORKERS-1 (ints, not bools), block hashes that are uint64 ints.
 
 KV-cache groups: a hybrid model (full attention plus sliding-window layers, say) stores the same block
 hash once per group and evicts it per group; the sliding-window group drops old blocks long before the
@@ -33,26 +34,65 @@ except ImportError:
     _native_index = None
 
 _NO_BATCH = nullcontext()
+#: Worker ids of a tier: 0..MAX_WORKERS-1 (the native table's bound, kept by the Python index too)
+MAX_WORKERS = 1 << 16
+
+
+class TooManyWorkers(ValueError):
+    """Every worker id of a tier is taken: the message that needed one more is refused whole."""
+
+
+def check_wid(wid) -> None:
+    """A worker id both indexes accept (the native table refuses the same, with the same errors)."""
+    if type(wid) is not int:
+        raise TypeError(f"a worker id is an int, not {type(wid).__name__}")
+    if not 0 <= wid < MAX_WORKERS:
+        raise ValueError(f"worker id {wid} outside 0..{MAX_WORKERS - 1}")
+
+
+def u64_hashes(hashes: Iterable[int]) -> array:
+    """Block hashes as native uint64s (array 'Q'), all checked before any is used: TypeError for a
+    non-int, ValueError for an int outside uint64 (as the native table refuses them)."""
+    if type(hashes) is array and hashes.typecode == "Q":
+        return hashes
+    try:
+        return array("Q", hashes if isinstance(hashes, (list, tuple)) else list(hashes))
+    except OverflowError:
+        raise ValueError("block hashes must be uint64") from None
+
 #: A loaded snapshot's view of an index: per chunk of 64 worker ids, its hashes and masks (native uint64
 #: bytes), as ``restore_chunks`` takes them.
 Chunks = list[tuple[int, bytes, bytes]]
 
 
 class WorkerTable:
-    """Interns (pod, rank) pairs to small worker ids; ids of workers that hold nothing are reused."""
+    """Interns (pod, rank) pairs to small worker ids; ids of workers that hold nothing are reused.
+
+    Every release moves the id's generation on: a walk that looked up a pod's workers before a release
+    and reads the index after it (a walk fed in slices, a query prepared on the loop and run on a thread)
+    tells from it that the id may name another pod now (``generation``, ``releases``)."""
 
     def __init__(self) -> None:
         self._ids: dict[tuple[str, int], int] = {}
         self._by_pod: dict[str, dict[int, int]] = {}
         self._free: list[int] = []
         self._next = 0
+        self._generations: dict[int, int] = {}  # ids released at least once -> how many times
+        #: releases so far (a walk compares it first, and looks at its workers' generations only if it moved)
+        self.releases = 0
 
     def get(self, pod: str, rank: int) -> int | None:
         return self._ids.get((pod, rank))
 
+    def room(self) -> int:
+        """Workers that can still be interned (MAX_WORKERS in all)."""
+        return MAX_WORKERS - len(self._ids)
+
     def intern(self, pod: str, rank: int) -> int:
         wid = self._ids.get((pod, rank))
         if wid is None:
+            if not self._free and self._next >= MAX_WORKERS:
+                raise TooManyWorkers(f"all {MAX_WORKERS} worker ids of the tier are taken: {pod} rank {rank} refused")
             wid = self._free.pop() if self._free else self._next
             if wid == self._next:
                 self._next += 1
@@ -62,6 +102,7 @@ class WorkerTable:
 
     def restore(self, pod: str, rank: int, wid: int) -> None:
         """Re-create an interned worker with its id (snapshot loading)."""
+        check_wid(wid)
         self._ids[(pod, rank)] = wid
         self._by_pod.setdefault(pod, {})[rank] = wid
         if wid >= self._next:
@@ -71,6 +112,7 @@ class WorkerTable:
             self._free.remove(wid)
 
     def release(self, pod: str, rank: int) -> None:
+        """The id goes back (the caller cleared it in every index of the tier first: ``TierIndex.release``)."""
         wid = self._ids.pop((pod, rank), None)
         if wid is not None:
             ranks = self._by_pod.get(pod, {})
@@ -78,6 +120,12 @@ class WorkerTable:
             if not ranks:
                 self._by_pod.pop(pod, None)
             self._free.append(wid)
+            self._generations[wid] = self._generations.get(wid, 0) + 1
+            self.releases += 1
+
+    def generation(self, wid: int) -> int:
+        """How many times the id was released: a worker looked up at one generation is gone at another."""
+        return self._generations.get(wid, 0)
 
     def pod_workers(self, pod: str) -> dict[int, int]:
         """rank -> worker id for a pod (empty when the pod is unknown)."""
@@ -148,6 +196,8 @@ class BlockIndex:
         return bits[wid]
 
     def store(self, wid: int, hashes: Iterable[int], group: int | None = None) -> None:
+        check_wid(wid)
+        hashes = u64_hashes(hashes)
         gbit = 1 << (group or 0)
         held_by = self.groups.get(wid)  # absent: every block of the worker is held by group 0 alone
         if held_by is None and gbit != 1:
@@ -175,6 +225,8 @@ class BlockIndex:
             self.worker_blocks[wid] = self.worker_blocks.get(wid, 0) + added
 
     def remove(self, wid: int, hashes: Iterable[int], group: int | None = None) -> None:
+        check_wid(wid)
+        hashes = u64_hashes(hashes)
         gbit = 1 << (group or 0)
         held_by = self.groups.get(wid)
         if held_by is None and gbit != 1:
@@ -252,6 +304,7 @@ class BlockIndex:
 
     def clear(self, wid: int) -> int:
         """Drop every block of one worker; returns how many it held."""
+        check_wid(wid)
         self.groups.pop(wid, None)
         self.copies.pop(wid, None)
         held = self.worker_blocks.pop(wid, 0)
@@ -307,7 +360,7 @@ class NativeBlockIndex(BlockIndex):
             held_by = self.groups[wid] = {}
         if not isinstance(hashes, (list, tuple, array)):
             hashes = list(hashes)
-        added, held_before = self.table.store(wid, hashes)
+        added, held_before = self.table.store(wid, hashes)  # checks wid and every hash before storing any
         if held_by is None:
             if added != len(held_before):  # some held already: other physical copies
                 for h, dup in zip(hashes, held_before):
@@ -400,3 +453,16 @@ class TierIndex:
 
     def pod_workers(self, pod: str) -> dict[int, int]:
         return self.workers.pod_workers(pod)
+
+    def indexes(self) -> list[BlockIndex]:
+        """Every index over this tier's worker ids (L1 adds its offload media)."""
+        return [self.index]
+
+    def release(self, pod: str, rank: int) -> None:
+        """The worker leaves: cleared in every index of the tier (each native table moves the id's epoch on,
+        so a query prepared before cannot count what the id's next owner stores), then its id goes back."""
+        wid = self.workers.get(pod, rank)
+        if wid is not None:
+            for index in self.indexes():
+                index.clear(wid)
+            self.workers.release(pod, rank)

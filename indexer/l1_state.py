@@ -32,10 +32,11 @@ media are counted (``ignored_medium``) and dropped.
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass, field
 
 from infra.throttled_log import ThrottledWarning
-from indexer.block_index import BlockIndex, TierIndex, new_block_index
+from indexer.block_index import BlockIndex, TierIndex, TooManyWorkers, new_block_index
 from schemas.events import GEN_MAX_AHEAD_NS, MAX_GROUP_IDX, MAX_SEQ, last_seq, run_error
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,41 @@ class ApplyStats:
 
 class ImplausibleMessage(ValueError):
     pass
+
+
+class MalformedMessage(ValueError):
+    """A batch with an event outside the schema: refused whole, before any of it is applied."""
+
+
+_BLOCK_KINDS = ("stored", "removed")
+
+
+def checked_events(events) -> list[array | None]:
+    """Each event's hashes as uint64s (None for ``cleared``), every event checked before any is applied:
+    the kind, the KV-cache group, the hashes (ints within uint64). MalformedMessage names the first event
+    outside the schema (the bridge validates; a forged or corrupted message may not be)."""
+    if type(events) is not list:
+        raise MalformedMessage(f"events is a {type(events).__name__}, not a list")
+    out: list[array | None] = []
+    for i, ev in enumerate(events):
+        if type(ev) is not dict:
+            raise MalformedMessage(f"event {i} is a {type(ev).__name__}, not a map")
+        kind, group = ev.get("kind"), ev.get("group_idx")
+        if group is not None and not (type(group) is int and 0 <= group <= MAX_GROUP_IDX):
+            raise MalformedMessage(f"event {i}: group_idx {group!r} outside 0..{MAX_GROUP_IDX}")
+        if kind == "cleared":
+            out.append(None)
+            continue
+        if kind not in _BLOCK_KINDS:
+            raise MalformedMessage(f"event {i}: unknown kind {kind!r}")
+        hashes = ev.get("hashes")
+        if type(hashes) is not list:
+            raise MalformedMessage(f"event {i}: hashes is a {type(hashes).__name__}, not a list")
+        try:
+            out.append(array("Q", hashes))
+        except (TypeError, OverflowError):
+            raise MalformedMessage(f"event {i}: a block hash is not a uint64") from None
+    return out
 
 
 class L1State(TierIndex):
@@ -291,39 +327,44 @@ class L1State(TierIndex):
     # -- block events ------------------------------------------------------------------------------
     def _apply_events(self, key: tuple[str, int], events: list[dict], batches: int = 1) -> None:
         """Consecutive GPU stores of group 0 are stored in one call (a run of one-block batches is mostly
-        that): storing is per hash and in order, so it is the same as one call per event."""
+        that): storing is per hash and in order, so it is the same as one call per event. The events are
+        checked first: a batch is applied whole or refused whole (MalformedMessage, TooManyWorkers)."""
         stats = self.stats
         stats.batches += batches
+        try:
+            hashes_of = checked_events(events)
+        except MalformedMessage:
+            stats.malformed_events += 1
+            raise
+        if self.workers.get(*key) is None and not self.workers.room() and any(h for h in hashes_of):
+            stats.malformed_events += 1
+            raise TooManyWorkers(f"{key[0]} rank {key[1]}: every worker id of L1 is taken; its batch is refused")
         wid = None
-        plain: list[int] = []  # hashes of consecutive stores of group 0, not yet stored
+        plain = array("Q")  # hashes of consecutive stores of group 0, not yet stored
         counted = 0
-        for ev in events:
+        for ev, hashes in zip(events, hashes_of):
             medium = ev.get("medium")
             if medium is not None and medium != "GPU":
-                counted += self._apply_offload(key, medium, ev)
+                counted += self._apply_offload(key, medium, ev, hashes)
                 continue
             kind = ev["kind"]
             group = ev.get("group_idx")
-            if kind == "stored" and (group is None or (type(group) is int and group == 0)):
-                hashes = ev["hashes"]
+            if kind == "stored" and not group:
                 plain += hashes
                 counted += len(hashes)
                 continue
-            if group is not None and not (type(group) is int and 0 <= group <= MAX_GROUP_IDX):
-                stats.malformed_events += 1
-                continue
             if plain:
                 wid = self._store(key, wid, plain, None)
-                plain = []
+                plain = array("Q")
             if kind == "stored":
-                wid = self._store(key, wid, ev["hashes"], group)
-                counted += len(ev["hashes"])
+                wid = self._store(key, wid, hashes, group)
+                counted += len(hashes)
             elif kind == "removed":
                 w = self.workers.get(*key)
                 if w is not None:
-                    self.index.remove(w, ev["hashes"], group)
-                counted += len(ev["hashes"])
-            elif kind == "cleared":
+                    self.index.remove(w, hashes, group)
+                counted += len(hashes)
+            else:  # cleared
                 w = self.workers.get(*key)
                 if w is not None and w in self._offloaded:
                     self.index.clear(w)  # the worker's offloaded blocks stay, under its id
@@ -335,48 +376,44 @@ class L1State(TierIndex):
             self._store(key, wid, plain, None)
         stats.block_events += counted
 
-    def _apply_offload(self, key: tuple[str, int], medium: str, ev: dict) -> int:
-        """One event of an offload medium (the GPU's order does not matter to it: another index).
-        Returns the block events it counts (0: an unknown medium, dropped)."""
+    def _apply_offload(self, key: tuple[str, int], medium: str, ev: dict, hashes: array | None) -> int:
+        """One event of an offload medium (the GPU's order does not matter to it: another index), checked
+        already. Returns the block events it counts (0: an unknown medium, dropped)."""
         index = self.media.get(medium)
         group = ev.get("group_idx")
         if index is None:
             self.stats.ignored_medium += 1
             return 0
-        if group is not None and not (type(group) is int and 0 <= group <= MAX_GROUP_IDX):
-            self.stats.malformed_events += 1
-            return 0
         kind = ev["kind"]
         if kind == "stored":
             wid = self.workers.intern(*key)
             self._offloaded.add(wid)
-            index.store(wid, ev["hashes"], group)
-            return len(ev["hashes"])
+            index.store(wid, hashes, group)
+            return len(hashes)
         wid = self.workers.get(*key)
         if kind == "removed":
             if wid is not None:
-                index.remove(wid, ev["hashes"], group)
-            return len(ev["hashes"])
+                index.remove(wid, hashes, group)
+            return len(hashes)
         if kind == "cleared" and wid is not None:
             index.clear(wid)
         return 1
 
-    def _store(self, key: tuple[str, int], wid: int | None, hashes: list[int], group: int | None) -> int:
+    def _store(self, key: tuple[str, int], wid: int | None, hashes: array, group: int | None) -> int:
         if wid is None:
             wid = self.workers.intern(*key)
         self.index.store(wid, hashes, group)
         return wid
 
+    def indexes(self) -> list[BlockIndex]:
+        return [self.index, *self.media.values()]
+
     def _clear(self, key: tuple[str, int]) -> None:
-        """Every medium of the worker, and its id goes back."""
+        """Every medium of the worker, and its id goes back (its generation moves on in every index)."""
         wid = self.workers.get(*key)
         if wid is not None:
-            self.index.clear(wid)
-            if wid in self._offloaded:
-                self._offloaded.discard(wid)
-                for index in self.media.values():
-                    index.clear(wid)
-            self.workers.release(*key)
+            self._offloaded.discard(wid)
+            self.release(*key)
 
     def _set_cursor(self, key: tuple[str, int], cur: _Cursor) -> _Cursor:
         self.cursors[key] = cur

@@ -22,15 +22,35 @@ until the next full state. Messages without ``seq`` (older bridges) are applied 
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass, field
 
 from infra.throttled_log import ThrottledWarning
-from indexer.block_index import TierIndex
+from indexer.block_index import TierIndex, TooManyWorkers
 
 log = logging.getLogger(__name__)
 
 #: Diffs of one master kept while an earlier one is missing; past it they wait for the next full state.
 MAX_EARLY_DIFFS = 256
+
+
+class MalformedL3Message(ValueError):
+    """An L3 message outside the schema: refused whole, before any of it is applied."""
+
+
+def checked_pods(pods, what: str) -> dict[str, list[int]]:
+    """``pods`` (pod IP -> block hashes) checked whole: MalformedL3Message names what is outside the
+    schema (every hash an int within uint64), so that nothing of a bad message is applied."""
+    if type(pods) is not dict:
+        raise MalformedL3Message(f"{what} is a {type(pods).__name__}, not a map")
+    for pod, hashes in pods.items():
+        if type(pod) is not str or type(hashes) is not list:
+            raise MalformedL3Message(f"{what}: {pod!r} -> {type(hashes).__name__}: not pod IP -> list of hashes")
+        try:
+            array("Q", hashes)
+        except (TypeError, OverflowError):
+            raise MalformedL3Message(f"{what}: a block hash of {pod} is not a uint64") from None
+    return pods
 
 
 @dataclass(slots=True)
@@ -77,6 +97,13 @@ class L3State(TierIndex):
     def _apply(self, msg: dict) -> None:
         kind = msg.get("type")
         master = msg["master"]
+        if type(master) is not str:
+            raise MalformedL3Message(f"master {master!r} is not a name")
+        if kind == "l3_full":
+            checked_pods(msg.get("pods"), "pods")
+        elif kind == "l3_diff":
+            checked_pods(msg.get("added"), "added")
+            checked_pods(msg.get("removed"), "removed")
         m = self._master(master)
         if kind == "l3_full":
             pods = self._collect(master, msg)
@@ -138,7 +165,14 @@ class L3State(TierIndex):
         self._refused_log("L3 diff %s of master %s refused (%s): applied now, it would undo a newer change",
                           msg.get("seq"), master, why)
 
+    def _room_for(self, m: int, pods) -> None:
+        """TooManyWorkers, before anything is applied, where the pods new to master m outnumber the free ids."""
+        new = sum(1 for pod in pods if self.workers.get(pod, m) is None)
+        if new > self.workers.room():
+            raise TooManyWorkers(f"{new} pods new to L3 and {self.workers.room()} worker ids free: message refused")
+
     def _apply_diff(self, m: int, msg: dict) -> None:
+        self._room_for(m, msg["added"])
         for pod, hashes in msg["removed"].items():
             wid = self.workers.get(pod, m)
             if wid is not None:
@@ -186,6 +220,7 @@ class L3State(TierIndex):
                     master, pending.next, pending.parts, why)
 
     def _replace(self, m: int, pods: dict[str, list[int]]) -> None:
+        self._room_for(m, pods)
         for (pod, master), wid in list(self.workers.items()):
             if master == m and pod not in pods:
                 self._set(pod, m, wid, {})
@@ -205,6 +240,8 @@ class L3State(TierIndex):
         self._release_if_empty(pod, m, wid)
 
     def _release_if_empty(self, pod: str, m: int, wid: int) -> None:
+        """A worker left with nothing goes; its id's generation moves on (``TierIndex.release``), so a
+        query prepared for this pod never counts what the pod that reuses the id holds."""
         if not self._held.get(wid):
             self._held.pop(wid, None)
-            self.workers.release(pod, m)
+            self.release(pod, m)

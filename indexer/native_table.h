@@ -28,6 +28,35 @@
 #define NT_MIX 0x9E3779B97F4A7C15ULL
 #define NT_PF_AHEAD 8 /* keys: how far ahead a store, removal or clear asks for the slots it will probe */
 
+/* NT_DEBUG (the sanitizer builds of .ci/native): the table's invariants checked at every access. */
+#ifdef NT_DEBUG
+#include <stdio.h>
+#define NT_ASSERT(cond)                                                                  \
+    do {                                                                                 \
+        if (!(cond)) {                                                                   \
+            fprintf(stderr, "native_table.h:%d: invariant failed: %s\n", __LINE__, #cond); \
+            abort();                                                                     \
+        }                                                                                \
+    } while (0)
+#else
+#define NT_ASSERT(cond) ((void)0)
+#endif
+
+/* The allocations of the table's writer (the event loop: never a query thread), which a test can make
+ * fail after a number of them (nt_fail_after >= 0) to check that a failed store changes nothing. */
+static long long nt_fail_after = -1;
+
+static inline int nt_alloc_fails(void) {
+    if (nt_fail_after < 0) return 0;
+    if (nt_fail_after == 0) return 1;
+    nt_fail_after--;
+    return 0;
+}
+
+static void *nt_calloc(size_t n, size_t size) { return nt_alloc_fails() ? NULL : calloc(n, size); }
+
+static void *nt_realloc(void *p, size_t size) { return nt_alloc_fails() ? NULL : realloc(p, size); }
+
 typedef struct {
     uint64_t key, mask;
 } nt_slot;
@@ -94,7 +123,7 @@ static nt_slot *nt_find(const nt_seg *sg, uint64_t key) { /* key != 0 */
 }
 
 static int nt_rehash(nt_chunk *ch, nt_seg *sg, size_t cap) {
-    nt_slot *slots = calloc(cap, sizeof(nt_slot));
+    nt_slot *slots = nt_calloc(cap, sizeof(nt_slot));
     if (!slots) return -1;
     nt_seg next = {.slots = slots, .cap = cap, .used = sg->used};
     for (size_t i = 0; i < sg->cap; i++) {
@@ -128,7 +157,7 @@ static int nt_room(nt_table *t, nt_chunk *ch, nt_seg *sg, size_t want) {
 }
 
 static int nt_segs_alloc(nt_chunk *ch) {
-    if (!ch->segs) ch->segs = calloc(NT_SEGS, sizeof(nt_seg));
+    if (!ch->segs) ch->segs = nt_calloc(NT_SEGS, sizeof(nt_seg));
     return ch->segs ? 0 : -1;
 }
 
@@ -266,25 +295,40 @@ static void nt_free(nt_table *t) {
     nt_init(t);
 }
 
+/* Whether wid names a worker slot of the table. The one growth path below keeps nworkers a whole number
+ * of chunks (nworkers == 64 * nchunks), so a worker id within nworkers always has its chunk: a removal,
+ * a clear or a lookup for a worker that never stored in this table (interned through another tier, or
+ * whose first event is a removal) is bounded by the same test as a store. */
+static inline int nt_has_worker(const nt_table *t, uint64_t wid) {
+    NT_ASSERT(t->nworkers == 64 * t->nchunks);
+    return wid < t->nworkers;
+}
+
+static inline nt_chunk *nt_chunk_of(const nt_table *t, uint32_t wid) {
+    NT_ASSERT(wid < t->nworkers && (wid >> 6) < t->nchunks);
+    return &t->chunks[wid >> 6];
+}
+
+/* Room for worker wid: workers and chunks grow together, by doubling, in whole chunks. 0, or -1 (out of
+ * memory, or wid >= NT_MAX_WORKERS, which the callers refuse first): the table is as it was. */
 static int nt_ensure_worker(nt_table *t, uint32_t wid) {
-    size_t nch = (size_t)(wid >> 6) + 1;
-    if (nch > t->nchunks) {
-        nt_chunk *c = realloc(t->chunks, nch * sizeof(nt_chunk));
-        if (!c) return -1;
-        memset(c + t->nchunks, 0, (nch - t->nchunks) * sizeof(nt_chunk));
-        t->chunks = c;
-        t->nchunks = nch;
-    }
-    if (wid >= t->nworkers) {
-        size_t n = (size_t)wid + 1;
-        if (n < t->nworkers * 2) n = t->nworkers * 2;
-        if (n > NT_MAX_WORKERS) n = NT_MAX_WORKERS;
-        nt_worker *w = realloc(t->workers, n * sizeof(nt_worker));
-        if (!w) return -1;
-        memset(w + t->nworkers, 0, (n - t->nworkers) * sizeof(nt_worker));
-        t->workers = w;
-        t->nworkers = n;
-    }
+    if (wid < t->nworkers) return 0;
+    if (wid >= NT_MAX_WORKERS) return -1;
+    size_t n = (size_t)wid + 1;
+    if (n < t->nworkers * 2) n = t->nworkers * 2;
+    n = (n + 63) & ~(size_t)63;
+    if (n > NT_MAX_WORKERS) n = NT_MAX_WORKERS;
+    nt_chunk *c = nt_realloc(t->chunks, n / 64 * sizeof(nt_chunk));
+    if (!c) return -1;
+    t->chunks = c; /* (room for n / 64 chunks, of which nchunks are in use until the workers grow too) */
+    nt_worker *w = nt_realloc(t->workers, n * sizeof(nt_worker));
+    if (!w) return -1;
+    memset(c + t->nchunks, 0, (n / 64 - t->nchunks) * sizeof(nt_chunk));
+    memset(w + t->nworkers, 0, (n - t->nworkers) * sizeof(nt_worker));
+    t->workers = w;
+    t->nchunks = n / 64;
+    t->nworkers = n;
+    NT_ASSERT(t->nworkers == 64 * t->nchunks);
     return 0;
 }
 
@@ -292,26 +336,33 @@ static int nt_reserve(nt_worker *w, size_t extra) { /* grows by half: 8 bytes an
     if (w->len + extra <= w->cap) return 0;
     size_t cap = w->cap ? w->cap : 16;
     while (cap < w->len + extra) cap += cap / 2;
-    uint64_t *h = realloc(w->hashes, cap * 8);
+    uint64_t *h = nt_realloc(w->hashes, cap * 8);
     if (!h) return -1;
     w->hashes = h;
     w->cap = cap;
     return 0;
 }
 
-/* Stores hashes for worker wid; flags[i] = 1 where it held hashes[i] already. The number added, -1:
- * out of memory (what came before stays applied). */
+/* Stores hashes for worker wid; flags[i] = 1 where it held hashes[i] already. The number added, or -1:
+ * out of memory, and then nothing of it stays applied (what it had added is taken out again: removing
+ * never needs memory), so the caller can refuse the whole message. */
 static long long nt_store(nt_table *t, uint32_t wid, const uint64_t *hs, size_t n, unsigned char *flags) {
     if (nt_ensure_worker(t, wid) < 0) return -1;
     nt_worker *w = &t->workers[wid];
     uint64_t bit = 1ULL << (wid & 63);
-    nt_chunk *ch = &t->chunks[wid >> 6];
+    nt_chunk *ch = nt_chunk_of(t, wid);
     long long added = 0;
     if (nt_reserve(w, n) < 0) return -1;
     for (size_t i = 0; i < n; i++) {
         uint64_t prev;
         if (i + NT_PF_AHEAD < n) nt_prefetch_key(ch, hs[i + NT_PF_AHEAD]);
-        if (nt_chunk_or(t, ch, hs[i], bit, &prev) < 0) return -1;
+        if (nt_chunk_or(t, ch, hs[i], bit, &prev) < 0) {
+            for (size_t j = 0; j < i; j++) /* the hashes this call added, in the order they were appended */
+                if (!flags[j]) nt_chunk_andnot(ch, hs[j], bit);
+            w->len -= (size_t)added;
+            w->count -= (uint64_t)added;
+            return -1;
+        }
         flags[i] = (prev & bit) != 0;
         if (!flags[i]) {
             w->hashes[w->len++] = hs[i];
@@ -326,7 +377,7 @@ static long long nt_store(nt_table *t, uint32_t wid, const uint64_t *hs, size_t 
 /* Drops what the worker's array lists but no longer holds, and repeats: each hash held stays once. */
 static void nt_compact(nt_table *t, uint32_t wid) {
     nt_worker *w = &t->workers[wid];
-    nt_chunk *ch = &t->chunks[wid >> 6];
+    nt_chunk *ch = nt_chunk_of(t, wid);
     uint64_t bit = 1ULL << (wid & 63);
     size_t j = 0;
     for (size_t i = 0; i < w->len; i++) { /* the bit goes off at its first sight, so a repeat is dropped */
@@ -346,16 +397,16 @@ static void nt_compact(nt_table *t, uint32_t wid) {
     w->len = j;
     if (w->cap > 64 && w->cap > 4 * j) {
         size_t cap = j * 2 > 16 ? j * 2 : 16;
-        uint64_t *h = realloc(w->hashes, cap * 8);
+        uint64_t *h = nt_realloc(w->hashes, cap * 8);
         if (h) { w->hashes = h; w->cap = cap; }
     }
 }
 
 static long long nt_remove(nt_table *t, uint32_t wid, const uint64_t *hs, size_t n) {
-    if (wid >= t->nworkers) return 0;
+    if (!nt_has_worker(t, wid)) return 0;
     nt_worker *w = &t->workers[wid];
     uint64_t bit = 1ULL << (wid & 63);
-    nt_chunk *ch = &t->chunks[wid >> 6];
+    nt_chunk *ch = nt_chunk_of(t, wid);
     long long removed = 0;
     for (size_t i = 0; i < n; i++) {
         if (i + NT_PF_AHEAD < n) nt_prefetch_key(ch, hs[i + NT_PF_AHEAD]);
@@ -368,14 +419,16 @@ static long long nt_remove(nt_table *t, uint32_t wid, const uint64_t *hs, size_t
 }
 
 static inline int nt_holds(const nt_table *t, uint32_t wid, uint64_t h) {
-    return wid < t->nworkers && (nt_chunk_get(&t->chunks[wid >> 6], h) >> (wid & 63) & 1);
+    return nt_has_worker(t, wid) && (nt_chunk_get(nt_chunk_of(t, wid), h) >> (wid & 63) & 1);
 }
 
-/* Every block of the worker goes; its epoch moves on. Returns how many it held. */
+/* Every block of the worker goes; its epoch moves on, also for a worker that never stored here (its slot
+ * is made for it), so that a query prepared before the clear never counts what a worker that reuses the
+ * id stores after it. Returns how many it held. */
 static uint64_t nt_clear(nt_table *t, uint32_t wid) {
-    if (wid >= t->nworkers) return 0;
+    if (nt_ensure_worker(t, wid) < 0) return 0; /* out of memory: no slot, so no epoch to move */
     nt_worker *w = &t->workers[wid];
-    nt_chunk *ch = &t->chunks[wid >> 6];
+    nt_chunk *ch = nt_chunk_of(t, wid);
     uint64_t bit = 1ULL << (wid & 63), held = w->count;
     for (size_t i = 0; i < w->len; i++) {
         if (i + NT_PF_AHEAD < w->len) nt_prefetch_key(ch, w->hashes[i + NT_PF_AHEAD]);
@@ -400,8 +453,9 @@ static int nt_load(nt_table *t, size_t c, const uint64_t *keys, const uint64_t *
      * made). */
     nt_chunk *ch = &t->chunks[c];
     if (nt_segs_alloc(ch) < 0) return -1;
-    size_t *count = calloc(NT_SEGS, sizeof *count);
+    size_t *count = nt_calloc(NT_SEGS, sizeof *count);
     if (!count) return -1;
+    NT_ASSERT(c < t->nchunks);
     for (size_t i = 0; i < n; i++) count[nt_seg_index(keys[i])] += keys[i] && masks[i];
     int room = 0;
     for (size_t g = 0; g < NT_SEGS && !room; g++)
@@ -484,7 +538,7 @@ typedef struct {
 
 /* A candidate worker the query can count: known to the table, not cleared since the caller looked. */
 static inline int nt_candidate(const nt_table *tb, uint64_t wid, uint64_t epoch) {
-    return tb && wid < tb->nworkers && (wid >> 6) < tb->nchunks && tb->workers[wid].epoch == epoch;
+    return tb && nt_has_worker(tb, wid) && tb->workers[wid].epoch == epoch;
 }
 
 #define NT_AHEAD 6 /* blocks: how far ahead the query fetches (memo slots twice as far) */

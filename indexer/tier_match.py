@@ -59,7 +59,9 @@ def _stages(l1: Tier | None) -> list:
 class KeyWalk:
     """The reference walk over a request's block keys (the engines' uint64 block hashes), fed in slices
     (``feed``) so that a caller on the event loop can let other work run between them; ``result`` once
-    fed. The workers are those of when it began."""
+    fed. The workers are those of when it began: one released between two slices (its id perhaps another
+    pod's now) stops counting there and is answered 0, as the native query answers a worker cleared
+    since it was prepared."""
 
     def __init__(self, n_blocks: int, l1: Tier | None, l3: Tier | None) -> None:
         self.n_blocks, self.hashed = n_blocks, 0
@@ -71,6 +73,17 @@ class KeyWalk:
         self._l3_table = l3.index.masks if l3 is not None else None
         self._l3_alive = _mask(self._l3_workers)
         self._l3_ends: dict[int, int] = {}
+        self._l1_gens = _Generations(l1, self._l1_workers)
+        self._l3_gens = _Generations(l3, self._l3_workers)
+
+    def _drop_released(self) -> None:
+        """Workers released since the walk began leave it, answered 0 (their ids may be another pod's now)."""
+        gone = self._l1_gens.released()
+        if gone:
+            self._alive = [a & ~gone for a in self._alive]
+        gone3 = self._l3_gens.released()
+        if gone3:
+            self._l3_alive &= ~gone3
 
     @property
     def done(self) -> bool:
@@ -79,6 +92,7 @@ class KeyWalk:
 
     def feed(self, keys: Iterable[int]) -> bool:
         """Walk on over the next keys (in order, from where the last slice ended); whether to go on."""
+        self._drop_released()
         stages, alive, ends, hashed = self._stages, self._alive, self._ends, self.hashed
         for key in keys:
             if hashed >= self.n_blocks or not (any(alive) or self._l3_alive):
@@ -103,6 +117,7 @@ class KeyWalk:
         return not self.done
 
     def result(self) -> TierMatch:
+        self._drop_released()
         ends, hashed = self._ends, self.hashed
         for s, a in enumerate(self._alive):  # still running at the end: this stage and the ones after end here
             for wid in _set_bits(a):
@@ -111,10 +126,12 @@ class KeyWalk:
         for wid in _set_bits(self._l3_alive):
             self._l3_ends[wid] = hashed
         out = TierMatch(self.n_blocks, hashed)
+        gone, gone3 = self._l1_gens.gone, self._l3_gens.gone
         for (pod, rank), wid in self._l1_workers:
-            out.ranks.setdefault(pod, {})[rank] = tuple(ends[s].get(wid, 0) for s in range(3))
+            released = gone >> wid & 1
+            out.ranks.setdefault(pod, {})[rank] = (0, 0, 0) if released else tuple(ends[s].get(wid, 0) for s in range(3))
         for (pod, _), wid in self._l3_workers:
-            out.l3[pod] = max(out.l3.get(pod, 0), self._l3_ends.get(wid, 0))
+            out.l3[pod] = max(out.l3.get(pod, 0), 0 if gone3 >> wid & 1 else self._l3_ends.get(wid, 0))
         return out
 
 
@@ -172,6 +189,32 @@ def _offloaded(l1: Tier | None) -> bool:
     every worker, as this is asked per query)."""
     media = getattr(l1, "media", None) or {}
     return any(index.block_count() for index in media.values())
+
+
+class _Generations:
+    """The generations of a walk's workers when it began, and the mask of those released since."""
+
+    __slots__ = ("_table", "_releases", "_workers", "gone")
+
+    def __init__(self, tier: Tier | None, workers: list[tuple[object, int]]) -> None:
+        self._table = tier.workers if tier is not None else None
+        self._releases = self._table.releases if self._table is not None else 0
+        self._workers = [(wid, self._table.generation(wid)) for _, wid in workers] if workers else []
+        self.gone = 0
+
+    def released(self) -> int:
+        """Workers released since the last look (a mask); one comparison while nothing was."""
+        table = self._table
+        if table is None or table.releases == self._releases:
+            return 0
+        self._releases = table.releases
+        now = 0
+        for wid, gen in self._workers:
+            if table.generation(wid) != gen:
+                now |= 1 << wid
+        now &= ~self.gone
+        self.gone |= now
+        return now
 
 
 def _mask(workers: list[tuple[object, int]]) -> int:

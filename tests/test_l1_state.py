@@ -5,8 +5,11 @@ from __future__ import annotations
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from indexer.block_index import BlockIndex
+import pytest
+
+from indexer.block_index import BlockIndex, _native_index
 from indexer.l1_state import L1State
+from tests.conftest import needs_native
 
 
 def batch(seq, events, pod="127.0.1.1", rank=0, gen=1):
@@ -252,17 +255,65 @@ def test_a_hash_cached_twice_stays_until_both_copies_are_evicted_and_snapshots_k
     assert held(s) == set() and not s.index.copies
 
 
-def test_an_event_outside_the_schema_is_skipped_and_the_position_moves_on():
-    """Issue 16 #9: the indexer does not trust the stream blindly: a forged group_idx is counted and
-    skipped, and the batches after it still apply (the position used to stick half-way)."""
-    s = L1State()
-    s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0, "events": [
-        {"kind": "stored", "medium": "GPU", "hashes": [1], "group_idx": -1},
-        {"kind": "stored", "medium": "GPU", "hashes": [2], "group_idx": 64},
-        {"kind": "stored", "medium": "GPU", "hashes": [3]}]})
-    s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 1, "events": [
-        {"kind": "stored", "medium": "GPU", "hashes": [4]}]})
-    assert set(s.blocks) == {3, 4} and s.stats.malformed_events == 2
+def test_a_batch_with_an_event_outside_the_schema_is_refused_whole_and_the_position_moves_on():
+    """Issue 16 #9, issue 35 #5: the indexer does not trust the stream blindly: a batch with a forged
+    group_idx, a hash outside uint64 or a non-int hash is refused whole (nothing of it applied, in the
+    native index and the Python one alike), counted, and the batches after it still apply."""
+    bad_events = [
+        [{"kind": "stored", "medium": "GPU", "hashes": [1], "group_idx": -1}],
+        [{"kind": "stored", "medium": "GPU", "hashes": [2], "group_idx": 64}],
+        [{"kind": "stored", "medium": "GPU", "hashes": [5, 1 << 64]}],
+        [{"kind": "removed", "medium": "GPU", "hashes": [-1]}],
+        [{"kind": "stored", "medium": "CPU", "hashes": [1.5]}],
+        [{"kind": "evicted", "hashes": [6]}],
+        [{"kind": "stored", "hashes": "77"}],
+        ["stored"],
+    ]
+    for native in (True, False):
+        s = L1State()
+        if not native:
+            s.index, s.media = BlockIndex(), {m: BlockIndex() for m in s.media}
+        s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0, "events": [
+            {"kind": "stored", "medium": "GPU", "hashes": [9]}]})
+        for seq, events in enumerate(bad_events, start=1):
+            # the good event first: it must not be applied either
+            with pytest.raises(ValueError):
+                s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": seq, "events": [
+                    {"kind": "stored", "medium": "GPU", "hashes": [3]}, *events]})
+        s.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": len(bad_events) + 1, "events": [
+            {"kind": "stored", "medium": "GPU", "hashes": [4]}]})
+        assert set(s.blocks) == {9, 4} and not s.media["CPU"].entries(), native
+        assert s.stats.malformed_events == len(bad_events) and s.cursors[("p", 0)].next_seq == len(bad_events) + 2
+
+
+def test_the_native_and_python_indexes_refuse_the_same_inputs_before_changing_anything():
+    """Issue 35 #5: the same limits in both (worker ids 0..65535, not bools; hashes uint64 ints), each
+    refused before any hash of the call is stored."""
+    from indexer.block_index import MAX_WORKERS, NativeBlockIndex
+
+    needs_native(_native_index is not None, "the native index")
+    for make in (BlockIndex, NativeBlockIndex):
+        ix = make()
+        ix.store(3, [10, 11])
+        for wid, hashes, exc in [(MAX_WORKERS, [1], ValueError), (-1, [1], ValueError), (True, [1], TypeError),
+                                 (2, [12, 1 << 64], ValueError), (2, [12, -5], ValueError), (2, [12, "x"], TypeError),
+                                 (2, [12, 1.0], TypeError)]:
+            with pytest.raises(exc):
+                ix.store(wid, hashes)
+            with pytest.raises(exc):
+                ix.remove(wid if wid != 2 else 3, [10, *hashes[1:]])
+        assert ix.blocks == {10: 1 << 3, 11: 1 << 3} and ix.entries() == 2, make
+        ix.store(MAX_WORKERS - 1, [10])
+        assert ix.blocks[10] == 1 << 3 | 1 << (MAX_WORKERS - 1)
+    from indexer.block_index import TooManyWorkers, WorkerTable
+
+    workers = WorkerTable()
+    for i in range(MAX_WORKERS):
+        workers.intern(f"p{i}", 0)
+    with pytest.raises(TooManyWorkers):
+        workers.intern("one more", 0)
+    workers.release("p7", 0)
+    assert workers.intern("one more", 0) == 7 and workers.generation(7) == 1
 
 
 def test_a_batch_in_parts_applies_in_order_and_completes_its_seq():

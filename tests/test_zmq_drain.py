@@ -73,3 +73,33 @@ async def test_without_the_bulk_receive_the_bridge_receives_through_pyzmq(nats_u
         assert (await stack.ratios(["127.0.0.21"], list(range(64)), 4)) == [1.0] and calls
     finally:
         await stack.stop()
+
+
+def test_a_message_that_cannot_be_added_loses_itself_not_the_ones_before_it(pair):
+    """The messages received before a failure are off the socket and held nowhere else: they come back
+    beside the error (before, a failed append dropped the whole burst)."""
+    from bridge import _zmq_drain
+
+    push, pull = pair
+    drain = drainer(pull)
+    needs_native(drain is not None, "the bridge's bulk ZMQ receive")
+    sent = [[b"t", i.to_bytes(8, "big"), b"payload %d" % i] for i in range(6)]
+    for m in sent:
+        push.send_multipart(m)
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    assert poller.poll(5000)
+    got, error = [], None
+    while len(got) < 3 and error is None:  # the first 3 may arrive in several polls
+        batch, error = _zmq_drain.drain(pull.underlying, 10, -1, 3 - len(got))
+        got += batch
+        if error is None:
+            assert poller.poll(5000)
+    assert got == sent[:3] and isinstance(error, MemoryError)
+    rest: list[list[bytes]] = []
+    while len(rest) < 2:
+        assert poller.poll(5000) or len(rest) == 2
+        batch, error = drain(10)
+        assert error is None
+        rest += batch
+    assert rest == sent[4:], "the message whose append failed is lost, and only it"
