@@ -131,7 +131,21 @@ class ResumePoints:
                                            int(stream_seq))
             except (TypeError, ValueError):
                 continue
+        self._adopt(pod, positions)
         return positions
+
+    def _adopt(self, pod: str, positions: dict[int, Position]) -> None:
+        """The recorded ranks become this bridge's own: the record is rewritten whole from what this process
+        knows, and a rank that stays idle (no ack since the start) would otherwise drop out of it at the
+        next write, and with a purge its history (the record then holds only the busy ranks)."""
+        forgotten = self._forgotten.get(pod, -1)
+        ranks = self._positions.setdefault(pod, {})
+        for rank, pos in positions.items():
+            if pos.gen <= forgotten:
+                continue
+            old = ranks.get(rank)
+            if old is None or pos.stream_seq > old.stream_seq:
+                ranks[rank] = pos
 
     async def forget(self, pod: str) -> None:
         """The pod left: its record goes, and acks still in flight for it are ignored."""
