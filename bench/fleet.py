@@ -215,6 +215,8 @@ async def _run(size: dict, pin: bool = True, bridges: int = 1) -> dict:
         sharded = ["--set", "ingest.sharded=true"] if bridges > 1 else []
         return _spawn(["-m", "cache_indexer.cli", "bridge", *common, "--set", f"http.port={port}", *sharded,
                        "--set", "ingest.l1.replayTimeout=30s",
+                       # the churn phase times removal itself: pods leave for good, not in a flap
+                       "--set", "ingest.l1.removalGrace=0",
                        "--set", "discovery.mode=kubernetes", "--set", "discovery.namespace=infer"], rest,
                       env={"KUBECONFIG": str(kubeconfig)}, stderr=bridge_log)
     bridge = start_bridge(bridge_port)

@@ -144,6 +144,9 @@ class L1Publisher:
         recorded = await self.resume.load(pod) if self.resume is not None else None
         best = recorded.get(rank) if recorded is not None else None
         from_stream = await self._stream_position(pod, rank)
+        if from_stream is not None and from_stream.gen < 0:
+            log.info("%s rank %d: the rank was removed after its last batch: a new generation", pod, rank)
+            return None
         if from_stream is not None and best is None:
             best = from_stream  # no record of the worker (the first start after an upgrade)
         elif from_stream is not None and best is not None and from_stream.gen > best.gen:
@@ -173,6 +176,8 @@ class L1Publisher:
         except Exception:  # no message on the subject (or the stream is unreachable)
             return None
         h = msg.headers or {}
+        if h.get("Kv-Type") == "rank_removed":  # retired after its last batch (last_position: it starts anew)
+            return Position(-1, -1, "-", None, msg.seq, tail_checked=False)
         try:
             gen, seq = int(h["Kv-Gen"]), int(h.get("Kv-Seq-Last") or h["Kv-Seq"])
             part, parts = (int(x) for x in h.get("Kv-Part", "1/1").split("/"))
@@ -279,6 +284,19 @@ class L1Publisher:
             "Kv-Reason": reason, "Kv-Bridge": self._bridge})
         stored, refused = self._track(pod, rank, _Sent(gen, next_seq - 1, next_seq - 1, epoch or "-", None, True))
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers, stored, refused)
+
+    async def rank_removed(self, pod: str, rank: int, reason: str) -> None:
+        """One rank of the pod left while the pod stays (unregistered alone, ``dpRanks`` shrunk): its resume
+        position goes first, then the message that retires that rank's generation in every indexer, on the
+        rank's own subject (so a bridge that finds it there starts the rank anew)."""
+        self._in_flight.pop((pod, rank), None)
+        if self.resume is not None:
+            await self.resume.forget_rank(pod, rank)
+        payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "rank_removed", "pod": pod, "rank": rank,
+                                 "reason": reason})
+        headers = _headers(pod, f"{pod}:{rank}:removed:{new_generation()}", "rank_removed",
+                           **{"Kv-Dp-Rank": str(rank), "Kv-Reason": reason, "Kv-Bridge": self._bridge})
+        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers)
 
     async def pod_removed(self, pod: str, reason: str) -> None:
         """The pod left: its resume record goes first (so no bridge resumes the retired generation), then

@@ -96,6 +96,9 @@ class L1Sequencer:
         self.reconnected = False
         #: the last seq of a message the stream refused for good (of generation ``gen``), not yet handled
         self.refused_upto: int | None = None
+        #: the first seq of a generation started on first contact, until a live batch from there on came: a
+        #: live batch before it was on its way meanwhile (not a restart): the live path starts over from it
+        self.contact_start: int | None = None
         #: the resume position came from the stream's last message (no record): the catch-up publishes the
         #: engine's buffer up to it again, filling a message the previous bridge never got stored
         self.tail_unchecked = False
@@ -155,11 +158,21 @@ class L1Sequencer:
             self._published.inc(batches)
             self.metrics.bridge_block_events.inc(block_events)
 
-    async def catch_up(self) -> None:
+    async def catch_up(self, first_contact: bool = True) -> None:
         """A resumed subscription asks the replay socket at once for what the engine published while no
         bridge listened: an engine that has gone quiet would otherwise stay behind until its next batch.
-        Live batches queue meanwhile; those already replayed are dropped as duplicates."""
-        if self.gen is None or self.last is None or not self.ep.replay:
+        A new one (first contact: discovered, registered, or a new generation after a removal) starts its
+        generation from what the engine's buffer holds, at once, while no live batch waits
+        (``first_contact``; one that waits starts it, its buffer asked from seq 0 up to it): an engine
+        registered while idle was invisible until it published again. Live batches queue meanwhile;
+        those already replayed are dropped as duplicates."""
+        if not self.ep.replay:
+            return
+        if self.gen is None:
+            if first_contact:
+                await self._first_contact()
+            return
+        if self.last is None:
             return
         before = self.last
         try:
@@ -187,6 +200,25 @@ class L1Sequencer:
             self.last_live = before
             log.info("%s rank %d: caught up %d batches published while no bridge listened", self.ep.pod,
                      self.ep.rank, self.last - before)
+
+    async def _first_contact(self) -> None:
+        """A new generation from the engine's buffer, before any live batch. An engine that answers with
+        nothing (or not at all) starts its generation at its first live batch, as before."""
+        try:
+            first = await self._replay(0, empty_is_failure=False)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s rank %d: asking the replay socket on first contact failed", self.ep.pod, self.ep.rank)
+            return
+        if not first.batches or self.gen is not None:
+            first.release()
+            return
+        log.info("%s rank %d: first contact: seq %d..%d from the engine's buffer", self.ep.pod, self.ep.rank,
+                 first.batches[0][0], first.batches[-1][0])
+        start = first.batches[0][0]
+        await self._start_at_buffer(first, "subscribed")
+        self.contact_start = start
 
     async def _rewind_to_tail(self) -> Replayed:
         """The position is the stream's last message of this worker, with no record behind it (the first
@@ -290,7 +322,10 @@ class L1Sequencer:
 
     # -- sequence handling ---------------------------------------------------------------------------
     async def on_live(self, seq: int, payload: bytes) -> None:
-        if self.gen is None:
+        contact, self.contact_start = self.contact_start, None
+        if self.gen is None or (contact is not None and seq < contact):
+            # (a live batch older than the buffer a first contact started from: the engine was busy after
+            # all, and its live batches hold more than its buffer did; they start the generation anew)
             await self._resync(seq, payload, want_from=0, new_gen=True, reason="subscribed")
         elif seq == self.last + 1:
             if self.reconnected:  # a continuation, or a restarted engine that reached exactly this seq

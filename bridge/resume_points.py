@@ -76,6 +76,8 @@ class ResumePoints:
         self._dirty: set[str] = set()
         #: pods whose record was deleted -> the newest generation then: later acks of those are ignored
         self._forgotten: dict[str, int] = {}
+        #: likewise per (pod, rank) removed alone (bridge: a rank unregistered, dpRanks shrunk)
+        self._forgotten_ranks: dict[tuple[str, int], int] = {}
         self._task: asyncio.Task | None = None
         #: workers this bridge has recorded at least once: a worker's first position is written at once
         #: (a bridge killed within the interval would otherwise leave it with no record at all, and a purge
@@ -96,8 +98,8 @@ class ResumePoints:
 
     def update(self, pod: str, rank: int, pos: Position) -> None:
         """A position the stream acknowledged (called from the publisher's ack handler)."""
-        if pos.gen <= self._forgotten.get(pod, -1):
-            return  # a late ack of a pod since removed
+        if pos.gen <= self._forgotten.get(pod, -1) or pos.gen <= self._forgotten_ranks.get((pod, rank), -1):
+            return  # a late ack of a pod (or rank) since removed
         ranks = self._positions.setdefault(pod, {})
         old = ranks.get(rank)
         if old is None or pos.stream_seq > old.stream_seq:
@@ -141,11 +143,29 @@ class ResumePoints:
         forgotten = self._forgotten.get(pod, -1)
         ranks = self._positions.setdefault(pod, {})
         for rank, pos in positions.items():
-            if pos.gen <= forgotten:
+            if pos.gen <= max(forgotten, self._forgotten_ranks.get((pod, rank), -1)):
                 continue
             old = ranks.get(rank)
             if old is None or pos.stream_seq > old.stream_seq:
                 ranks[rank] = pos
+
+    async def forget_rank(self, pod: str, rank: int) -> None:
+        """One rank of the pod left: it goes from the record (rewritten at once), and acks still in flight
+        for it are ignored."""
+        ranks = self._positions.get(pod, {})
+        pos = ranks.pop(rank, None)
+        self._recorded.discard((pod, rank))
+        gen = pos.gen if pos is not None else -1
+        self._forgotten_ranks[(pod, rank)] = max(gen, self._forgotten_ranks.get((pod, rank), -1))
+        if ranks:
+            self._dirty.add(pod)
+            await self.write()
+            return
+        self._positions.pop(pod, None)
+        try:
+            await (await self._store()).delete(record_key(pod))
+        except Exception as exc:
+            self._warn("resume record of %s not deleted (%s)", pod, exc)
 
     async def forget(self, pod: str) -> None:
         """The pod left: its record goes, and acks still in flight for it are ignored."""

@@ -2,8 +2,11 @@
 JetStream. Registered engines (``POST /register``, infra/registrations.py) are targets like discovered
 pods, named by their instance id.
 
-When an endpoint's pod leaves discovery the bridge stops its subscribers and publishes ``pod_removed``
-on the stream, so every indexer drops the pod through the same ordered log.
+When an endpoint's pod leaves discovery the bridge stops its subscribers and, once it has stayed away
+for ``ingest.l1.removalGrace`` (a readiness flap is not a departure: back within it, the engine resumes
+where it stopped), publishes ``pod_removed`` on the stream, so every indexer drops the pod through the
+same ordered log; an unregistered instance is removed at once. A rank that leaves while its pod stays
+(unregistered alone, ``dpRanks`` shrunk) gets ``rank_removed``.
 
 Several bridges run active/standby (``ingest.leaderElection``): only the holder of a KV lease
 discovers and subscribes. All of them publishing everything would also be correct (message ids
@@ -87,6 +90,11 @@ class Bridge:
         self._discovered: list[Endpoint] | None = None  # discovery's last answer (None: none yet)
         self._registered: list[Endpoint] | None = None  # the registrations' (None: not read yet)
         self._registered_pods: set[str] = set()
+        #: pods that left discovery -> when their grace ends (``ingest.l1.removalGrace``)
+        self._leaving: dict[str, float] = {}
+        self._leaving_task: asyncio.Task | None = None
+        #: the ranks each pod was listed with (a rank gone from a pod still listed is removed alone)
+        self._ranks: dict[str, set[int]] = {}
         self._targets_lock = asyncio.Lock()
         self.registrations: RegistrationStore | None = None
         self._masters: list[MasterTarget] = []
@@ -175,6 +183,7 @@ class Bridge:
 
     async def _start_sources(self) -> None:
         self._inherited_pods, self._inherited_masters = await self.targets_record.load()
+        self._leaving_task = asyncio.create_task(self._remove_when_due(), name="bridge-removal-grace")
         self.registrations.follow(self.set_registered)
         if self.cfg.discovery.mode == "static":
             self._watch_task = asyncio.create_task(self._watch_static(), name="bridge-static-targets")
@@ -199,6 +208,10 @@ class Bridge:
         self.discovery = self.master_discovery = None
         if self.registrations is not None:
             await self.registrations.stop()
+        if self._leaving_task:
+            await cancel_and_wait(self._leaving_task)
+            self._leaving_task = None
+        self._leaving, self._ranks = {}, {}  # the next active bridge inherits the leaving pods from the record
         self._discovered = self._registered = None
         self._registered_pods = set()
         for sub in self.subscribers.values():
@@ -273,15 +286,60 @@ class Bridge:
             self._discovered_pods = live
             if whole:
                 self._inherited_pods = set()
+            for pod in live & self._leaving.keys():
+                del self._leaving[pod]
+                log.info("%s is back within ingest.l1.removalGrace: it resumes where it stopped", pod)
             await self._subscribe_to(self._mine(endpoints))
+            ranks: dict[str, set[int]] = {}
+            for e in endpoints:
+                ranks.setdefault(e.pod, set()).add(e.rank)
+            for pod, now in ranks.items():
+                for rank in sorted(self._ranks.get(pod, set()) - now):
+                    if self.shards is None or self.shards.is_owner(POD + pod):
+                        await self.l1.rank_removed(pod, rank, "unregistered" if pod in was_registered else "discovery")
+            grace = self.cfg.ingest.l1.removalGrace
             for pod in sorted(gone):
-                if self.shards is None or self.shards.is_owner(POD + pod):
-                    await self.l1.pod_removed(pod, "unregistered" if pod in was_registered else "discovery")
-                if self.block_key_check is not None:
-                    self.block_key_check.forget(pod)
+                if pod in was_registered or grace <= 0:
+                    await self._remove_pod(pod, "unregistered" if pod in was_registered else "discovery")
+                else:
+                    self._leaving.setdefault(pod, time.monotonic() + grace)
+                    log.info("%s left discovery: removed in %.0fs unless it comes back", pod, grace)
+            self._ranks = {pod: ranks.get(pod) or self._ranks.get(pod, set()) for pod in live | self._leaving.keys()}
             self._want_shards()
             if whole:
-                await self.targets_record.save(pods=live, endpoints=endpoints)
+                await self.targets_record.save(pods=live | self._leaving.keys(), endpoints=endpoints)
+
+    async def _remove_pod(self, pod: str, reason: str) -> None:
+        """``pod_removed`` (by its shard's owner where sharded), and what the bridge kept for the pod goes."""
+        self._leaving.pop(pod, None)
+        self._ranks.pop(pod, None)
+        if self.shards is None or self.shards.is_owner(POD + pod):
+            await self.l1.pod_removed(pod, reason)
+        if self.block_key_check is not None:
+            self.block_key_check.forget(pod)
+
+    async def _remove_when_due(self) -> None:
+        """Pods whose grace ended without their coming back are removed (never dies: a failed round is
+        logged and tried again)."""
+        while True:
+            grace = self.cfg.ingest.l1.removalGrace
+            await asyncio.sleep(min(1.0, max(0.05, grace / 4)))
+            now = time.monotonic()
+            due = [pod for pod, until in self._leaving.items() if until <= now]
+            if not due:
+                continue
+            try:
+                async with self._targets_lock:
+                    for pod in sorted(due):
+                        if pod in self._leaving and pod not in self._discovered_pods:
+                            await self._remove_pod(pod, "discovery")
+                    if self._discovered is not None and self._registered is not None:
+                        await self.targets_record.save(pods=self._discovered_pods | self._leaving.keys(),
+                                                       endpoints=self._endpoints)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("removing pods after their grace failed; trying again")
 
     def _mine(self, endpoints: list[Endpoint]) -> list[Endpoint]:
         return endpoints if self.shards is None else [e for e in endpoints if POD + e.pod in self.shards.owned]

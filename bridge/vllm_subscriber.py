@@ -45,6 +45,9 @@ PUBLISH_BURST = 256  # queued batches handled without yielding to the event loop
 READ_BURST = 4096
 #: Longest wait for libzmq's signal: a missed one costs at most this much delay.
 READ_WAIT_MAX = 1.0
+#: A new subscription asks the engine's buffer at once when no live batch comes within this after it
+#: connected (an idle engine, otherwise invisible until it publishes again).
+FIRST_CONTACT_QUIET = 0.2
 class VllmSubscriber:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: Endpoint, cfg: L1IngestConfig, sink: L1Publisher,
                  metrics: Metrics, replay_slots: asyncio.Semaphore, block_key_check: BlockKeyCheck | None = None,
@@ -155,6 +158,7 @@ class VllmSubscriber:
                 if self.disconnected_since is not None:
                     self.disconnected_since = None
                     self.metrics.subscriptions_disconnected.dec()
+                    self._queued.set()  # a first contact waits for it
                 if connects > 1:
                     self.sequencer.reconnected = True
                     log.info("%s rank %d: reconnected to %s", self.ep.pod, self.ep.rank, self.ep.pub)
@@ -272,7 +276,20 @@ class VllmSubscriber:
             self._queued.set()  # handled by the loop, between two bursts
 
     async def _loop(self) -> None:
-        await self.sequencer.catch_up()
+        if self.sequencer.gen is None and self.ep.replay:
+            # first contact: the engine's buffer is asked once the engine is there (connected, or a batch
+            # came), not before (an engine still starting would time the replay out into its cooldown), and
+            # only while it is quiet: a busy engine's live batches start its generation, as they always did
+            while self.disconnected_since is not None and not self._queue:
+                self._queued.clear()
+                await self._queued.wait()
+            if not self._queue:
+                self._queued.clear()
+                try:
+                    await asyncio.wait_for(self._queued.wait(), FIRST_CONTACT_QUIET)
+                except asyncio.TimeoutError:
+                    pass
+        await self.sequencer.catch_up(first_contact=not self._queue)
         while True:
             if self.sequencer.refused_upto is not None:
                 await self._guarded(self.sequencer.after_refusal(), "starting over after a refused publish")

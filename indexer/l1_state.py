@@ -17,7 +17,8 @@ so replicas agree. The rules make the index robust to what a retrying publisher 
   none where stored times are unknown, as in benchmarks): when the reset then names an earlier
   first seq, the worker is cleared and rebuilt in seq order from there, the journal going back to the
   early messages, so the late batches before it are not taken for duplicates;
-- ``pod_removed`` clears every rank of the pod; later batches of the same generations are dropped;
+- ``pod_removed`` clears every rank of the pod (``rank_removed`` one rank of it); later batches of the same
+  generations are dropped;
 - a generation far ahead of the time the stream stored the message, or a seq no vLLM can reach, is
   refused (ImplausibleMessage): the stream is not trusted blindly, one forged message must not blind
   a pod for ever. The stored time, not the local clock, decides, so every replica decides alike.
@@ -183,6 +184,8 @@ class L1State(TierIndex):
             self._on_reset(msg)
         elif kind == "pod_removed":
             self._on_pod_removed(msg["pod"])
+        elif kind == "rank_removed":
+            self._on_rank_removed(msg["pod"], msg["rank"])
         else:
             raise ValueError(f"unknown L1 message type {kind!r}")
 
@@ -319,10 +322,24 @@ class L1State(TierIndex):
             self._clear((pod, rank))
         for key, cur in self.cursors.items():
             if key[0] == pod:
-                cur.next_seq, cur.next_part = _DEAD, 0
-                cur.early.clear()
-                cur.journal, cur.early_since = None, 0
-                self._waiting.pop(key, None)
+                self._retire(key, cur)
+
+    def _on_rank_removed(self, pod: str, rank: int) -> None:
+        """One rank left, the pod stays: that rank's blocks go and its generation is retired."""
+        if type(rank) is not int:
+            raise ValueError(f"rank_removed: rank {rank!r} is not an int")
+        key = (pod, rank)
+        self._clear(key)
+        cur = self.cursors.get(key)
+        if cur is not None:
+            self._retire(key, cur)
+
+    def _retire(self, key: tuple[str, int], cur: _Cursor) -> None:
+        """Later batches of the worker's generation are stale (a new generation starts it again)."""
+        cur.next_seq, cur.next_part = _DEAD, 0
+        cur.early.clear()
+        cur.journal, cur.early_since = None, 0
+        self._waiting.pop(key, None)
 
     # -- block events ------------------------------------------------------------------------------
     def _apply_events(self, key: tuple[str, int], events: list[dict], batches: int = 1) -> None:

@@ -273,6 +273,10 @@ class L1IngestConfig(_Section):
     #: After a replay that failed (timeout, empty), gaps of that (pod, rank) become resets for this long.
     replayCooldown: Duration = 30.0
     replayTimeout: Duration = 5.0
+    #: A pod that leaves discovery stays indexed this long before it is removed (``pod_removed``): a
+    #: readiness flap is not a departure, and the same engine back within it resumes where it stopped.
+    #: 0: removed at once. An unregistered instance is removed at once.
+    removalGrace: Duration = 30.0
     maxConcurrentReplays: int = Field(8, ge=1)
     #: Receive high-water mark of each SUB and replay socket: libzmq's own queue, in messages; it holds
     #: only what arrives between two reads (the reader's queue is bounded in bytes), and past it libzmq

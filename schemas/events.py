@@ -138,13 +138,23 @@ class L1Reset(_Message):
 
 
 class PodRemoved(_Message):
-    """The pod left discovery: drop all of its ranks."""
+    """The pod left discovery (for longer than ``ingest.l1.removalGrace``) or was unregistered: drop all of
+    its ranks."""
 
     type: Literal["pod_removed"]
     reason: str = ""
 
 
-L1Message = Annotated[Union[L1Batch, L1Reset, PodRemoved], Field(discriminator="type")]
+class RankRemoved(_Message):
+    """One data-parallel rank of a pod that stays left (unregistered, or ``dpRanks`` shrank): drop that rank
+    only. On the rank's own subject, after its last batch."""
+
+    type: Literal["rank_removed"]
+    rank: int = Field(ge=0)
+    reason: str = ""
+
+
+L1Message = Annotated[Union[L1Batch, L1Reset, PodRemoved, RankRemoved], Field(discriminator="type")]
 
 
 class L1Envelope(BaseModel):

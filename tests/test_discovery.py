@@ -177,7 +177,8 @@ async def test_periodic_relist_bounds_staleness(kube):
 async def test_discovery_drives_the_bridge_and_publishes_pod_removal(kube, nats_url, stream_prefix):
     from bridge.service import Bridge
 
-    cfg = make_config(nats_url, stream_prefix, discovery={"mode": "kubernetes", "namespace": "infer"})
+    cfg = make_config(nats_url, stream_prefix, discovery={"mode": "kubernetes", "namespace": "infer"},
+                      ingest={"l1": {"removalGrace": "200ms"}})
     kube.add(make_pod("vllm-0", "127.0.0.55"))
     bridge = Bridge(cfg, kube_client=api_client(kube))
     await bridge.start()

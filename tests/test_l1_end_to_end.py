@@ -154,7 +154,8 @@ async def test_gap_is_filled_from_the_replay_socket(stack):
     await eng.publish([stored(CHAIN[3:5])], send=False)
     await eng.publish([stored(CHAIN[5:8])])
     await until_ratio(stack, POD, 1.0)
-    assert eng.replay_requests == [0], "one request, from the seq published last (it checks the incarnation)"
+    assert eng.replay_requests == [0, 0], ("the first contact's (from 0, the engine's whole buffer), then one for "
+                                           "the gap, from the seq published last (it checks the incarnation)")
     assert stack.bridge_metrics.bridge_gaps._value.get() == 1
 
 
@@ -411,6 +412,7 @@ async def two_pods_indexed(stack):
 
 
 async def test_pod_leaving_discovery_is_dropped_through_the_stream(stack):
+    stack.cfg.ingest.l1.removalGrace = 0.3
     _, b = await two_pods_indexed(stack)
     await stack.bridge.set_endpoints([b.endpoint(POD2, 0)])
     await until_ratio(stack, POD, 0.0)
@@ -423,6 +425,7 @@ async def test_a_pod_back_after_a_readiness_flap_is_indexed_again(stack, bridge_
     its generation, so the bridge must start a new one rather than resume the retired one."""
     from bridge.service import Bridge
 
+    stack.cfg.ingest.l1.removalGrace = 0.3  # gone for longer than the grace: removed
     a, b = await two_pods_indexed(stack)
     await stack.bridge.set_endpoints([b.endpoint(POD2, 0)])
     await until_ratio(stack, POD, 0.0, what="the pod that left dropped")
@@ -440,6 +443,7 @@ async def test_a_pod_back_after_a_readiness_flap_is_indexed_again(stack, bridge_
 async def test_pod_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(stack):
     from bridge.service import Bridge
 
+    stack.cfg.ingest.l1.removalGrace = 0.3  # (the new bridge's grace, from its start)
     _, b = await two_pods_indexed(stack)
     await stack.bridge.stop()  # no bridge runs while POD leaves
     stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
