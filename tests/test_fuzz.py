@@ -1,7 +1,12 @@
 """Bounded-time fuzzing of the boundaries where the network's bytes meet native code, each held equal
 to its pure-Python reference: the request's token array (``parse_token_array`` and the native query's
 parse, C), vLLM's block hash chain (``chain``, C) and vLLM event payloads through the decoder into the
-L1 state (the native index held equal to the pure-Python one).
+L1 state (the native index held equal to the pure-Python one). At fleet shape (issue 35): the native
+walk over populated tiers of hundreds of workers spread over ~32 chunks of 64 ids, and the L1 and L3
+stream messages of many workers, against the pure-Python indexes (tests/native_fleet.py,
+tests/native_events.py). Those two run in a child process: a case that fails, or crashes the child, is
+saved into their corpus (``tests/data/fuzz/fleet``, ``tests/data/fuzz/events``), replayed first by every
+run after.
 
 Mutations of the corpus under ``tests/data/fuzz`` and ``tests/data/vllm/events`` (bit flips, byte
 insertions and deletions, splices, interesting tokens), for ``FUZZ_SECONDS`` per target (2 by
@@ -36,10 +41,15 @@ INTERESTING = [b"-", b".", b"e", b"E", b"+", b"0", b"00", b"18446744073709551615
 
 
 @pytest.fixture
-def rng():
+def fuzz_seed() -> int:
     seed = int(os.environ.get("FUZZ_SEED") or random.SystemRandom().randrange(1 << 32))
     print(f"FUZZ_SEED={seed}")
-    return random.Random(seed)
+    return seed
+
+
+@pytest.fixture
+def rng(fuzz_seed):
+    return random.Random(fuzz_seed)
 
 
 def mutate(rng: random.Random, data: bytes, corpus: list[bytes]) -> bytes:
@@ -257,3 +267,28 @@ def test_event_payloads_decode_as_the_reference_and_apply_without_harm(rng):
                 if mask >> wid & 1:
                     counts[wid] = counts.get(wid, 0) + 1
         assert counts == {w: c for w, c in idx.worker_blocks.items() if c}, "per-worker counts match the table"
+
+
+def test_the_native_walk_over_populated_tiers_of_many_workers_equals_the_reference(fuzz_seed, tmp_path):
+    """Hundreds of workers, their ids spread over up to 2,000 (~32 chunks) and reused, hold runs of
+    chains that share prefixes in four tiers (GPU, CPU, STORAGE, L3); removals (by workers that never
+    stored in the tier too), clears, releases, snapshots across the native and Python indexes; then
+    requests whose prefixes partly match the chains (cut anywhere, a token changed, tokens added): the
+    native query, on the query threads and on the calling thread, answers as ``score`` over the
+    references, and both indexes hold the same throughout."""
+    from tests import native_fleet
+
+    needs_native(hit_rate.NATIVE_QUERY, "the native index and query")
+    native_fleet.fuzz_in_child("fleet", fuzz_seed, SECONDS, tmp_path)
+
+
+def test_stream_messages_of_many_workers_apply_and_query_as_the_reference(fuzz_seed, tmp_path):
+    """L1 batches (GPU and offloaded media, KV-cache groups, duplicates, resets, removed pods) and L3
+    diffs and full states of hundreds of workers, applied to the native states and to pure-Python ones:
+    the same held; the hit-rate query and the /query walk answer as the references; and a query prepared
+    before messages were applied and run after reports 0 for a worker whose id was released meanwhile
+    (possibly to another pod), never that pod's blocks."""
+    from tests import native_fleet
+
+    needs_native(hit_rate.NATIVE_QUERY, "the native index and query")
+    native_fleet.fuzz_in_child("events", fuzz_seed, SECONDS, tmp_path)
