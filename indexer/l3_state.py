@@ -175,9 +175,9 @@ class L3State(TierIndex):
         self._room_for(m, msg["added"])
         for pod, hashes in msg["removed"].items():
             wid = self.workers.get(pod, m)
-            if wid is not None:
+            if wid is not None:  # (a hash listed twice is one: dict.fromkeys)
                 held = self._held.get(wid, {})
-                gone = [h for h in hashes if h in held]
+                gone = [h for h in dict.fromkeys(hashes) if h in held]
                 self.index.remove(wid, gone)
                 for h in gone:
                     del held[h]
@@ -185,7 +185,7 @@ class L3State(TierIndex):
         for pod, hashes in msg["added"].items():
             wid = self.workers.intern(pod, m)
             held = self._held.setdefault(wid, {})
-            came = [h for h in hashes if h not in held]
+            came = [h for h in dict.fromkeys(hashes) if h not in held]
             self.index.store(wid, came)
             held.update(dict.fromkeys(came))
             self._release_if_empty(pod, m, wid)
