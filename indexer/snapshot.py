@@ -10,9 +10,13 @@ writes and loads the arrays straight from its tables, the pure-Python one with `
 no per-entry parsing either way. The offload media (CPU, STORAGE) follow as more pairs of arrays,
 described by the header's ``media``: a reader that predates them ignores both.
 
-Store: the object store bucket holds ``l1-<seq>`` objects; the KV key ``snapshot.l1`` points at the
-newest one and is moved with compare-and-set, so a reader always finds a complete snapshot and an
-older writer can never overwrite a newer pointer. Older objects beyond ``keep`` are deleted.
+Store: the object store bucket holds ``l1-<seq>.<nonce>[-<stream tag>]`` objects; the KV key
+``snapshot.l1`` points at the newest one and is moved with compare-and-set, so a reader always finds a
+complete snapshot and an older writer can never overwrite a newer pointer. Older objects beyond ``keep``
+are deleted. Every upload has a name of its own (the nonce): two writers at the same stream seq (the
+first paused past its lease while the next lease holder wrote) once wrote the same name, and the
+loser's clean-up after its failed compare-and-set deleted the object the pointer named. A writer
+deletes only its own upload, and its pruning never the object the pointer names.
 
 Reading: the writer may prune the object a reader is loading (the reader was slow, or two snapshots
 came in quick succession). nats-py's ``ObjectStore.get`` then waits forever for chunks that no longer
@@ -29,6 +33,7 @@ import hashlib
 import io
 import logging
 import sys
+import uuid
 import zlib
 from array import array
 from dataclasses import dataclass
@@ -240,9 +245,17 @@ class SnapshotRef:
 
 
 def _stream_tag(name: str) -> str:
-    """The stream tag of a snapshot's name, ``l1-<seq>[-<tag>]`` ("" before tags)."""
+    """The stream tag of a snapshot's name, ``l1-<seq>[.<nonce>][-<tag>]`` ("" before tags). The nonce
+    sits in the seq's part, after a ``.``: versions before it read the same tag from the new names."""
     parts = name.split("-", 2)
     return parts[2] if len(parts) > 2 else ""
+
+
+def object_name(stream_seq: int, stream_id: str = "") -> str:
+    """A new snapshot object's name: its stream seq (zero-padded: names sort by it), a nonce of its own
+    (no two uploads share a name, whoever writes them), and the stream's tag."""
+    return (f"l1-{stream_seq:012d}.{uuid.uuid4().hex[:12]}"
+            + (f"-{zlib.crc32(stream_id.encode()):08x}" if stream_id else ""))
 
 
 class SnapshotUnreadable(Exception):
@@ -343,7 +356,7 @@ class SnapshotStore:
         current = await self.pointer()
         if current is not None and current.stream_seq >= stream_seq and current.stream_id == stream_id:
             return False
-        name = f"l1-{stream_seq:012d}" + (f"-{zlib.crc32(stream_id.encode()):08x}" if stream_id else "")
+        name = object_name(stream_seq, stream_id)  # ours alone: the clean-up below deletes nobody else's
         meta = api.ObjectMeta(name=name, headers={"Stream-Seq": str(stream_seq), "Format": FORMAT},
                               options=api.ObjectMetaOptions(max_chunk_size=CHUNK_SIZE))
         await obs.put(name, blob, meta=meta)
@@ -353,13 +366,16 @@ class SnapshotStore:
                 await kv.create(POINTER_KEY, value)
             else:
                 await kv.update(POINTER_KEY, value, last=current.revision)
-        except KeyWrongLastSequenceError:
+        except KeyWrongLastSequenceError:  # another writer moved it meanwhile: our upload is nobody's
             await obs.delete(name)
             return False
         await self._prune(name)
         return True
 
     async def _prune(self, newest: str) -> None:
+        """Delete the oldest objects beyond ``keep``: never ``newest`` (ours), nor the one the pointer names
+        when asked just before each deletion (this writer may have been paused past its lease meanwhile,
+        and the next lease holder's snapshot may sort before ours: one of a stream recreated since)."""
         obs, _ = await self._stores()
         try:
             # snapshots of a stream since recreated (another tag after the seq) go first, then by seq
@@ -369,8 +385,12 @@ class SnapshotStore:
         except Exception:
             return
         for name in names[:-self.keep] if self.keep > 0 else []:
-            if name != newest:
-                try:
-                    await obs.delete(name)
-                except Exception as exc:
-                    log.debug("prune %s: %s", name, exc)
+            if name == newest:
+                continue
+            try:
+                pointed = await self.pointer()
+                if pointed is None or pointed.name == name:
+                    continue  # unreadable or moved to it: kept (the next prune looks again)
+                await obs.delete(name)
+            except Exception as exc:
+                log.debug("prune %s: %s", name, exc)

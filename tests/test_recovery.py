@@ -406,3 +406,82 @@ async def test_a_snapshot_copies_the_tables_off_the_loop_while_queries_are_answe
     loaded, seq = snapshot_module.decode_l1(await indexer.snapshots.read((await indexer.snapshots.pointer()).name))
     assert seq == applied
     assert {k: {h for h, m in loaded.blocks.items() if m >> wid & 1} for k, wid in loaded.workers.items()} == before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("paused", ["before-upload", "before-pointer"])
+async def test_a_writer_paused_past_its_lease_never_deletes_the_snapshot_the_pointer_names(nats_url, stream_prefix,
+                                                                                          paused):
+    """Issue 36 #6a: writer A takes a snapshot at stream seq N and is paused (a stopped process, a long GC)
+    before its upload or before moving the pointer, past its lease; writer B, now the lease holder, takes
+    one at the same seq N, moves the pointer and purges the stream behind it. Both used to write the same
+    object name, and A's clean-up after its failed compare-and-set deleted the object the pointer named:
+    every later replica start rebuilt from the purged stream (history lost). The pointer's object must
+    stand, and a new replica load it."""
+    from infra.streams import l1_subject
+    from infra.tasks import cancel_and_wait
+
+    cfg = make_config(nats_url, stream_prefix, snapshot={"everyMessages": 10**9, "interval": "1h", "purgeKeep": 0})
+    subject = l1_subject(cfg.nats.l1Stream.subjectPrefix, "10.9.0.1", 0)
+    chain = H.event_hashes(list(range(BS * 40)), BS)
+    a, b, late = Indexer(cfg), Indexer(cfg), None
+    await a.start()
+    try:
+        await wait_for(lambda: a.lease.is_leader, 10, "A to hold the snapshot lease")
+        await b.start()
+        msgs = [{"type": "reset", "v": 1, "pod": "10.9.0.1", "rank": 0, "gen": 1, "next_seq": 0}]
+        msgs += [{"type": "batch", "v": 1, "pod": "10.9.0.1", "rank": 0, "gen": 1, "seq": i,
+                  "events": [{"kind": "stored", "hashes": chain[i:i + 1], "parent": chain[i - 1] if i else None}]}
+                 for i in range(40)]
+        for msg in msgs:
+            await a.js.publish(subject, msgpack.packb(msg), stream=cfg.nats.l1Stream.name)
+        for idx in (a, b):
+            await idx.wait_applied(len(msgs), 20)
+
+        # A stops where ``paused`` says, in the middle of its snapshot
+        held, go_on = asyncio.Event(), asyncio.Event()
+        obs, kv = await a.snapshots._stores()
+
+        class Paused:
+            def __init__(self, real, *names: str) -> None:
+                self.real, self.names = real, names
+
+            def __getattr__(self, name: str):
+                attr = getattr(self.real, name)
+                if name not in self.names:
+                    return attr
+
+                async def stopped(*args, **kwargs):
+                    held.set()
+                    await go_on.wait()
+                    return await attr(*args, **kwargs)
+                return stopped
+        wrapped = (Paused(obs, "put"), kv) if paused == "before-upload" else (obs, Paused(kv, "create", "update"))
+
+        async def stores():
+            return wrapped
+        a.snapshots._stores = stores
+        taking = asyncio.create_task(a.snapshot_now())
+        await wait_for(held.is_set, 10, "A to stop in the middle of its snapshot")
+        await cancel_and_wait(a.lease._task)  # a paused process renews nothing either
+        await wait_for(lambda: b.lease.is_leader, 10, "A's lease to expire and B to take it")
+
+        assert await b.snapshot_now(), "B's snapshot at the same seq, the stream purged behind it"
+        pointer = await b.snapshots.pointer()
+        assert pointer.stream_seq == len(msgs)
+        info = await b.js.stream_info(cfg.nats.l1Stream.name)
+        assert info.state.first_seq > len(msgs), "the stream was purged behind B's snapshot"
+
+        go_on.set()  # A wakes up, long past its lease
+        assert not await asyncio.wait_for(taking, 20), "A's snapshot lost the compare-and-set"
+        assert (await b.snapshots.pointer()).name == pointer.name
+        assert await obs.get_info(pointer.name), "the object the pointer names is still there"
+
+        late = Indexer(cfg)  # every later replica start loads it, never the purged stream alone
+        await late.start()
+        assert late.metrics.snapshot_loads._value.get() == 1 and late.history_lost == 0
+        assert state_view(late) == state_view(b) and state_view(late)[("10.9.0.1", 0)] == set(chain)
+    finally:
+        for idx in (late, b, a):
+            if idx is not None:
+                await idx.stop()

@@ -10,7 +10,7 @@ import nats
 import pytest
 
 from indexer.l1_state import L1State
-from indexer.snapshot import PartsReader, SnapshotStore, encode_l1
+from indexer.snapshot import PartsReader, SnapshotStore, encode_l1, object_name
 from tests.conftest import wait_for
 
 
@@ -58,7 +58,7 @@ async def save_without_chunks(js, store: SnapshotStore, st: L1State, seq: int) -
     between a reader's get_info and its first chunk."""
     assert await store.save(encode_l1(st, seq), seq)
     obs, _ = await store._stores()
-    info = await obs.get_info(f"l1-{seq:012d}")
+    info = await obs.get_info((await store.pointer()).name)
     await js.purge_stream(f"OBJ_{store.bucket}", subject=f"$O.{store.bucket}.C.{info.nuid}")
 
 
@@ -116,7 +116,7 @@ async def test_snapshots_of_a_recreated_stream_are_pruned_first(nats_url, stream
             assert await store.save(encode_l1(L1State(), seq), seq, "new-stream")
         obs, _ = await store._stores()
         names = sorted(o.name for o in await obs.list() if not o.deleted)
-        assert len(names) == 2 and all(n.startswith(("l1-000000000020-", "l1-000000000030-")) for n in names), names
+        assert len(names) == 2 and all(n.startswith(("l1-000000000020.", "l1-000000000030.")) for n in names), names
         assert (await store.load("new-stream"))[1] == 30
     finally:
         await nc.close()
@@ -181,3 +181,21 @@ async def test_a_snapshots_pieces_are_freed_one_at_a_time_with_the_loop_free_bet
     ticking.cancel()
     assert reader.readinto(bytearray(10)) == 0, "nothing left"
     assert turns - before >= 19, "the loop ran other work between two pieces"
+
+
+async def test_a_late_prune_never_deletes_the_object_the_pointer_names(js, buckets):
+    """Issue 36 #6a: a writer paused between moving the pointer and pruning wakes up after the next lease
+    holder wrote a snapshot of the stream as recreated since (another tag: it sorts first, to be pruned).
+    Its prune must leave the object the pointer names; and no two uploads share a name."""
+    old_writer = SnapshotStore(js, *buckets, keep=1)
+    assert await SnapshotStore(js, *buckets, keep=10).save(encode_l1(L1State(), 900), 900, "old-stream")
+    old_name = (await old_writer.pointer()).name
+    st = state_with(10, 5)
+    assert await SnapshotStore(js, *buckets, keep=10).save(encode_l1(st, 10), 10, "new-stream")
+    pointer = await old_writer.pointer()
+    await old_writer._prune(old_name)  # the paused writer's prune, late
+    obs, _ = await old_writer._stores()
+    assert await obs.get_info(pointer.name), "the pointer's object stands"
+    loaded, seq = await SnapshotStore(js, *buckets).load("new-stream")
+    assert seq == 10 and contents(loaded) == contents(st)
+    assert len({object_name(7, "s") for _ in range(100)}) == 100
