@@ -4,6 +4,11 @@
 The engine's ROUTER answers ``[topic, seq, payload]`` per buffered batch (``[seq, payload]`` before vLLM
 0.26) and ends with seq -1; what it cannot send within its high-water mark it drops without a word,
 hence the rounds below. Replayed batches take budget bytes (bridge/receive_budget.py) until released.
+
+The replay socket takes larger messages than the live one (``replay_max_bytes``): a batch over
+``maxBatchBytes`` makes libzmq drop the live connection, and the replay that fills that gap must bring
+it. With the live limit the replay broke on the same batch (libzmq gives such a connection up without a
+word), timed out, and the worker was reset, the batches after it lost with it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ REPLAY_ROUND_IDLE = 0.1
 #: Rounds of one replay at most (each within replayTimeout, each bringing something new): vLLM's buffer
 #: of 10,000 batches through a high-water mark of 1,000 takes about ten; the bound keeps a replay finite.
 REPLAY_MAX_ROUNDS = 64
+
+
+def replay_max_bytes(cfg: L1IngestConfig) -> int:
+    """The largest message a replay socket takes: the replays' share of the receive budget (half of
+    ``maxBufferedBytes``, at least ``maxBatchBytes``), where the live sockets take ``maxBatchBytes``."""
+    return max(cfg.maxBatchBytes, cfg.maxBufferedBytes // 2)
 
 
 def _contiguous(batches: list[tuple[int, bytes]], first: int) -> list[tuple[int, bytes]]:
@@ -126,7 +137,7 @@ class VllmReplayClient:
         # bounded: past it libzmq stops reading the connection and the engine's ROUTER drops past its own
         # high-water mark, which the rounds repair; unbounded, libzmq took the whole answer into memory
         sock.setsockopt(zmq.RCVHWM, max(1, self.cfg.rcvHwm))
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.maxBatchBytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, replay_max_bytes(self.cfg))  # not the live limit: see the module
         try:
             sock.connect(self.ep.replay)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])

@@ -7,7 +7,10 @@ bridge/l1_sequencer.py; this module
   not fit is dropped and replayed once the queue is empty again, and replays too come in chunks that fit;
 - gives the sequencer the engine's replay socket (bridge/vllm_replay.py);
 - watches the connection: libzmq reconnects by itself with exponential backoff (``backoffInitial`` ..
-  ``backoffMax``); a connection it gives up on (a message over ``maxBatchBytes``) is opened anew.
+  ``backoffMax``); a connection it gives up on (a message over ``maxBatchBytes``) is opened anew, and
+  once connected the engine's buffer is asked at once for what it published meanwhile (the oversized
+  batch at least): an engine that went idle would otherwise never send the live batch whose gap brings
+  them.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class VllmSubscriber:
         self._monitor_task: asyncio.Task | None = None
         #: since when the SUB socket has had no connection to the engine (None: connected)
         self.disconnected_since: float | None = None
+        #: the socket was made anew and is connected: what the engine published meanwhile is to be asked
+        self._catch_up_due = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def resume_from_stream(self) -> None:
@@ -131,6 +136,7 @@ class VllmSubscriber:
         connects = 0
         given_up_after = max(1.0, 3 * self.cfg.backoffInitial)
         dropped_at: float | None = None  # a disconnection libzmq has shown no sign of repairing yet
+        resubscribed = False  # a socket made anew, not connected yet
         while True:
             wait = None if dropped_at is None else max(0.0, dropped_at + given_up_after - time.monotonic())
             try:
@@ -143,6 +149,7 @@ class VllmSubscriber:
                 await self._close_socket()
                 self._open()
                 dropped_at = None
+                resubscribed = True
                 continue
             except asyncio.CancelledError:
                 raise
@@ -162,6 +169,10 @@ class VllmSubscriber:
                 if connects > 1:
                     self.sequencer.reconnected = True
                     log.info("%s rank %d: reconnected to %s", self.ep.pod, self.ep.rank, self.ep.pub)
+                if resubscribed:  # at least the batch the old connection broke on is missing: ask for it now
+                    resubscribed = False
+                    self._catch_up_due = True
+                    self._queued.set()
             elif kind == zmq.EVENT_DISCONNECTED:
                 dropped_at = time.monotonic()
                 if self.disconnected_since is None:
@@ -291,6 +302,10 @@ class VllmSubscriber:
                     pass
         await self.sequencer.catch_up(first_contact=not self._queue)
         while True:
+            if self._catch_up_due:  # subscribed anew: what the engine's buffer holds after the last published
+                self._catch_up_due = False
+                await self._guarded(self.sequencer.catch_up(), "catching up after subscribing again")
+                continue
             if self.sequencer.refused_upto is not None:
                 await self._guarded(self.sequencer.after_refusal(), "starting over after a refused publish")
                 continue

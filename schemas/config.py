@@ -286,7 +286,9 @@ class L1IngestConfig(_Section):
     #: up to half, replays the rest); past it live batches are dropped and replayed from the engine's
     #: buffer. The chart derives it from the bridge's memory limit (a quarter) when not set.
     maxBufferedBytes: Size = 256 << 20
-    #: Largest vLLM message accepted (libzmq disconnects an engine that sends more; the batch is lost).
+    #: Largest vLLM message taken live (libzmq disconnects an engine that sends more: the bridge subscribes
+    #: again and fetches it from the engine's replay buffer, whose socket takes up to half of
+    #: maxBufferedBytes; a batch over that too is lost and replaced by a reset).
     maxBatchBytes: Size = 16 << 20
     #: How often per pod an engine's block hash is recomputed to check blockKey (0: never).
     blockKeyCheckInterval: Duration = 30.0
