@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -446,3 +447,96 @@ async def test_answers_under_load_see_whole_messages_while_the_loop_applies_them
     finally:
         stop.set()
         await task
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+async def test_a_4_mib_body_of_a_million_candidates_gets_its_400_without_holding_the_loop(accelerated, monkeypatch):
+    """Issue 36 #6c: one legal 4 MiB request with a million candidates (``"1"``) held the event loop half a
+    second while msgspec made a million strings, only to be refused for http.maxCandidates. It must be
+    refused without a step of the loop over 50 ms (the project's loop-step histogram: CPU time of the
+    loop's thread, so a machine short of cores does not count; read from /metrics over HTTP), and
+    ordinary requests answered meanwhile and after."""
+    import re
+
+    from api import app as app_module
+
+    if not accelerated:  # the decoder then sees the whole body, token array included
+        monkeypatch.setattr(app_module, "find_token_ids", None)
+    body = b'{"server_ip":[' + b",".join([b'"1"'] * 1_000_000) + b'],"body":{"token_ids":' + \
+        json.dumps(TOKENS).encode() + b',"block_size":16}}'
+    http = HttpConfig(host="127.0.0.1", port=0)  # the product's limits: 4 MiB bodies, 1,024 candidates
+    assert len(body) <= http.maxHitRateBodyBytes and http.maxCandidates == 1024
+    l1 = L1State()
+    chain = HASHER.event_hashes(TOKENS, 16)
+    l1.apply(batch("127.0.1.1", 0, 0, chain[:3]))
+    metrics = Metrics()
+    api = HitRateApi(http, HASHER, tiers=lambda: (l1, None), ready=lambda: True, metrics=metrics)
+    server = HttpServer(api.make_app(), http, metrics)
+    await server.start()
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{server.port}") as session:
+            async def steps() -> tuple[float, float, float]:
+                """Steps of the loop over 50 ms so far (one scrape), and the longest of the last 10 to 20 s."""
+                async with session.get("/metrics") as r:
+                    text = await r.text()
+
+                def sample(name: str) -> float:
+                    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+                name = "cache_indexer_event_loop_step_seconds"
+                return (sample(f"{name}_count") - sample(f'{name}_bucket{{le="0.05"}}'),
+                        sample("cache_indexer_event_loop_step_max_seconds"))
+
+            async def ordinary() -> None:
+                status, answer = await post(session, req(["127.0.1.1", "127.0.1.2"]))
+                assert status == 200 and [s["l1_hit_ratio"] for s in answer["server_score_list"]] == [0.75, 0.0]
+            await ordinary()
+            before, _ = await steps()
+            t = time.perf_counter()
+            big = asyncio.create_task(post(session, None, raw=body))
+            latencies = []
+            while not big.done():  # ordinary requests one after the other while the big one is in flight
+                t0 = time.perf_counter()
+                await ordinary()
+                latencies.append(time.perf_counter() - t0)
+            status, answer = await big
+            refused = time.perf_counter() - t
+            assert status == 400 and "http.maxCandidates (1024)" in answer["message"], answer
+            await ordinary()
+            after, longest = await steps()
+            print(f"refused in {refused * 1e3:.0f} ms; {len(latencies)} ordinary requests meanwhile, the slowest "
+                  f"in {max(latencies) * 1e3:.0f} ms; longest loop step {longest * 1e3:.0f} ms")
+            assert latencies, "ordinary requests were answered while the big one was in flight"
+            assert after == before, f"a step of the loop took {longest * 1e3:.0f} ms"
+    finally:
+        await server.stop()
+
+
+def test_candidates_counted_before_decoding_never_refuse_a_legal_request():
+    """The count before decoding (large envelopes) is a lower bound of the candidates, exact without
+    backslashes: a request within http.maxCandidates is never refused by it, whatever its strings hold
+    (quotes, backslashes, escapes, other scripts). The seed is printed."""
+    import random
+
+    from api.hit_rate_request import COUNT_FIRST_BYTES, decode_hit_rate_request, least_candidates
+    from api.json_request import RequestError
+
+    seed = random.SystemRandom().randrange(1 << 32)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    alphabet = ['"', "\\", "a", "1", ".", " ", "é", "\u2028", "\n", "/"]
+    for _ in range(300):
+        ips = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 12))) for _ in range(rng.randrange(1, 40))]
+        raw = json.dumps({"server_ip": ips, "explain": False, "body": {"token_ids": [], "block_size": 16,
+                                                                      "cache_salt": rng.choice(['"', "\\", "x"])}},
+                         ensure_ascii=rng.random() < 0.5).encode()
+        least = least_candidates(raw)
+        assert least <= len(ips), (ips, least)
+        if not any("\\" in ip or '"' in ip for ip in ips):
+            assert least == len(ips)
+    # at the bound, in an envelope large enough to be counted first: accepted; one more: refused
+    ips = [f"vllm-{i:04d}.{'x' * 60}" for i in range(1025)]
+    raw = json.dumps(req(ips[:1024])).encode()
+    assert len(raw) >= COUNT_FIRST_BYTES
+    assert len(decode_hit_rate_request(raw, 1024).server_ip) == 1024
+    with pytest.raises(RequestError, match=r"1025 candidates \(at least\) exceed http.maxCandidates \(1024\)"):
+        decode_hit_rate_request(json.dumps(req(ips)).encode(), 1024)
