@@ -304,7 +304,8 @@ class VllmSubscriber:
         while True:
             if self._catch_up_due:  # subscribed anew: what the engine's buffer holds after the last published
                 self._catch_up_due = False
-                await self._guarded(self.sequencer.catch_up(), "catching up after subscribing again")
+                await self._guarded(self.sequencer.catch_up(first_contact=not self._queue),
+                                    "catching up after subscribing again")
                 continue
             if self.sequencer.refused_upto is not None:
                 await self._guarded(self.sequencer.after_refusal(), "starting over after a refused publish")
