@@ -210,13 +210,21 @@ def decode_current(payload: bytes) -> DecodedBatch:
 def decode_batch(payload: bytes, want_probe: bool = False) -> DecodedBatch:
     """Decode one ZMQ payload frame. Raises MalformedPayload on anything that is not a KVEventBatch.
 
-    ``want_probe``: also look for a HashProbe (only when a check is due: it costs a little per batch)."""
-    if not want_probe:
-        try:
-            return decode_current(payload)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            pass  # not the current shape, or not strictly: the reference decides
-    return decode_reference(payload, want_probe)
+    ``want_probe``: also look for a HashProbe (when a check is due). Only a batch that can hold one (a GPU
+    store without a parent) goes through the reference decoder for it: on a real fleet almost every
+    store has a parent (prompts start with a cached system prompt), and a check stays due until a probe
+    comes, so looking in every batch put every batch of every pod on the slow path."""
+    try:
+        batch = decode_current(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return decode_reference(payload, want_probe)  # not the current shape, or not strictly: the reference decides
+    if want_probe and any(ev["kind"] == "stored" and ev["parent"] is None and ev["hashes"] and ev["medium"] in _GPU
+                          for ev in batch.events):
+        return decode_reference(payload, want_probe)
+    return batch
+
+
+_GPU = (None, "GPU")
 
 
 def decode_reference(payload: bytes, want_probe: bool = False) -> DecodedBatch:

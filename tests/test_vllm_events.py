@@ -221,3 +221,23 @@ def test_the_fast_path_takes_the_engines_payloads():
     assert len(current) >= 5
     for path in current:
         assert _outcome(decode_current, path.read_bytes()) == _outcome(decode_batch, path.read_bytes())
+
+
+def test_a_due_blockkey_check_puts_only_batches_that_can_hold_a_probe_on_the_reference_decoder(monkeypatch):
+    """Issue 37: a check stays due until a parentless GPU store comes; with want_probe every batch went
+    through the tolerant reference decoder (per-hash Python), and on a real fleet, where stores have
+    parents (a cached system prompt first), every batch of every pod did, for good."""
+    import bridge.vllm_events as ve
+    from cache_indexer.simulate.vllm_engine import batch_payload, removed, stored
+
+    calls = []
+    reference = ve.decode_reference
+    monkeypatch.setattr(ve, "decode_reference", lambda p, w=False: calls.append(1) or reference(p, w))
+    with_parent = batch_payload([stored([5, 6], parent=4, block_size=4, token_ids=list(range(8))), removed([1])])
+    offloaded = batch_payload([stored([7], medium="CPU", block_size=4, token_ids=list(range(4)))])
+    for payload in (with_parent, offloaded):
+        assert ve.decode_batch(payload, want_probe=True) == ve.decode_batch(payload)
+    assert calls == [], "no batch here can hold a probe: the fast decoder answers"
+    first = batch_payload([stored([9], block_size=4, token_ids=[1, 2, 3, 4])])
+    probe = ve.decode_batch(first, want_probe=True).probe
+    assert calls == [1] and probe is not None and probe.token_ids == [1, 2, 3, 4] and probe.block_hash == 9
