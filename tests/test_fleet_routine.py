@@ -64,7 +64,11 @@ class Fleet:
     """nats-server (the fixture's), an indexer process with its API, bridge processes over a targets file."""
 
     def __init__(self, cfg, tmp: Path) -> None:
+        import zmq.asyncio
+
         self.cfg, self.tmp = cfg, tmp
+        self.ctx = zmq.asyncio.Context()
+        self.ranks: list[Rank] = []
         self.api, self.bridge_port = free_port(), free_port()
         self.targets = tmp / "targets.yaml"
         self.targets.write_text("vllm: []\n")
@@ -128,7 +132,19 @@ class Fleet:
                 out.append((tokens[:2], sorted(holders), sorted(got)))
         return out
 
+    def rank(self, n: int, host: str, rank: int = 0, **kw) -> Rank:
+        r = Rank(self.ctx, n, host, rank, **kw)
+        self.ranks.append(r)
+        return r
+
+    def two_ranks(self, ns: tuple[int, int], host: str, **kw) -> tuple[Rank, Rank]:
+        """A pod's two DP ranks on consecutive ports (rank r listens at the pod's ports + r)."""
+        base = _pod_ports(host, 2)
+        return tuple(self.rank(n, host, r, ports=(base + r, base + 2 + r), **kw) for r, n in enumerate(ns))
+
     async def stop(self) -> None:
+        for r in self.ranks:
+            await r.pub.close()
         if self.session is not None:
             await self.session.close()
         for p in self.procs:
@@ -140,6 +156,7 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        self.ctx.term()
 
 
 async def converged(fleet: Fleet, ranks: list[Rank], what: str, timeout: float = 40.0, **kw) -> None:
@@ -156,6 +173,16 @@ async def converged(fleet: Fleet, ranks: list[Rank], what: str, timeout: float =
 
 
 @pytest.fixture
+async def fleet(cfg, tmp_path):
+    """A started Fleet (a test changes ``cfg`` first, where it needs to, by asking for it before this)."""
+    f = Fleet(cfg, tmp_path)
+    try:
+        yield await f.start()
+    finally:
+        await f.stop()
+
+
+@pytest.fixture
 def cfg(nats_url, stream_prefix):
     return make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0", "blockSize": BS},
                        http={"registrationToken": TOKEN},
@@ -164,42 +191,26 @@ def cfg(nats_url, stream_prefix):
 
 
 @pytest.mark.timeout(180)
-async def test_a_readiness_flap_shorter_than_the_grace_keeps_history_older_than_the_engines_buffer(cfg, tmp_path):
+async def test_a_readiness_flap_shorter_than_the_grace_keeps_history_older_than_the_engines_buffer(fleet):
     """Case 1: an engine with a 200-batch buffer stores 1,000 chains and idles; its pod leaves the targets
     for about 2 s and comes back; it stores one more. All 1,001 chains stay indexed (before, 200: the
     pod was removed at once and the returning engine started anew from its buffer)."""
-    import zmq.asyncio
-
-    ctx = zmq.asyncio.Context()
-    fleet = await Fleet(cfg, tmp_path).start()
-    x, other = Rank(ctx, 1, "127.0.36.1", buffer_steps=200), Rank(ctx, 2, "127.0.36.2", buffer_steps=200)
+    x, other = fleet.rank(1, "127.0.36.1", buffer_steps=200), fleet.rank(2, "127.0.36.2", buffer_steps=200)
     pods = [(r.host, r.pub.pub_port, r.pub.replay_port, 1) for r in (x, other)]
-    try:
-        fleet.list_pods(pods)
-        for r in (x, other):
-            await r.pub.wait_subscribed(30)
-        for _ in range(1000):
-            await x.store_chain()
-        await other.store_chain()
-        await converged(fleet, [x, other], "1,000 chains indexed")
-        fleet.list_pods(pods[1:])  # the flap: X leaves discovery ...
-        await wait_for(lambda: _is(fleet.subscriptions(), 1), 20, "X unsubscribed")
-        fleet.list_pods(pods)  # ... and is back, well within the grace
-        await wait_for(lambda: _is(fleet.subscriptions(), 2), 20, "X subscribed again")
-        await x.pub.wait_subscribed(30)
+    fleet.list_pods(pods)
+    for r in (x, other):
+        await r.pub.wait_subscribed(30)
+    for _ in range(1000):
         await x.store_chain()
-        await converged(fleet, [x, other], "every chain of X after the flap")
-    finally:
-        await fleet.stop()
-        for r in (x, other):
-            await r.pub.close()
-        ctx.term()
-
-
-def two_ranks(ctx, ns: tuple[int, int], host: str, **kw) -> tuple[Rank, Rank]:
-    """A pod's two DP ranks on consecutive ports (rank r listens at the pod's ports + r)."""
-    base = _pod_ports(host, 2)
-    return tuple(Rank(ctx, n, host, r, ports=(base + r, base + 2 + r), **kw) for r, n in enumerate(ns))
+    await other.store_chain()
+    await converged(fleet, [x, other], "1,000 chains indexed")
+    fleet.list_pods(pods[1:])  # the flap: X leaves discovery ...
+    await wait_for(lambda: _is(fleet.subscriptions(), 1), 20, "X unsubscribed")
+    fleet.list_pods(pods)  # ... and is back, well within the grace
+    await wait_for(lambda: _is(fleet.subscriptions(), 2), 20, "X subscribed again")
+    await x.pub.wait_subscribed(30)
+    await x.store_chain()
+    await converged(fleet, [x, other], "every chain of X after the flap")
 
 
 async def _is(coro, value) -> bool:
@@ -217,112 +228,78 @@ def _registration(r: Rank, instance: str) -> dict:
 
 
 @pytest.mark.timeout(120)
-async def test_unregistering_one_dp_rank_drops_that_rank_only(cfg, tmp_path):
+async def test_unregistering_one_dp_rank_drops_that_rank_only(fleet):
     """Case 2: an instance registered with ranks 0 and 1, both indexed; ``/unregister`` of rank 1 alone:
     its 20 chains leave the index (before, they stayed: removal was per pod), rank 0's stay."""
-    import zmq.asyncio
-
-    ctx = zmq.asyncio.Context()
-    fleet = await Fleet(cfg, tmp_path).start()
-    r0, r1 = Rank(ctx, 3, "127.0.36.3", 0), Rank(ctx, 4, "127.0.36.3", 1)
-    try:
-        for r in (r0, r1):
-            assert (await _post(fleet, "/register", _registration(r, "inst")))[0] == 201
-            await r.pub.wait_subscribed(30)
-            for _ in range(20):
-                await r.store_chain()
-        await converged(fleet, [r0, r1], "both ranks indexed", pod_of=lambda r: "inst")
-        assert await _post(fleet, "/unregister", {"instance_id": "inst", "dp_rank": 1}) == (200, {"status": "ok"})
-        r1.remove()  # what the index may answer for rank 1 now: nothing
-        await converged(fleet, [r0, r1], "rank 1 dropped, rank 0 kept", pod_of=lambda r: "inst")
-        await r0.store_chain()
-        await converged(fleet, [r0, r1], "rank 0 goes on", pod_of=lambda r: "inst")
-    finally:
-        await fleet.stop()
-        for r in (r0, r1):
-            await r.pub.close()
-        ctx.term()
+    r0, r1 = fleet.rank(3, "127.0.36.3", 0), fleet.rank(4, "127.0.36.3", 1)
+    for r in (r0, r1):
+        assert (await _post(fleet, "/register", _registration(r, "inst")))[0] == 201
+        await r.pub.wait_subscribed(30)
+        for _ in range(20):
+            await r.store_chain()
+    await converged(fleet, [r0, r1], "both ranks indexed", pod_of=lambda r: "inst")
+    assert await _post(fleet, "/unregister", {"instance_id": "inst", "dp_rank": 1}) == (200, {"status": "ok"})
+    r1.remove()  # what the index may answer for rank 1 now: nothing
+    await converged(fleet, [r0, r1], "rank 1 dropped, rank 0 kept", pod_of=lambda r: "inst")
+    await r0.store_chain()
+    await converged(fleet, [r0, r1], "rank 0 goes on", pod_of=lambda r: "inst")
 
 
 @pytest.mark.timeout(120)
-async def test_a_dp_rank_dropped_from_the_targets_goes_alone(cfg, tmp_path):
+async def test_a_dp_rank_dropped_from_the_targets_goes_alone(fleet):
     """Case 2, by discovery: a pod's ``dpRanks`` goes from 2 to 1: rank 1 leaves the index, rank 0 stays."""
-    import zmq.asyncio
-
-    ctx = zmq.asyncio.Context()
-    fleet = await Fleet(cfg, tmp_path).start()
-    r0, r1 = two_ranks(ctx, (5, 6), "127.0.36.5")
-    try:
-        fleet.list_pods([(r0.host, r0.pub.pub_port, r0.pub.replay_port, 2)])
-        assert r1.pub.pub_port == r0.pub.pub_port + 1
-        for r in (r0, r1):
-            await r.pub.wait_subscribed(30)
-            for _ in range(10):
-                await r.store_chain()
-        await converged(fleet, [r0, r1], "both ranks indexed")
-        fleet.list_pods([(r0.host, r0.pub.pub_port, r0.pub.replay_port, 1)])
-        r1.remove()
-        await converged(fleet, [r0, r1], "rank 1 dropped, rank 0 kept")
-    finally:
-        await fleet.stop()
-        for r in (r0, r1):
-            await r.pub.close()
-        ctx.term()
+    r0, r1 = fleet.two_ranks((5, 6), "127.0.36.5")
+    fleet.list_pods([(r0.host, r0.pub.pub_port, r0.pub.replay_port, 2)])
+    for r in (r0, r1):
+        await r.pub.wait_subscribed(30)
+        for _ in range(10):
+            await r.store_chain()
+    await converged(fleet, [r0, r1], "both ranks indexed")
+    fleet.list_pods([(r0.host, r0.pub.pub_port, r0.pub.replay_port, 1)])
+    r1.remove()
+    await converged(fleet, [r0, r1], "rank 1 dropped, rank 0 kept")
 
 
 @pytest.mark.timeout(120)
-async def test_an_engine_registered_while_idle_is_indexed_from_its_buffer_at_once(cfg, tmp_path):
+async def test_an_engine_registered_while_idle_is_indexed_from_its_buffer_at_once(fleet):
     """Case 4: the engine's history sits in its replay buffer (published before anyone subscribed); it
     is registered and publishes nothing more. Its chains are answered (before: 0 until it published)."""
-    import zmq.asyncio
+    idle = fleet.rank(7, "127.0.36.7")
+    for _ in range(30):
+        await idle.store_chain()  # nobody subscribed: only its buffer holds them
+    assert (await _post(fleet, "/register", _registration(idle, "idle-engine")))[0] == 201
+    await converged(fleet, [idle], "the idle engine's chains indexed without a new batch",
+                    pod_of=lambda r: "idle-engine")
+    assert idle.pub.batches == 30
 
-    ctx = zmq.asyncio.Context()
-    fleet = await Fleet(cfg, tmp_path).start()
-    idle = Rank(ctx, 7, "127.0.36.7")
-    try:
-        for _ in range(30):
-            await idle.store_chain()  # nobody subscribed: only its buffer holds them
-        assert (await _post(fleet, "/register", _registration(idle, "idle-engine")))[0] == 201
-        await converged(fleet, [idle], "the idle engine's chains indexed without a new batch",
-                        pod_of=lambda r: "idle-engine")
-        assert idle.pub.batches == 30
-    finally:
-        await fleet.stop()
-        await idle.pub.close()
-        ctx.term()
+
+@pytest.fixture
+def purging(cfg):
+    """Snapshots every 150 stream messages, keeping 100: a busy rank purges an idle one's messages."""
+    cfg.snapshot.everyMessages, cfg.snapshot.purgeKeep = 150, 100
+    cfg.ingest.l1.coalesceMaxBatches = 1  # a stream message a batch
+    return cfg
 
 
 @pytest.mark.timeout(240)
-async def test_an_idle_dp_rank_keeps_its_history_through_two_bridge_restarts_and_a_purge(cfg, tmp_path):
+async def test_an_idle_dp_rank_keeps_its_history_through_two_bridge_restarts_and_a_purge(purging, fleet):
     """Case 5: rank 1 stores 300 chains and idles, rank 0 keeps publishing; the bridge restarts, the
     snapshot writer purges (keeping 100 messages), the bridge restarts again; rank 1 stores one more.
     All 301 stay indexed (before: the first restart rewrote the pod's record with rank 0 only, and the
     second found neither a record nor a message for rank 1: a new generation from its 100-batch buffer)."""
-    import zmq.asyncio
-
-    ctx = zmq.asyncio.Context()
-    cfg.snapshot.everyMessages, cfg.snapshot.purgeKeep = 150, 100
-    cfg.ingest.l1.coalesceMaxBatches = 1  # a stream message a batch: rank 0's 200 batches purge rank 1's
-    fleet = await Fleet(cfg, tmp_path).start()
-    r0, r1 = two_ranks(ctx, (8, 9), "127.0.36.8", buffer_steps=100)
-    try:
-        fleet.list_pods([(r0.host, r0.pub.pub_port, r0.pub.replay_port, 2)])
+    r0, r1 = fleet.two_ranks((8, 9), "127.0.36.8", buffer_steps=100)
+    fleet.list_pods([(r0.host, r0.pub.pub_port, r0.pub.replay_port, 2)])
+    for r in (r0, r1):
+        await r.pub.wait_subscribed(30)
+    for _ in range(300):
+        await r1.store_chain()
+    await converged(fleet, [r0, r1], "rank 1's 300 chains indexed")
+    for restart in range(2):
+        await fleet.restart_bridge()
         for r in (r0, r1):
             await r.pub.wait_subscribed(30)
-        for _ in range(300):
-            await r1.store_chain()
-        await converged(fleet, [r0, r1], "rank 1's 300 chains indexed")
-        for restart in range(2):
-            await fleet.restart_bridge()
-            for r in (r0, r1):
-                await r.pub.wait_subscribed(30)
-            for _ in range(200):  # rank 0 busy: snapshots purge rank 1's messages from the stream
-                await r0.store_chain()
-            await converged(fleet, [r0, r1], f"rank 0's chains after restart {restart + 1}")
-        await r1.store_chain()
-        await converged(fleet, [r0, r1], "all 301 chains of the idle rank")
-    finally:
-        await fleet.stop()
-        for r in (r0, r1):
-            await r.pub.close()
-        ctx.term()
+        for _ in range(200):  # rank 0 busy: snapshots purge rank 1's messages from the stream
+            await r0.store_chain()
+        await converged(fleet, [r0, r1], f"rank 0's chains after restart {restart + 1}")
+    await r1.store_chain()
+    await converged(fleet, [r0, r1], "all 301 chains of the idle rank")
