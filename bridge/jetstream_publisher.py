@@ -9,6 +9,11 @@ Acks can be lost (across a nats-server restart they simply are), so every messag
 ``Nats-Msg-Id`` and stays in the window until its ack arrives; one that is not acked within
 ``ack_timeout``, or is answered with a passing error (no stream yet, a server restarting), is re-sent
 with the same id, so the server's duplicate window turns a retry of a stored message into a no-op.
+When the connection comes back after it was lost (``connection_lost``, ``reconnected``: the owner wires
+them to nats-py's callbacks), every message sent on the lost connection and not acked is re-sent at once,
+not at its ack deadline: a server killed mid-stream loses what it had received but not stored, and
+until the re-send the indexers hold every later batch of those workers as early (issue 36). What was
+published while disconnected sat in nats-py's buffer, which the reconnection flushes before telling.
 ``publish`` waits while the window is full, which pushes back on the ZMQ readers instead of growing
 memory.
 
@@ -51,6 +56,7 @@ class _Pending:
     headers: dict[str, str]
     deadline: float
     token: str = ""  # of the last send; "" = not sent or failed: the watchdog re-sends
+    conn: int = 0  # the connection it was last sent on (JetStreamPublisher._conn)
     on_stored: OnStored | None = None
     on_refused: OnRefused | None = None
 
@@ -72,6 +78,9 @@ class JetStreamPublisher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._watchdog: asyncio.Task | None = None
+        self._wake = asyncio.Event()  # the watchdog looks at once (a reconnection)
+        #: counts the connections lost: a message sent on an earlier one than the current may be lost
+        self._conn = 0
         self._retry_warning = ThrottledWarning(log)
 
     async def start(self) -> None:
@@ -109,8 +118,26 @@ class JetStreamPublisher:
         self._metrics.publish_inflight.set(len(self._pending))
         await self._send(msg_id, rec)
 
+    def connection_lost(self) -> None:
+        """The NATS connection broke: what was sent on it and is not acked yet may be lost with it."""
+        self._conn += 1
+
+    def reconnected(self) -> int:
+        """The connection is back: every message sent on a lost one and not acked yet is re-sent now (by
+        the watchdog, in publish order), not at its ack deadline. Returns how many."""
+        due = 0
+        for rec in self._pending.values():
+            if rec.conn < self._conn and rec.token:
+                rec.deadline = 0.0
+                due += 1
+        if due:
+            log.info("NATS connection back: re-sending %d unacknowledged publishes", due)
+            self._wake.set()
+        return due
+
     async def _send(self, msg_id: str, rec: _Pending) -> None:
         rec.deadline = time.monotonic() + self._ack_timeout
+        rec.conn = self._conn
         token = str(next(self._tokens))
         rec.token = token
         self._by_token[token] = msg_id
@@ -158,7 +185,11 @@ class JetStreamPublisher:
     async def _watch(self) -> None:
         interval = max(0.05, min(0.5, self._ack_timeout / 4))
         while True:
-            await asyncio.sleep(interval)
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
             now = time.monotonic()
             retry = [(mid, rec) for mid, rec in self._pending.items() if not rec.token or now >= rec.deadline]
             for mid, rec in retry:

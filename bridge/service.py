@@ -122,7 +122,8 @@ class Bridge:
         self._inherited_masters: set[str] = set()
 
     async def start(self) -> None:
-        self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge")
+        self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge", disconnected_cb=self._nats_lost,
+                                reconnected_cb=self._nats_back)
         js = self.nc.jetstream()
         l1_info = await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
         await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
@@ -157,6 +158,15 @@ class Bridge:
         else:
             self.metrics.bridge_leader.set(1)  # the only bridge: always the active one
             await self._start_sources()
+
+    async def _nats_lost(self) -> None:
+        if self.publisher is not None:
+            self.publisher.connection_lost()
+
+    async def _nats_back(self) -> None:
+        """Publishes the lost connection took with it go out again now, not at their ack deadline."""
+        if self.publisher is not None:
+            self.publisher.reconnected()
 
     async def _follow_lease(self) -> None:
         while True:

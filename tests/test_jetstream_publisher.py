@@ -107,3 +107,48 @@ def test_split_events_cut_a_batch_into_parts_that_fit_and_mean_the_same():
         split.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0, "part": i, "parts": len(parts),
                      "events": p})
     assert split.blocks == whole.blocks and split.cursors[("p", 0)].next_seq == 1
+
+
+async def test_publishes_lost_with_a_killed_server_go_out_again_at_the_reconnection(restartable_nats, stream_prefix):
+    """Issue 36 #3: what a nats-server took into its socket buffers and died with was re-sent only at the
+    ack deadline, after thousands of later messages (the indexers then declared the gap lost). Sent on
+    the lost connection and not acked, it now goes out again as soon as the connection is back: here the
+    ack deadline is a minute away, and everything is stored within seconds."""
+    import asyncio
+    import signal
+
+    server = restartable_nats
+    pub: JetStreamPublisher | None = None
+
+    async def lost() -> None:
+        pub.connection_lost()
+
+    async def back() -> None:
+        pub.reconnected()
+    conn = await nats.connect(server.url, disconnected_cb=lost, reconnected_cb=back, max_reconnect_attempts=-1,
+                              reconnect_time_wait=0.2)
+    try:
+        js = conn.jetstream()
+        await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"])
+        metrics = Metrics()
+        pub = JetStreamPublisher(conn, metrics, window=64, ack_timeout=60)
+        await pub.start()
+        for i in range(10):
+            await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
+        assert await pub.flush(10)
+        proc = server.proc
+        proc.send_signal(signal.SIGSTOP)  # what is sent now reaches its socket, never the stream
+        for i in range(10, 30):
+            await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
+        await asyncio.sleep(0.2)  # the fault: the frozen server holds them a while
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, 10)
+        server.proc = None
+        await asyncio.to_thread(server.start)
+        assert await pub.flush(15), "re-sent at the reconnection, not at the ack deadline a minute away"
+        assert (await js.stream_info(stream_prefix)).state.messages == 30
+        assert metrics.publish_retries._value.get() >= 20
+    finally:
+        if pub is not None:
+            await pub.close()
+        await conn.close()
