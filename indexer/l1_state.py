@@ -4,16 +4,28 @@ The stream is the source of truth and every replica applies the same rules to th
 so replicas agree. The rules make the index robust to what a retrying publisher can do to order:
 - a batch carries (gen, seq); per worker only ``seq == next`` is applied, lower seqs are duplicates;
   a run of coalesced batches (seq .. last_seq) that overlaps what was applied applies only the rest;
-- a batch that arrives early (seq > next) waits (``early``) until the missing ones arrive; if more than
-  ``max_early`` pile up, or the first was stored by the stream more than EARLY_TIMEOUT_NS before the
-  message being applied (any worker's: the stream's own clock, so every replica decides alike), the
-  missing ones are declared lost: the worker is cleared and resumes at the first early seq. A worker is
-  never frozen by one message that does not come;
+- a batch that arrives early (seq > next) waits (``early``) until the missing ones arrive; once the first
+  was stored by the stream more than EARLY_TIMEOUT_NS before the message being applied (any worker's: the
+  stream's own clock, so every replica decides alike) and the missing ones are still not in the stream,
+  they are declared lost: the worker is cleared and resumes at the first early seq. A worker is never
+  frozen by one message that does not come;
+- at most ``max_early`` early messages of a worker are held in memory (``early_window``: twice the
+  bridge's publish window, as the service sets it). Where the stream sequence of each message is known
+  (the service), the ones past that are *spilled*: the cursor keeps only their position and stream
+  sequence (``spilled``), and when the cursor reaches one, it is read back from the stream
+  (``read_back_due``: the service gets that stream message and applies it with ``read_back=True``),
+  each once. What a replica holds, spills and reads back is a function of the stream alone, so replicas
+  still agree; a gap is never declared lost because the held messages are many, only by stream time
+  (issue 36: a nats-server restart under a busy engine made 1,025 later batches arrive before the bridge
+  re-sent the lost ones, and the worker was cleared although the stream held every batch). Without
+  stream sequences (benchmarks, unit tests) too many held messages still declare the gap lost, as
+  before;
 - a ``reset`` (or a batch of a newer generation) clears the worker and starts the new generation;
   anything of an older generation is stale and dropped;
 - a generation whose batches arrive before its reset (the reset's publish was lost and re-sent after the
   ack timeout, while later batches were stored) is applied from its first batch provisionally, and the
-  messages applied are kept (a journal, at most ``max_early`` of them and EARLY_TIMEOUT_NS of stream time;
+  messages applied are kept (a journal, at most ``max_journal`` of them (``max_early`` unless told) and
+  EARLY_TIMEOUT_NS of stream time;
   none where stored times are unknown, as in benchmarks): when the reset then names an earlier
   first seq, the worker is cleared and rebuilt in seq order from there, the journal going back to the
   early messages, so the late batches before it are not taken for duplicates;
@@ -49,6 +61,17 @@ _DEAD = (1 << 64) - 1  # next_seq of a removed pod: every batch of its generatio
 EARLY_TIMEOUT_NS = 30 * 10**9
 #: The media of vLLM's KV offloading indexed beside the GPU (HostPinned and Disk in Dynamo's words)
 OFFLOAD_MEDIA = ("CPU", "STORAGE")
+#: Early messages a worker holds in memory by default (L1State without a publish window to go by)
+DEFAULT_MAX_EARLY = 1024
+
+
+def early_window(publish_window: int) -> int:
+    """Early messages of one worker an indexer holds in memory before it spills the rest to be read back
+    from the stream: at least twice the bridge's publish window (``nats.publish.window``). A message lost
+    in flight (a nats-server killed) is re-sent at the reconnection or at its ack deadline; what the
+    stream stores before it is at most what was in flight with it (the window) plus what the bridge
+    published since, so this holds the usual case in memory, and the spill keeps the rest lossless."""
+    return max(DEFAULT_MAX_EARLY, 2 * publish_window)
 
 
 @dataclass(slots=True)
@@ -60,12 +83,15 @@ class _Cursor:
     early: dict[tuple[int, int], dict] = field(default_factory=dict)
     next_part: int = 0
     #: messages applied since this generation began without its reset (None: the reset came first, or
-    #: the journal outgrew max_early): what a late reset naming an earlier first seq rebuilds from
+    #: the journal outgrew max_journal): what a late reset naming an earlier first seq rebuilds from
     journal: list[dict] | None = None
     #: when the stream stored the message that made ``early`` non-empty (0: not known)
     early_since: int = 0
     #: when the stream stored the generation's first message (the journal is kept EARLY_TIMEOUT_NS at most)
     journal_since: int = 0
+    #: early arrivals not held in memory (``max_early`` were) by (seq, part): (stream seq, last seq), read
+    #: back from the stream when the cursor reaches them
+    spilled: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
     def advance(self, msg: dict) -> None:
         part = msg.get("part", 0)
@@ -96,6 +122,8 @@ class ApplyStats:
     stale: int = 0
     early: int = 0
     lost_gaps: int = 0
+    spilled: int = 0  # early messages not held in memory (read back from the stream later)
+    read_back: int = 0  # messages read back from the stream
     resets: int = 0
     block_events: int = 0
     ignored_medium: int = 0
@@ -142,16 +170,21 @@ def checked_events(events) -> list[array | None]:
 
 
 class L1State(TierIndex):
-    def __init__(self, max_early: int = 1024) -> None:
+    def __init__(self, max_early: int = DEFAULT_MAX_EARLY, max_journal: int | None = None) -> None:
         super().__init__()
         self.cursors: dict[tuple[str, int], _Cursor] = {}
         #: pod -> the ranks it has cursors for (``knows`` looks at those, not at every worker's)
         self._pod_ranks: dict[str, set[int]] = {}
-        self.max_early = max_early
+        self.max_early = max(1, max_early)
+        self.max_journal = self.max_early if max_journal is None else max_journal
         self.stats = ApplyStats()
         #: workers with early batches -> when the first was stored (for EARLY_TIMEOUT_NS)
         self._waiting: dict[tuple[str, int], int] = {}
         self._now = 0  # stored time of the message being applied (0: unknown)
+        self._seq = 0  # stream sequence of the message being applied (0: unknown: nothing is spilled)
+        #: workers whose cursor reached a spilled message (to be read back now), in the order they did
+        self._read_back: dict[tuple[str, int], None] = {}
+        self._spill_log = ThrottledWarning(log, every=10.0)
         self._lost_log = ThrottledWarning(log, every=10.0)
         #: per offload medium, its index over the same worker ids (the GPU's is ``self.index``)
         self.media: dict[str, BlockIndex] = {m: new_block_index() for m in OFFLOAD_MEDIA}
@@ -163,21 +196,28 @@ class L1State(TierIndex):
         self._offloaded: set[int] = set()
 
     # -- stream messages ---------------------------------------------------------------------------
-    def apply(self, msg: dict, stored_ns: int | None = None) -> None:
+    def apply(self, msg: dict, stored_ns: int | None = None, stream_seq: int = 0, read_back: bool = False) -> None:
         """``stored_ns``: when the stream stored the message (None: not checked, as in benchmarks; early
-        batches then wait only for the count bound). Queries on other threads see it applied wholly or
-        not at all."""
+        batches then wait only for the count bound). ``stream_seq``: its stream sequence (0: unknown;
+        early messages past ``max_early`` then declare the gap lost instead of being spilled).
+        ``read_back``: a message read back from the stream (``read_back_due``), applied to its worker
+        alone: stream time does not move and nothing expires. Queries on other threads see it applied
+        wholly or not at all."""
         with self.index.batch():
-            self._apply(msg, stored_ns)
+            self._apply(msg, stored_ns, stream_seq, read_back)
 
-    def _apply(self, msg: dict, stored_ns: int | None) -> None:
+    def _apply(self, msg: dict, stored_ns: int | None, stream_seq: int = 0, read_back: bool = False) -> None:
         kind = msg.get("type")
+        self._seq = stream_seq
+        if read_back:
+            self.stats.read_back += 1
         if stored_ns is not None:
             if kind in ("batch", "reset"):
                 _check_plausible(msg, stored_ns)
-            self._now = stored_ns
-            if self._waiting:
-                self._expire(stored_ns)
+            if not read_back:
+                self._now = stored_ns
+                if self._waiting:
+                    self._expire(stored_ns)
         if kind == "batch":
             self._on_batch(msg)
         elif kind == "reset":
@@ -225,6 +265,9 @@ class L1State(TierIndex):
             if cur.next_seq == _DEAD:
                 self.stats.stale += 1
                 return
+            if self._seq and len(cur.early) >= self.max_early and pos not in cur.early:
+                self._spill(key, cur, pos, msg)
+                return
             self._keep_early(key, cur, pos, msg)
             if len(cur.early) > self.max_early:
                 self._lose_gap(key, cur)
@@ -232,8 +275,60 @@ class L1State(TierIndex):
         self._journal(cur, msg)
         cur.advance(msg)  # first: a batch that cannot be applied whole must not hold up the ones after it
         self._apply_events(key, msg["events"][skip:] if skip else msg["events"], _batches(msg))
-        if cur.early:
+        if cur.early or cur.spilled:
             self._apply_early(key, cur)
+
+    def _spill(self, key: tuple[str, int], cur: _Cursor, pos: tuple[int, int], msg: dict) -> None:
+        """``max_early`` messages of the worker are held: this one stays in the stream alone; the cursor
+        keeps where to find it."""
+        other = cur.spilled.get(pos)
+        if other is None or last_seq(msg) > other[1]:  # of two from one seq, the one reaching further
+            cur.spilled[pos] = (self._seq, last_seq(msg))
+        self.stats.spilled += 1
+        self._spill_log("%s rank %d: %d batches held waiting for seq %d; later ones (stream seq %d on) are read "
+                        "back from the stream when their turn comes", key[0], key[1], len(cur.early), cur.next_seq,
+                        self._seq)
+        if key not in self._waiting:
+            self._wait_from(key, cur, cur.early_since or self._now)
+
+    @staticmethod
+    def _spilled_next(cur: _Cursor) -> tuple[int, int] | None:
+        """The position of the spilled message that goes on from the cursor (None: not spilled)."""
+        pos = (cur.next_seq, cur.next_part)
+        if pos in cur.spilled:
+            return pos
+        if not cur.next_part:
+            for at, (_, last) in cur.spilled.items():  # a run that starts earlier goes on from here
+                if at[0] < cur.next_seq <= last:
+                    return at
+        return None
+
+    def read_back_due(self) -> tuple[tuple[str, int], int] | None:
+        """A worker whose cursor reached a spilled message, and that message's stream sequence (None: no
+        read-back due). The caller gets that stream message and applies it (every slice of a run) with
+        ``read_back=True``, then asks again until None: the cursor may reach the next one."""
+        while self._read_back:
+            key = next(iter(self._read_back))
+            del self._read_back[key]
+            cur = self.cursors.get(key)
+            if cur is not None and cur.next_seq != _DEAD and (pos := self._spilled_next(cur)) is not None:
+                return key, cur.spilled.pop(pos)[0]
+        return None
+
+    def read_back_gone(self, key: tuple[str, int]) -> None:
+        """The spilled message ``read_back_due`` named for ``key`` is gone from the stream (retention): the
+        worker goes on as after a lost gap, from the first early message left (if any; else it waits)."""
+        cur = self.cursors.get(key)
+        if cur is not None and cur.next_seq != _DEAD and (cur.early or cur.spilled):
+            self._lose_gap(key, cur)
+
+    def read_back_pending(self) -> bool:
+        """A spilled message is to be read back before the next one is applied (no snapshot now)."""
+        return bool(self._read_back)
+
+    def spill_floor(self) -> int:
+        """The lowest stream sequence of a spilled message (0: none): the stream must not be purged past it."""
+        return min((q for c in self.cursors.values() for q, _ in c.spilled.values()), default=0)
 
     def _keep_early(self, key: tuple[str, int], cur: _Cursor, pos: tuple[int, int], msg: dict) -> None:
         other = cur.early.get(pos)
@@ -251,21 +346,24 @@ class L1State(TierIndex):
 
     def _journal(self, cur: _Cursor, msg: dict) -> None:
         if cur.journal is not None:
-            if len(cur.journal) >= self.max_early or self._now - cur.journal_since > EARLY_TIMEOUT_NS:
+            if len(cur.journal) >= self.max_journal or self._now - cur.journal_since > EARLY_TIMEOUT_NS:
                 cur.journal = None  # no reset is coming (it was purged), or not soon: stop keeping them
             else:
                 cur.journal.append(msg)
 
     def _lose_gap(self, key: tuple[str, int], cur: _Cursor) -> None:
-        """The missing batches are not coming: forget the worker and go on from the first early one."""
+        """The missing batches are not coming: forget the worker and go on from the first early one (held
+        or spilled)."""
+        first = min([*cur.early, *cur.spilled])
         self.stats.lost_gaps += 1
         self._lost_log("%s rank %d: batches %d..%d never arrived (%d later ones early): the worker starts again from "
-                       "seq %d", key[0], key[1], cur.next_seq, min(cur.early)[0] - 1, len(cur.early), min(cur.early)[0])
+                       "seq %d", key[0], key[1], cur.next_seq, first[0] - 1, len(cur.early) + len(cur.spilled),
+                       first[0])
         self._clear(key)
-        cur.next_seq, cur.next_part = min(cur.early)
+        cur.next_seq, cur.next_part = first
         cur.journal = None
         self._apply_early(key, cur)
-        if cur.early:  # another gap further on: it gets its own time
+        if cur.early or cur.spilled:  # another gap further on: it gets its own time
             self._wait_from(key, cur, self._now)
 
     def _expire(self, now: int) -> None:
@@ -274,7 +372,7 @@ class L1State(TierIndex):
             return
         for key in [k for k, since in self._waiting.items() if since <= now - EARLY_TIMEOUT_NS]:
             cur = self.cursors.get(key)
-            if cur is not None and cur.early and cur.next_seq != _DEAD:
+            if cur is not None and (cur.early or cur.spilled) and cur.next_seq != _DEAD:
                 self._lose_gap(key, cur)
             else:
                 self._waiting.pop(key, None)
@@ -285,10 +383,15 @@ class L1State(TierIndex):
             self._journal(cur, msg)
             cur.advance(msg)
             self._apply_events(key, msg["events"][skip:] if skip else msg["events"], _batches(msg))
-        early = cur.early
-        for pos in [pos for pos, msg in early.items() if (last_seq(msg), pos[1]) < (cur.next_seq, cur.next_part)]:
+        early, spilled, at = cur.early, cur.spilled, (cur.next_seq, cur.next_part)
+        for pos in [pos for pos, msg in early.items() if (last_seq(msg), pos[1]) < at]:
             del early[pos]
-        if not early:
+        if spilled:
+            for pos in [pos for pos, (_, last) in spilled.items() if (last, pos[1]) < at]:
+                del spilled[pos]
+            if self._spilled_next(cur) is not None:
+                self._read_back[key] = None  # read back before the next message is applied
+        if not early and not spilled:
             cur.early_since = 0
             self._waiting.pop(key, None)
 
@@ -338,6 +441,7 @@ class L1State(TierIndex):
         """Later batches of the worker's generation are stale (a new generation starts it again)."""
         cur.next_seq, cur.next_part = _DEAD, 0
         cur.early.clear()
+        cur.spilled.clear()
         cur.journal, cur.early_since = None, 0
         self._waiting.pop(key, None)
 
@@ -441,16 +545,18 @@ class L1State(TierIndex):
     def cursor_rows(self) -> list[list]:
         """Every worker's position, as snapshots store it (indexer/snapshot.py)."""
         return [[pod, rank, c.gen, c.next_seq, c.reset_seen, list(c.early.values()), c.next_part, c.journal,
-                 c.early_since, c.journal_since] for (pod, rank), c in self.cursors.items()]
+                 c.early_since, c.journal_since, [[*pos, *at] for pos, at in c.spilled.items()]]
+                for (pod, rank), c in self.cursors.items()]
 
     def restore_cursor(self, pod: str, rank: int, gen: int, next_seq: int, reset_seen: bool, early: list[dict],
                        next_part: int = 0, journal: list[dict] | None = None, early_since: int = 0,
-                       journal_since: int = 0) -> None:
+                       journal_since: int = 0, spilled: list[list[int]] = ()) -> None:
         """A position from ``cursor_rows`` (the last fields are absent from older snapshots)."""
         cur = self._set_cursor((pod, rank), _Cursor(gen=gen, next_seq=next_seq, reset_seen=reset_seen,
                                                     early={(m["seq"], m.get("part", 0)): m for m in early},
-                                                    next_part=next_part, journal=journal, journal_since=journal_since))
-        if cur.early:
+                                                    next_part=next_part, journal=journal, journal_since=journal_since,
+                                                    spilled={(q, p): (sq, last) for q, p, sq, last in spilled}))
+        if cur.early or cur.spilled:
             self._wait_from((pod, rank), cur, early_since)
 
     def adopt_offloaded(self, wids) -> None:

@@ -8,7 +8,13 @@ follows the stream.
   this replica still needed was purged: it reloads from the snapshot. When even the snapshot does not
   reach the first retained message, history was lost to retention: counted, logged, and accepted.
 - One replica at a time (a KV lease) writes snapshots every ``snapshot.everyMessages`` messages or
-  ``snapshot.interval``, moves the pointer, then purges the stream up to the snapshot.
+  ``snapshot.interval``, moves the pointer, then purges the stream up to the snapshot (never past a
+  message a worker still has to read back).
+- A worker's early messages past ``early_window(nats.publish.window)`` are not held in memory but read
+  back from the stream, each by its stream sequence, when the worker's cursor reaches them
+  (indexer/l1_state.py), before the next message is applied. A snapshot is not taken meanwhile, and the
+  snapshot writer never purges past one; one gone anyway (retention, an operator's purge) is history
+  lost: counted, and the worker goes on as after a lost gap.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import uuid
 
 import msgpack
 from nats.js import api
+from nats.js.errors import NotFoundError
 
 from infra.lease import Lease
 from infra.loop_turns import LoopTurns
@@ -29,7 +36,7 @@ from infra.metrics import Metrics
 from infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
                            stream_id, unsubscribe_quietly)
 from infra.tasks import cancel_and_wait
-from indexer.l1_state import L1State
+from indexer.l1_state import ImplausibleMessage, L1State, early_window
 from indexer.l3_state import L3State
 from indexer.run_slices import run_slices
 from indexer.snapshot import L1Snapshot, PartsReader, SnapshotStore
@@ -47,7 +54,10 @@ class Indexer:
     def __init__(self, cfg: Config, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
-        self.l1 = L1State()
+        #: early messages of a worker held in memory (the rest is read back from the stream): at least twice
+        #: the bridge's publish window, which is how many a lost publish can be overtaken by before its re-send
+        self.max_early = early_window(cfg.nats.publish.window)
+        self.l1 = L1State(self.max_early)
         self.l3 = L3State()
         self.l3_applied_seq = 0
         self.l3_target_seq = 0
@@ -64,6 +74,7 @@ class Indexer:
         self.history_lost = 0
         self.snapshots_written = 0
         self._reloading = False
+        self._reading_back = False  # spilled messages are being read back: no snapshot now
         self._stopping = False
         self._accept_jump_to = 0
         self._last_snapshot_seq = 0
@@ -132,6 +143,7 @@ class Indexer:
             self.metrics.snapshot_load_failures.inc(self.snapshots.failed_loads - failed)
             if loaded is not None and loaded[1] >= self.applied_seq:
                 self.l1, self.applied_seq = loaded
+                self.l1.max_early = self.l1.max_journal = self.max_early
                 self._last_snapshot_seq = self.applied_seq
                 self.metrics.snapshot_loads.inc()
                 log.info("loaded snapshot at stream seq %d (%d blocks) in %.2fs", self.applied_seq,
@@ -232,9 +244,11 @@ class Indexer:
                 if self.l1 is not state or self._reloading or self._stopping:
                     return  # rebuilt meanwhile: the new state is fed from the stream
             try:  # each slice on its own, as the whole run was: the cursor moves past what is refused
-                state.apply(piece, stored)
+                state.apply(piece, stored, seq)
             except Exception as exc:
                 self._refused(seq, exc)
+        if state.read_back_pending() and not await self._read_back(state):
+            return  # rebuilt meanwhile, or stopping: the new state is fed from the stream
         if state.stats.lost_gaps != lost:
             self.metrics.ingest_lost_gaps.inc(state.stats.lost_gaps - lost)
         self.applied_seq = seq
@@ -242,6 +256,61 @@ class Indexer:
         if not self.ready.is_set():
             self._check_ready()
         await self._turns.done()  # a backlog is applied in turns: queries are answered between them
+
+    async def _read_back(self, state: L1State) -> bool:
+        """Read back the spilled messages the workers' cursors reached, one after the other, until none is
+        due. False where the state was replaced meanwhile or the replica stops (the rebuild reads the
+        stream itself). A message gone from the stream (retention: the snapshot writer never purges past
+        one) is history lost: counted, and the worker goes on as after a lost gap."""
+        self._reading_back = True
+        try:
+            while (due := state.read_back_due()) is not None:
+                (pod, rank), at = due
+                while True:
+                    try:
+                        raw = await self.js.get_msg(self._stream, seq=at)
+                        break
+                    except NotFoundError:
+                        raw = None
+                        break
+                    except Exception as exc:  # NATS away: the replica waits, as its consumer does
+                        log.warning("stream %s: reading back seq %d failed (%s); retrying", self._stream, at,
+                                    exc or type(exc).__name__)
+                        await asyncio.sleep(0.5)
+                        if self.l1 is not state or self._reloading or self._stopping:
+                            return False
+                if self.l1 is not state or self._reloading or self._stopping:
+                    return False
+                if raw is None:
+                    self.history_lost += 1
+                    self.metrics.history_lost.inc()
+                    log.error("stream %s: seq %d of %s rank %d, held back to be read later, is gone from the stream "
+                              "(retention): what it held is lost", self._stream, at, pod, rank)
+                    state.read_back_gone((pod, rank))
+                    continue
+                self.metrics.ingest_read_back.inc()
+                self._apply_read_back(state, raw, pod, rank)
+            return True
+        finally:
+            self._reading_back = False
+
+    def _apply_read_back(self, state: L1State, raw, pod: str, rank: int) -> None:
+        """A spilled message read back: applied as when it first came, to its worker alone."""
+        try:
+            pieces = run_slices(msgpack.unpackb(raw.data, raw=False))
+            stored = int(raw.time.timestamp() * 1e9) if raw.time is not None else None
+        except Exception as exc:
+            self._refused(raw.seq, exc)
+            return
+        for piece in pieces:
+            if piece.get("pod") != pod or piece.get("rank") != rank:
+                continue  # another worker's slice of it (a forged message): applied when it first came
+            try:
+                state.apply(piece, stored, raw.seq, read_back=True)
+            except ImplausibleMessage:
+                pass  # refused and counted when it first came
+            except Exception as exc:
+                self._refused(raw.seq, exc)
 
     def _refused(self, seq: int, exc: Exception) -> None:
         """A bad message (or slice of one) is counted and skipped, never fatal."""
@@ -258,8 +327,11 @@ class Indexer:
         """Write a snapshot of the current state and compact the stream behind it."""
         if self.snapshots is None or self._reloading or not self.applied_seq:
             return False
+        if self._reading_back or self.l1.read_back_pending():
+            return False  # a worker is half read back: the next try comes within a second
         seq = self.applied_seq
         t = time.perf_counter()
+        floor = self.l1.spill_floor()  # what a worker still has to read back stays in the stream
         snap = L1Snapshot(self.l1, seq)  # the Python-side state, here on the loop
         self._ingest_open.clear()  # nothing is applied while the tables are copied, on a thread without
         try:                       # the GIL: queries go on meanwhile, ingest waits (its messages queue)
@@ -279,6 +351,8 @@ class Indexer:
         log.info("snapshot at stream seq %d: %.1f MB in %.2fs", seq, blob.size / 1e6, time.perf_counter() - t)
         if self.cfg.snapshot.purge:
             upto = seq + 1 - self.cfg.snapshot.purgeKeep
+            if floor:
+                upto = min(upto, floor)
             if upto > 1:
                 try:  # the snapshot stands either way; the next one purges further
                     await self.js.purge_stream(self._stream, seq=upto)
@@ -311,7 +385,7 @@ class Indexer:
             try:
                 info = await self._stream_as_followed("l1", self._l1_stream_id)
                 if info is None:
-                    self.l1, self.applied_seq, self._last_snapshot_seq = L1State(), 0, 0
+                    self.l1, self.applied_seq, self._last_snapshot_seq = L1State(self.max_early), 0, 0
                     self._reloading = True  # from the recreated stream's start, not from an old snapshot
                     self._tasks.append(asyncio.create_task(self._reload(), name="indexer-reload"))
                 else:

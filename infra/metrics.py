@@ -65,6 +65,9 @@ class Metrics:
         self.ingest_lost_gaps = Counter(p + "ingest_lost_gaps_total", "L1 batches declared lost by the indexer (one never "
                                         "arrived within 30 s of stream time): the worker starts again after them.",
                                         registry=r)
+        self.ingest_read_back = Counter(p + "ingest_read_back_total", "Early L1 messages read back from the stream: "
+                                        "more arrived before a missing one than an indexer holds (2x "
+                                        "nats.publish.window per worker); nothing is lost.", registry=r)
         self.ingest_lag = Gauge(p + "ingest_lag_messages", "Stream messages not yet applied, by stream.", ["stream"], registry=r)
         self.ingest_last_seq = Gauge(p + "ingest_last_stream_sequence", "Last applied stream sequence.", ["stream"], registry=r)
         self.ready = Gauge(p + "ready", "1 when the index has caught up with the streams.", registry=r)

@@ -487,7 +487,7 @@ def test_a_missing_batch_is_declared_lost_after_the_hold_timeout_of_stream_time(
 
 
 def test_a_snapshot_written_before_journals_loads_and_an_older_reader_skips_the_new_fields():
-    """Cursor rows grew (parts, then journal, held_since, journal_since): both directions still read."""
+    """Cursor rows grew (parts, then journal, held_since, journal_since, spilled): both directions still read."""
     import msgpack
 
     from indexer.snapshot import decode_l1, encode_l1
@@ -498,7 +498,7 @@ def test_a_snapshot_written_before_journals_loads_and_an_older_reader_skips_the_
     blob = encode_l1(s, 5)
     n = int.from_bytes(blob[:8], "little")
     header = msgpack.unpackb(blob[8:8 + n], raw=False, strict_map_key=False)
-    assert len(header["cursors"][0]) == 10
+    assert len(header["cursors"][0]) == 11
     for row in header["cursors"]:  # as the previous version read them
         pod, rank, gen, next_seq, reset_seen, held_msgs, *next_part = row
         assert (pod, next_seq, [m["seq"] for m in held_msgs], next_part[0]) == ("127.0.1.1", 1, [2], 0)
@@ -508,3 +508,97 @@ def test_a_snapshot_written_before_journals_loads_and_an_older_reader_skips_the_
     assert seq == 5 and held(old) == {1}
     old.apply(batch(1, [stored(2)]))
     assert held(old) == {1, 2, 3}
+
+
+class ModelStream:
+    """The stream as the service reads it: every message with its stream sequence; a spilled message read
+    back from it by its stream sequence when its worker's cursor reaches it."""
+
+    def __init__(self) -> None:
+        self.msgs: list[tuple[int, dict, int]] = []
+
+    def feed(self, state: L1State, msg: dict, stored_ns: int = 10**18) -> None:
+        seq = len(self.msgs) + 1
+        self.msgs.append((seq, msg, stored_ns))
+        state.apply(msg, stored_ns, seq)
+        self.read_back(state, seq)
+
+    def read_back(self, state: L1State, upto: int) -> None:
+        while (due := state.read_back_due()) is not None:
+            key, at = due
+            assert at < upto
+            seq, msg, stored_ns = self.msgs[at - 1]
+            assert (msg["pod"], msg["rank"]) == key
+            state.apply(msg, stored_ns, seq, read_back=True)
+
+
+def test_batches_held_past_max_early_are_read_back_from_the_stream_and_no_gap_is_lost():
+    """Issue 36 #3: a nats-server restart under a busy engine had 1,025 later batches stored before the
+    bridge re-sent the lost ones; the indexer declared the gap lost and cleared the worker although the
+    stream held every batch. Past ``max_early`` the later ones are now read back from the stream once the
+    missing one comes, not taken for a loss; another worker's messages in between are not touched."""
+    stream, s = ModelStream(), L1State(max_early=3)
+    stream.feed(s, batch(0, [stored(100)]))
+    for seq in range(2, 10):  # seq 1 is late: 2..4 held, 5..9 spilled
+        stream.feed(s, batch(seq, [stored(100 + seq)]))
+        stream.feed(s, batch(seq, [stored(900 + seq)], pod="127.0.1.2"))
+    assert held(s) == {100} and s.stats.spilled == 5 and s.spill_floor() == 8  # the stream seq of batch 5
+    stream.feed(s, batch(1, [stored(101)]))
+    assert held(s) == {100 + i for i in range(10)} and s.stats.lost_gaps == 0 and s.stats.read_back == 5
+    assert held(s, "127.0.1.2") == {902, 903, 904, 905, 906, 907, 908, 909}
+    assert s.spill_floor() == 0 and not s.cursors[("127.0.1.1", 0)].early
+    stream.feed(s, batch(10, [stored(110), removed(100)]))
+    assert held(s) == {100 + i for i in range(1, 11)}
+
+
+def test_a_second_gap_among_the_spilled_batches_is_filled_from_the_stream_too():
+    """The batches spilled are not all after the gap's end: one fills the gap, the cursor then stops at
+    another gap; what it reaches later (held or spilled) goes on from there."""
+    stream, s = ModelStream(), L1State(max_early=2)
+    stream.feed(s, batch(0, [stored(100)]))
+    for seq in (4, 5, 6, 2, 7, 8):  # 1 and 3 are late; 4, 5 held, 6, 2, 7, 8 spilled
+        stream.feed(s, batch(seq, [stored(100 + seq)]))
+    stream.feed(s, batch(1, [stored(101)]))  # reads back 2; 3 is missing still
+    assert held(s) == {100, 101, 102} and s.stats.lost_gaps == 0 and s.stats.read_back == 1
+    stream.feed(s, batch(9, [stored(109)]))
+    stream.feed(s, batch(3, [stored(103)]))
+    assert held(s) == {100 + i for i in range(10)} and s.stats.lost_gaps == 0
+
+
+def test_replicas_that_spill_agree_also_one_restored_from_a_snapshot_while_it_spills():
+    from indexer.snapshot import decode_l1, encode_l1
+
+    stream, a = ModelStream(), L1State(max_early=3)
+    msgs = [batch(0, [stored(100)])] + [batch(q, [stored(100 + q)]) for q in range(2, 12)] + [batch(1, [stored(101)])]
+    for msg in msgs[:8]:
+        stream.feed(a, msg)
+    b, _ = decode_l1(encode_l1(a, 8))  # a snapshot while spilled: it records where to read back from
+    b.max_early = 3
+    assert b.spill_floor() == a.spill_floor() > 0
+    for msg in msgs[8:]:
+        stream.feed(a, msg)
+        seq = len(stream.msgs)
+        b.apply(msg, 10**18, seq)
+        stream.read_back(b, seq)
+    assert held(a) == held(b) == {100 + i for i in range(12)}
+
+
+def test_a_gap_that_never_comes_is_lost_by_stream_time_and_the_spilled_batches_follow():
+    from indexer.l1_state import EARLY_TIMEOUT_NS
+
+    t0 = 10**18
+    stream, s = ModelStream(), L1State(max_early=2)
+    stream.feed(s, batch(0, [stored(100)]), t0)
+    for seq in range(2, 7):  # seq 1 never comes: 2, 3 held, 4..6 spilled
+        stream.feed(s, batch(seq, [stored(100 + seq)]), t0 + seq)
+    assert s.stats.lost_gaps == 0
+    stream.feed(s, batch(0, [stored(7)], pod="127.0.1.2"), t0 + EARLY_TIMEOUT_NS + 10)
+    assert s.stats.lost_gaps == 1 and held(s) == {102, 103, 104, 105, 106}
+
+
+def test_without_stream_sequences_too_many_held_batches_still_declare_the_gap_lost():
+    s = L1State(max_early=2)
+    s.apply(batch(0, [stored(100)]), 10**18)
+    for seq in range(2, 5):
+        s.apply(batch(seq, [stored(100 + seq)]), 10**18)
+    assert s.stats.lost_gaps == 1 and s.stats.spilled == 0

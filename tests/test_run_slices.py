@@ -114,9 +114,9 @@ async def test_a_replica_answers_between_the_slices_of_a_long_run(nats_url, stre
     seen: list[int] = []
     apply = indexer.l1.apply
 
-    def counted(msg, stored_ns=None):
+    def counted(msg, stored_ns=None, *args, **kw):
         seen.append(ticks)
-        apply(msg, stored_ns)
+        apply(msg, stored_ns, *args, **kw)
     monkeypatch.setattr(indexer.l1, "apply", counted)
 
     async def ticker():
