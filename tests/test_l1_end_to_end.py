@@ -154,8 +154,9 @@ async def test_gap_is_filled_from_the_replay_socket(stack):
     await eng.publish([stored(CHAIN[3:5])], send=False)
     await eng.publish([stored(CHAIN[5:8])])
     await until_ratio(stack, POD, 1.0)
-    assert eng.replay_requests == [0, 0], ("the first contact's (from 0, the engine's whole buffer), then one for "
-                                           "the gap, from the seq published last (it checks the incarnation)")
+    # one request for the gap, from the seq published last (it checks the incarnation); before it, the first
+    # contact's (from 0) where the engine was quiet for a moment after the bridge connected
+    assert eng.replay_requests in ([0], [0, 0]), eng.replay_requests
     assert stack.bridge_metrics.bridge_gaps._value.get() == 1
 
 
