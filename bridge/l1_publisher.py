@@ -285,27 +285,31 @@ class L1Publisher:
         stored, refused = self._track(pod, rank, _Sent(gen, next_seq - 1, next_seq - 1, epoch or "-", None, True))
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers, stored, refused)
 
-    async def rank_removed(self, pod: str, rank: int, reason: str) -> None:
+    async def rank_removed(self, pod: str, rank: int, reason: str, after: int | None = None) -> None:
         """One rank of the pod left while the pod stays (unregistered alone, ``dpRanks`` shrunk): its resume
         position goes first, then the message that retires that rank's generation in every indexer, on the
-        rank's own subject (so a bridge that finds it there starts the rank anew)."""
+        rank's own subject (so a bridge that finds it there starts the rank anew). ``after``: the stream
+        sequence of the last message it follows, which names the message (sharded bridges publish a
+        removal again until they see it: bridge/removals.py); None: a name of its own."""
         self._in_flight.pop((pod, rank), None)
         if self.resume is not None:
             await self.resume.forget_rank(pod, rank)
         payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "rank_removed", "pod": pod, "rank": rank,
                                  "reason": reason})
-        headers = _headers(pod, f"{pod}:{rank}:removed:{new_generation()}", "rank_removed",
+        tail = new_generation() if after is None else f"after:{after}"
+        headers = _headers(pod, f"{pod}:{rank}:removed:{tail}", "rank_removed",
                            **{"Kv-Dp-Rank": str(rank), "Kv-Reason": reason, "Kv-Bridge": self._bridge})
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers)
 
-    async def pod_removed(self, pod: str, reason: str) -> None:
+    async def pod_removed(self, pod: str, reason: str, after: int | None = None) -> None:
         """The pod left: its resume record goes first (so no bridge resumes the retired generation), then
-        the message that retires it in every indexer."""
+        the message that retires it in every indexer. ``after``: as for ``rank_removed``."""
         for key in [k for k in self._in_flight if k[0] == pod]:
             del self._in_flight[key]
         if self.resume is not None:
             await self.resume.forget(pod)
         payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "pod_removed", "pod": pod, "reason": reason})
-        headers = _headers(pod, f"{pod}:removed:{new_generation()}", "pod_removed",
+        tail = new_generation() if after is None else f"after:{after}"
+        headers = _headers(pod, f"{pod}:removed:{tail}", "pod_removed",
                            **{"Kv-Reason": reason, "Kv-Bridge": self._bridge})
         await self._pub.publish(l1_lifecycle_subject(self._prefix, pod), payload, headers)

@@ -93,14 +93,20 @@ class L3Publisher:
                 headers["Kv-Part"] = f"{i + 1}/{len(parts)}"
             await self._publish(master, payload, headers, "l3_diff")
 
-    async def full(self, master: str, pods: dict[str, list[int]]) -> bool:
+    async def gone(self, master: str, after: int) -> None:
+        """The master is gone: an empty full state (its L3 entries drop), named by the stream sequence of
+        the last message on its subject (sharded bridges publish it again until they see it:
+        bridge/removals.py)."""
+        await self.full(master, {}, msg_id=f"{master}:gone:after:{after}")
+
+    async def full(self, master: str, pods: dict[str, list[int]], msg_id: str | None = None) -> bool:
         gen = new_generation()
         parts = split_pods(pods, self._budget(master))
         seq = self._next_seq(master)
         for i, chunk in enumerate(parts):
             payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "l3_full", "master": master, "pods": chunk,
                                      "gen": gen, "part": i, "parts": len(parts), "origin": self.origin, "seq": seq})
-            headers = self._headers(master, "l3_full", f"{master}:full:{gen}:{i}", seq)
+            headers = self._headers(master, "l3_full", f"{msg_id or f'{master}:full:{gen}'}:{i}", seq)
             headers["Kv-Part"] = f"{i + 1}/{len(parts)}"
             if i == 0:
                 headers["Nats-Rollup"] = "sub"

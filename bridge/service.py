@@ -14,7 +14,9 @@ dedupe identical batches), but each bridge starts its own sequence generation, s
 indexers throw away the older one's work and double the stream traffic; a standby that resumes from
 the stream costs one lease TTL of delay and nothing else. With ``ingest.sharded`` they all run active
 instead, each publishing for its own share of the pods and masters (bridge/shard_leases.py), so
-capacity grows with their number.
+capacity grows with their number; a removal (pod, rank, master) stays pending at every one of them
+until the stream shows it, and the holder of its shard's lease publishes it, so the death of the
+bridge that owned the pod cannot skip it (bridge/removals.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from bridge.l1_publisher import L1Publisher
 from bridge.l3_publisher import L3Publisher
 from bridge.mooncake_poller import MasterTarget, MooncakePoller
 from bridge.receive_budget import ReceiveBudget
+from bridge.removals import MASTER, POD, PendingRemovals
 from bridge.resume_points import ResumePoints
 from bridge.shard_leases import ShardLeases
 from bridge.static_targets import StaticTargets
@@ -62,8 +65,6 @@ _HEADER_ROOM = 1024
 DISCONNECTED_UNREADY_AFTER = 60.0
 #: Sockets the bridge's ZMQ context may open (two per engine rank, and libzmq's own)
 MAX_ZMQ_SOCKETS = 65536
-#: Shard targets: a vLLM pod (its IP) or a Mooncake master (its name).
-POD, MASTER = "pod:", "master:"
 
 
 class Bridge:
@@ -101,6 +102,9 @@ class Bridge:
         self._discovered_pods: set[str] = set()
         self._discovered_masters: set[str] = set()
         self.shards: ShardLeases | None = None
+        #: sharded: the removals not on the stream yet (bridge/removals.py); None: published at once
+        self.removals: PendingRemovals | None = None
+        self._settle_now = asyncio.Event()
         #: discovery and shard changes both reconcile subscriptions and pollers: one at a time, or two
         #: could each start a subscriber for the same endpoint while the other awaits
         self._reconciling = asyncio.Lock()
@@ -145,8 +149,11 @@ class Bridge:
         self.registrations = RegistrationStore(js, records_bucket(self.cfg), self.cfg.nats.replicas,
                                                on_error=self.metrics.registration_errors.inc)
         if self.cfg.ingest.sharded:
-            self.shards = ShardLeases(js, self.cfg.nats.lease.bucket, holder, self.cfg.nats.lease.ttl,
-                                      self.cfg.nats.replicas, self._on_owned)
+            ttl = self.cfg.nats.lease.ttl
+            self.shards = ShardLeases(js, self.cfg.nats.lease.bucket, holder, ttl, self.cfg.nats.replicas,
+                                      self._on_owned)
+            self.removals = PendingRemovals(js, self.cfg.nats, self.l1, self.l3, lambda s: s in self.shards.owned,
+                                            check_every=ttl / 4, publish_every=ttl)
             self.shards.start()
             self.metrics.bridge_leader.set(1)  # every bridge is active, for its share
             await self._start_sources()
@@ -222,6 +229,8 @@ class Bridge:
             await cancel_and_wait(self._leaving_task)
             self._leaving_task = None
         self._leaving, self._ranks = {}, {}  # the next active bridge inherits the leaving pods from the record
+        if self.removals is not None:
+            self.removals.clear()  # the other bridges have them too
         self._discovered = self._registered = None
         self._registered_pods = set()
         for sub in self.subscribers.values():
@@ -282,9 +291,9 @@ class Bridge:
 
     async def _reconcile_targets(self) -> None:
         """Subscribe to what this bridge publishes for (all of it, or its share), and publish pod_removed
-        for pods that left (a sharded bridge for those placed on it). The record of an earlier run's pods
-        is settled once discovery and the registrations have both answered: before, a pod missing from
-        one of them may be in the other."""
+        for pods that left (where sharded, pending until the stream shows it). The record of an earlier
+        run's pods is settled once discovery and the registrations have both answered: before, a pod
+        missing from one of them may be in the other."""
         async with self._targets_lock:
             endpoints = (self._discovered or []) + (self._registered or [])
             was_registered = self._registered_pods
@@ -299,14 +308,23 @@ class Bridge:
             for pod in live & self._leaving.keys():
                 del self._leaving[pod]
                 log.info("%s is back within ingest.l1.removalGrace: it resumes where it stopped", pod)
+            if self.removals is not None:
+                for e in endpoints:
+                    self.removals.cancel("rank", e.pod, e.rank)
+                    if self.removals.cancel("pod", e.pod):
+                        log.info("%s is back before its removal reached the stream: not removed", e.pod)
             await self._subscribe_to(self._mine(endpoints))
             ranks: dict[str, set[int]] = {}
             for e in endpoints:
                 ranks.setdefault(e.pod, set()).add(e.rank)
             for pod, now in ranks.items():
                 for rank in sorted(self._ranks.get(pod, set()) - now):
-                    if self.shards is None or self.shards.is_owner(POD + pod):
-                        await self.l1.rank_removed(pod, rank, "unregistered" if pod in was_registered else "discovery")
+                    reason = "unregistered" if pod in was_registered else "discovery"
+                    if self.removals is not None:
+                        self.removals.add("rank", pod, rank, reason)
+                        self._settle_now.set()
+                    else:
+                        await self.l1.rank_removed(pod, rank, reason)
             grace = self.cfg.ingest.l1.removalGrace
             for pod in sorted(gone):
                 if pod in was_registered or grace <= 0:
@@ -317,35 +335,58 @@ class Bridge:
             self._ranks = {pod: ranks.get(pod) or self._ranks.get(pod, set()) for pod in live | self._leaving.keys()}
             self._want_shards()
             if whole:
-                await self.targets_record.save(pods=live | self._leaving.keys(), endpoints=endpoints)
+                await self._save_pods()
+
+    def _pods_known(self) -> set[str]:
+        """The pods listed, leaving, or whose removal is pending: the record's (what a bridge that starts
+        removes if it is gone)."""
+        pending = self.removals.names("pod") if self.removals is not None else set()
+        return self._discovered_pods | self._leaving.keys() | pending
+
+    async def _save_pods(self) -> None:
+        await self.targets_record.save(pods=self._pods_known(), endpoints=self._endpoints)
 
     async def _remove_pod(self, pod: str, reason: str) -> None:
-        """``pod_removed`` (by its shard's owner where sharded), and what the bridge kept for the pod goes."""
+        """``pod_removed`` (where sharded, pending until it is on the stream: bridge/removals.py), and what
+        the bridge kept for the pod goes."""
         self._leaving.pop(pod, None)
         self._ranks.pop(pod, None)
-        if self.shards is None or self.shards.is_owner(POD + pod):
+        if self.removals is not None:
+            self.removals.add("pod", pod, reason=reason)
+            self._settle_now.set()
+        else:
             await self.l1.pod_removed(pod, reason)
         if self.block_key_check is not None:
             self.block_key_check.forget(pod)
 
     async def _remove_when_due(self) -> None:
-        """Pods whose grace ended without their coming back are removed (never dies: a failed round is
-        logged and tried again)."""
+        """Pods whose grace ended without their coming back are removed, and where sharded the pending
+        removals are settled (never dies: a failed round is logged and tried again)."""
         while True:
             grace = self.cfg.ingest.l1.removalGrace
-            await asyncio.sleep(min(1.0, max(0.05, grace / 4)))
+            try:
+                await asyncio.wait_for(self._settle_now.wait(), min(1.0, max(0.05, grace / 4)))
+            except asyncio.TimeoutError:
+                pass
+            self._settle_now.clear()
             now = time.monotonic()
             due = [pod for pod, until in self._leaving.items() if until <= now]
-            if not due:
+            if not due and not (self.removals is not None and self.removals.due()):
                 continue
             try:
                 async with self._targets_lock:
                     for pod in sorted(due):
                         if pod in self._leaving and pod not in self._discovered_pods:
                             await self._remove_pod(pod, "discovery")
+                    if self.removals is not None:
+                        done = await self.removals.settle()
+                        if done:
+                            self._want_shards()
+                        if any(r.kind == "master" for r in done):
+                            await self.targets_record.save(masters=self._discovered_masters
+                                                           | self.removals.names("master"))
                     if self._discovered is not None and self._registered is not None:
-                        await self.targets_record.save(pods=self._discovered_pods | self._leaving.keys(),
-                                                       endpoints=self._endpoints)
+                        await self._save_pods()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -355,8 +396,11 @@ class Bridge:
         return endpoints if self.shards is None else [e for e in endpoints if POD + e.pod in self.shards.owned]
 
     def _want_shards(self) -> None:
+        """The shards of what is listed, of the pods in their grace and of the removals pending (their
+        holder publishes them)."""
         if self.shards is not None:
-            self.shards.want({POD + p for p in self._discovered_pods} | {MASTER + m for m in self._discovered_masters})
+            self.shards.want({POD + p for p in self._discovered_pods | self._leaving.keys()}
+                             | {MASTER + m for m in self._discovered_masters} | self.removals.shards())
 
     async def _on_owned(self, owned: set[str]) -> None:
         """The shards this bridge holds changed: follow them (what moved away is stopped before its
@@ -415,18 +459,27 @@ class Bridge:
 
     async def set_masters(self, masters: list[MasterTarget]) -> None:
         """Discovery's Mooncake masters: poll what this bridge polls (all, or its share); a master that is
-        gone gets an empty full state (its L3 entries drop), from one bridge."""
-        self._masters = list(masters)
-        names = {t.name for t in masters}
-        gone = (self._discovered_masters | self._inherited_masters) - names
-        self._discovered_masters, self._inherited_masters = names, set()
-        await self._poll(self._mine_masters(masters))
-        for name in sorted(gone):
-            if self.shards is None or self.shards.is_owner(MASTER + name):
-                await self.l3.full(name, {})
+        gone gets an empty full state (its L3 entries drop), from one bridge (where sharded, pending until
+        it is on the stream: bridge/removals.py)."""
+        async with self._targets_lock:
+            self._masters = list(masters)
+            names = {t.name for t in masters}
+            gone = (self._discovered_masters | self._inherited_masters) - names
+            self._discovered_masters, self._inherited_masters = names, set()
+            await self._poll(self._mine_masters(masters))
+            if self.removals is not None:
+                for name in names:
+                    self.removals.cancel("master", name)
+            for name in sorted(gone):
                 log.info("mooncake master %s is gone: its L3 entries are dropped", name)
-        self._want_shards()
-        await self.targets_record.save(masters=names)
+                if self.removals is not None:
+                    self.removals.add("master", name)
+                    self._settle_now.set()
+                else:
+                    await self.l3.full(name, {})
+            self._want_shards()
+            pending = self.removals.names("master") if self.removals is not None else set()
+            await self.targets_record.save(masters=names | pending)
 
     def _mine_masters(self, masters: list[MasterTarget]) -> list[MasterTarget]:
         return masters if self.shards is None else [m for m in masters if MASTER + m.name in self.shards.owned]

@@ -9,6 +9,8 @@
   (created by one holder only, renewed by revision, gone after the TTL when the holder dies). A target
   that moves is stopped and released by its old owner before the new one can take it; the new owner
   resumes it from the stream (bridge/vllm_subscriber.py: replay of the gap, no reset).
+- Removals: a target that left stays wanted until its removal is on the stream, so that its lease
+  holder, whichever bridge that is by then, publishes it (bridge/removals.py).
 """
 
 from __future__ import annotations

@@ -37,6 +37,11 @@ def l1_lifecycle_subject(prefix: str, pod: str) -> str:
     return f"{prefix}.{subject_token(pod)}.lifecycle"
 
 
+def l1_pod_subjects(prefix: str, pod: str) -> str:
+    """Every subject of the pod: its ranks' and its lifecycle's."""
+    return f"{prefix}.{subject_token(pod)}.*"
+
+
 def stream_config(cfg: StreamConfig, subjects: list[str]) -> api.StreamConfig:
     return api.StreamConfig(
         name=cfg.name,

@@ -6,7 +6,8 @@ Written by the bridge, read by the bridge that takes over and by the API.
 Pods and masters that leave discovery are dropped from the index through the streams, but only by a
 bridge that sees them leave. One that left while no bridge watched (all were down, or a standby was
 taking over) would stay in the index for ever. A bridge that starts leading reads the record and
-treats what it lists as known, so its first discovery result removes what has gone since.
+treats what it lists as known, so its first discovery result removes what has gone since. Sharded
+bridges also list the pods and masters whose removal is not on the stream yet (bridge/removals.py).
 """
 
 from __future__ import annotations
