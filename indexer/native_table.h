@@ -587,6 +587,9 @@ static int nt_query(const nt_query_in *in, uint64_t **lengths, nt_query_out *out
             if (nt_candidate(tb, wid, epoch)) {
                 alive[t][wid >> 6] |= 1ULL << (wid & 63);
                 any = 1;
+            } else if (tb && wid >= tb->nworkers && !epoch) {
+                any = 1; /* a worker the table has no slot for yet (never stored here, or a snapshot loaded without
+                          * it): it holds nothing, but is asked, so block 0 is hashed, as the reference does */
             }
         }
     }
