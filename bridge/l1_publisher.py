@@ -34,6 +34,8 @@ from schemas.events import CONTENT_TYPE_L1, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
+#: Removals this bridge remembers (bounded: the stream keeps each one's mark too)
+_RETIRED_KEPT = 100_000
 #: Told (gen, first seq, last seq) when the stream refused a message of the worker for good.
 OnRefusedBatch = Callable[[int, int, int], None]
 
@@ -41,11 +43,12 @@ _gen_lock = threading.Lock()
 _last_gen = 0
 
 
-def new_generation() -> int:
-    """A generation number larger than any this process handed out before (wall-clock nanoseconds)."""
+def new_generation(*after: int) -> int:
+    """A generation number larger than any this process handed out before (wall-clock nanoseconds), and
+    than ``after`` (those handed out later are larger still)."""
     global _last_gen
     with _gen_lock:
-        _last_gen = max(time.time_ns(), _last_gen + 1)
+        _last_gen = max(time.time_ns(), _last_gen + 1, *(g + 1 for g in after))
         return _last_gen
 
 
@@ -132,15 +135,20 @@ class L1Publisher:
         #: the payload limit less what the headers take (the connected server's max_payload, the stream's
         #: maxMsgSize); a batch over it is published in parts
         self._max = max_payload or (lambda: 1 << 62)
+        #: (pod, None) for a pod, (pod, rank) for one rank -> the generation its removal by this bridge
+        #: retired everything before: never resumed, even while the removal is not stored yet (the indexers
+        #: would drop what follows as stale once it is)
+        self._retired: dict[tuple[str, int | None], int] = {}
 
     async def last_position(self, pod: str, rank: int) -> Position | None:
         """Where a bridge resumes (pod, rank): the resume record (within a generation, what followed it comes
         again from the engine's buffer, deduplicated); where the worker has no record, the stream's last
         message on its subject (the seq before a batch whose parts are not all in; ``tail_checked`` False:
         the sequencer publishes the buffer up to it again). None when the stream holds a generation newer
-        than the record, when nothing is known, and when a ``pod_removed`` came
-        after it (a readiness flap: the indexers retired that generation, so the pod that came back starts
-        a new one rather than publish batches they drop as stale)."""
+        than the record, when nothing is known, and when a ``pod_removed`` (or ``rank_removed``) retired
+        its generation (the pod gone longer than the grace: the indexers retired that generation, so the
+        pod that came back starts a new one rather than publish batches they drop as stale), also while
+        this bridge's own removal is not stored yet."""
         recorded = await self.resume.load(pod) if self.resume is not None else None
         best = recorded.get(rank) if recorded is not None else None
         from_stream = await self._stream_position(pod, rank)
@@ -153,6 +161,10 @@ class L1Publisher:
             # a generation younger than the record's last write (a second): the stream's last message may lie
             # past one that never made it, the record never does. Starting anew loses nothing so young
             return None
+        retired = max(self._retired.get((pod, None), -1), self._retired.get((pod, rank), -1))
+        if best is not None and best.gen < retired:
+            log.info("%s rank %d: removed by this bridge after generation %d: a new generation", pod, rank, best.gen)
+            return None
         if best is None or self._js is None:
             if best is None:
                 log.info("%s rank %d: no resume record and no message on the stream: a new generation at its "
@@ -162,9 +174,13 @@ class L1Publisher:
             removed = await self._js.get_last_msg(self._stream, l1_lifecycle_subject(self._prefix, pod))
         except Exception:  # never removed
             removed = None
-        if removed is not None and removed.seq > best.stream_seq:
-            log.info("%s rank %d: the pod was removed after its last batch: a new generation", pod, rank)
-            return None  # the pod left discovery after that batch: indexers retired its generation
+        if removed is not None:
+            # the removal retired the generations before its mark, even one whose batch the stream stored
+            # after it (a retry); an older bridge's removal, without a mark, all before it in the stream
+            mark = (removed.headers or {}).get("Kv-Gen", "")
+            if (best.gen < int(mark)) if mark.isdigit() else (removed.seq > best.stream_seq):
+                log.info("%s rank %d: the pod was removed after its last batch: a new generation", pod, rank)
+                return None  # the pod left discovery after that batch: indexers retired its generation
         return best
 
     async def _stream_position(self, pod: str, rank: int) -> Position | None:
@@ -285,31 +301,49 @@ class L1Publisher:
         stored, refused = self._track(pod, rank, _Sent(gen, next_seq - 1, next_seq - 1, epoch or "-", None, True))
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers, stored, refused)
 
+    def _retire(self, pod: str, rank: int | None) -> int:
+        """The mark of a removal of the pod (or one rank of it): a generation after every one this bridge
+        published or resumed for it, and before any it starts later (a pod back, a rank listed again)."""
+        known = [sent.gen for (p, r), queue in self._in_flight.items() if p == pod and rank in (None, r)
+                 for sent in queue]
+        if self.resume is not None:
+            known += self.resume.generations(pod, rank)
+        mark = new_generation(*known)
+        if len(self._retired) >= _RETIRED_KEPT:  # the oldest first (a pod's removal long stored is on the stream)
+            del self._retired[next(iter(self._retired))]
+        self._retired.pop((pod, rank), None)
+        self._retired[(pod, rank)] = mark
+        return mark
+
     async def rank_removed(self, pod: str, rank: int, reason: str, after: int | None = None) -> None:
         """One rank of the pod left while the pod stays (unregistered alone, ``dpRanks`` shrunk): its resume
         position goes first, then the message that retires that rank's generation in every indexer, on the
         rank's own subject (so a bridge that finds it there starts the rank anew). ``after``: the stream
         sequence of the last message it follows, which names the message (sharded bridges publish a
-        removal again until they see it: bridge/removals.py); None: a name of its own."""
+        removal again until they see it: bridge/removals.py); None: named by its mark."""
+        mark = self._retire(pod, rank)
         self._in_flight.pop((pod, rank), None)
         if self.resume is not None:
             await self.resume.forget_rank(pod, rank)
         payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "rank_removed", "pod": pod, "rank": rank,
-                                 "reason": reason})
-        tail = new_generation() if after is None else f"after:{after}"
+                                 "reason": reason, "gen": mark})
+        tail = mark if after is None else f"after:{after}"
         headers = _headers(pod, f"{pod}:{rank}:removed:{tail}", "rank_removed",
-                           **{"Kv-Dp-Rank": str(rank), "Kv-Reason": reason, "Kv-Bridge": self._bridge})
+                           **{"Kv-Dp-Rank": str(rank), "Kv-Gen": str(mark), "Kv-Reason": reason,
+                              "Kv-Bridge": self._bridge})
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers)
 
     async def pod_removed(self, pod: str, reason: str, after: int | None = None) -> None:
         """The pod left: its resume record goes first (so no bridge resumes the retired generation), then
         the message that retires it in every indexer. ``after``: as for ``rank_removed``."""
+        mark = self._retire(pod, None)
         for key in [k for k in self._in_flight if k[0] == pod]:
             del self._in_flight[key]
         if self.resume is not None:
             await self.resume.forget(pod)
-        payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "pod_removed", "pod": pod, "reason": reason})
-        tail = new_generation() if after is None else f"after:{after}"
+        payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "pod_removed", "pod": pod, "reason": reason,
+                                 "gen": mark})
+        tail = mark if after is None else f"after:{after}"
         headers = _headers(pod, f"{pod}:removed:{tail}", "pod_removed",
-                           **{"Kv-Reason": reason, "Kv-Bridge": self._bridge})
+                           **{"Kv-Gen": str(mark), "Kv-Reason": reason, "Kv-Bridge": self._bridge})
         await self._pub.publish(l1_lifecycle_subject(self._prefix, pod), payload, headers)

@@ -108,6 +108,10 @@ class ResumePoints:
             if (pod, rank) not in self._recorded:
                 self._first.set()
 
+    def generations(self, pod: str, rank: int | None = None) -> list[int]:
+        """The generations this bridge knows a position of for the pod (or one rank of it)."""
+        return [p.gen for r, p in self._positions.get(pod, {}).items() if rank in (None, r)]
+
     async def load(self, pod: str) -> dict[int, Position] | None:
         """The positions last recorded for the pod's ranks on this stream (a rank without one is absent);
         None when the pod has no record here, or it cannot be read."""

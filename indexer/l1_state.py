@@ -30,7 +30,10 @@ so replicas agree. The rules make the index robust to what a retrying publisher 
   first seq, the worker is cleared and rebuilt in seq order from there, the journal going back to the
   early messages, so the late batches before it are not taken for duplicates;
 - ``pod_removed`` clears every rank of the pod (``rank_removed`` one rank of it); later batches of the same
-  generations are dropped;
+  generations are dropped. One with a mark (``gen``: the bridge's clock when it removed the pod) retires
+  only the generations before it, whatever order the stream stores them in: a generation the pod started
+  after it (back from a flap, its messages stored first by a retry) stays, and a message of an older one
+  stored after it, of any rank, is stale;
 - a generation far ahead of the time the stream stored the message, or a seq no vLLM can reach, is
   refused (ImplausibleMessage): the stream is not trusted blindly, one forged message must not blind
   a pod for ever. The stored time, not the local clock, decides, so every replica decides alike.
@@ -56,6 +59,9 @@ log = logging.getLogger(__name__)
 
 _DEAD = (1 << 64) - 1  # next_seq of a removed pod: every batch of its generation is stale (a uint64,
 #                       so snapshots can encode it)
+#: The rank of a pod's removal mark (a cursor no batch has; snapshots keep it with the others): a rank
+#: first seen after the removal starts only with a generation newer than the mark
+_POD = -1
 #: How long (stream time) early batches wait for a missing one before it is declared lost. Publishes are
 #: re-sent every ack timeout (5 s) until stored; this leaves room for several rounds of it.
 EARLY_TIMEOUT_NS = 30 * 10**9
@@ -214,6 +220,8 @@ class L1State(TierIndex):
         if stored_ns is not None:
             if kind in ("batch", "reset"):
                 _check_plausible(msg, stored_ns)
+            elif msg.get("gen") is not None:
+                _check_mark(msg, stored_ns)
             if not read_back:
                 self._now = stored_ns
                 if self._waiting:
@@ -223,9 +231,9 @@ class L1State(TierIndex):
         elif kind == "reset":
             self._on_reset(msg)
         elif kind == "pod_removed":
-            self._on_pod_removed(msg["pod"])
+            self._on_pod_removed(msg["pod"], _mark(msg))
         elif kind == "rank_removed":
-            self._on_rank_removed(msg["pod"], msg["rank"])
+            self._on_rank_removed(msg["pod"], msg["rank"], _mark(msg))
         else:
             raise ValueError(f"unknown L1 message type {kind!r}")
 
@@ -240,6 +248,9 @@ class L1State(TierIndex):
             seen[1] = self._now
         gen, seq, part = msg["gen"], msg["seq"], msg.get("part", 0)
         cur = self.cursors.get(key)
+        if cur is None and gen <= self._retired_before(key[0]):
+            self.stats.stale += 1
+            return
         if cur is None or gen > cur.gen:
             # First sight of this worker, or a newer generation whose reset has not arrived (yet): applied
             # from here, provisionally (journaled) until the reset says where the generation starts.
@@ -399,7 +410,8 @@ class L1State(TierIndex):
         key = (msg["pod"], msg["rank"])
         gen = msg["gen"]
         cur = self.cursors.get(key)
-        if cur is not None and (gen < cur.gen or (gen == cur.gen and cur.reset_seen)):
+        if (gen < cur.gen or (gen == cur.gen and cur.reset_seen)) if cur is not None else \
+                gen <= self._retired_before(key[0]):
             self.stats.stale += 1
             return
         self.stats.resets += 1
@@ -419,27 +431,51 @@ class L1State(TierIndex):
         self._waiting.pop(key, None)
         self._set_cursor(key, _Cursor(gen=gen, next_seq=msg["next_seq"], reset_seen=True))
 
-    def _on_pod_removed(self, pod: str) -> None:
-        self.activity.pop(pod, None)
-        for rank in list(self.workers.pod_workers(pod)):
-            self._clear((pod, rank))
-        for key, cur in self.cursors.items():
-            if key[0] == pod:
-                self._retire(key, cur)
+    def _on_pod_removed(self, pod: str, before: int | None = None) -> None:
+        """Every rank of the pod goes, and its generation is retired; with ``before`` (the removal's mark),
+        only a generation older than it: a newer one (the pod back, its messages stored before this one's
+        by a retry) stays, and an older one whose messages the stream stores after this one (a rank not seen
+        yet among them) is stale."""
+        kept = False
+        for rank in sorted(set(self.workers.pod_workers(pod)) | self._pod_ranks.get(pod, set())):
+            stays = not self._remove((pod, rank), before)
+            kept |= stays and rank != _POD
+        if before is not None and (pod, _POD) not in self.cursors:
+            self._set_cursor((pod, _POD), _Cursor(gen=before - 1, next_seq=_DEAD))
+        if not kept:
+            self.activity.pop(pod, None)
 
-    def _on_rank_removed(self, pod: str, rank: int) -> None:
-        """One rank left, the pod stays: that rank's blocks go and its generation is retired."""
+    def _on_rank_removed(self, pod: str, rank: int, before: int | None = None) -> None:
+        """One rank left, the pod stays: that rank's blocks go and its generation is retired (``before``: as
+        pod_removed's)."""
         if type(rank) is not int:
             raise ValueError(f"rank_removed: rank {rank!r} is not an int")
-        key = (pod, rank)
-        self._clear(key)
-        cur = self.cursors.get(key)
-        if cur is not None:
-            self._retire(key, cur)
+        self._remove((pod, rank), before)
 
-    def _retire(self, key: tuple[str, int], cur: _Cursor) -> None:
-        """Later batches of the worker's generation are stale (a new generation starts it again)."""
+    def _remove(self, key: tuple[str, int], before: int | None) -> bool:
+        """The worker's blocks go and its generation is retired, unless it is one from ``before`` on; False
+        where it stays."""
+        cur = self.cursors.get(key)
+        if cur is not None and before is not None and cur.gen >= before:
+            return False
+        self._clear(key)
+        if cur is not None:
+            self._retire(key, cur, before)
+        elif before is not None:  # none of it seen yet: what comes of its older generations is stale
+            self._set_cursor(key, _Cursor(gen=before - 1, next_seq=_DEAD))
+        return True
+
+    def _retired_before(self, pod: str) -> int:
+        """The generations of a worker first seen now that the pod's last removal retired (those up to it)."""
+        mark = self.cursors.get((pod, _POD))
+        return -1 if mark is None else mark.gen
+
+    def _retire(self, key: tuple[str, int], cur: _Cursor, before: int | None = None) -> None:
+        """Later batches of the worker's generation are stale (a new generation starts it again), and with
+        ``before`` those of any generation older than it (started before the removal, stored after it)."""
         cur.next_seq, cur.next_part = _DEAD, 0
+        if before is not None:
+            cur.gen = max(cur.gen, before - 1)
         cur.early.clear()
         cur.spilled.clear()
         cur.journal, cur.early_since = None, 0
@@ -586,6 +622,23 @@ def _check_plausible(msg: dict, stored_ns: int) -> None:
     for seq in (msg.get("seq", msg.get("next_seq")), 0 if last is None else last):
         if not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ:
             raise ImplausibleMessage(f"seq {seq!r} is not a vLLM seq ({msg['pod']} rank {msg['rank']}): refused")
+
+
+def _mark(msg: dict) -> int | None:
+    """A removal's mark (None: an older bridge's, retiring every generation)."""
+    gen = msg.get("gen")
+    if gen is not None and (type(gen) is not int or gen < 0):
+        raise ValueError(f"{msg.get('type')}: gen {gen!r} is not a generation")
+    return gen
+
+
+def _check_mark(msg: dict, stored_ns: int) -> None:
+    """A removal's mark far ahead of the time the stream stored it would retire every later generation of
+    the pod: refused, as a batch's generation would be."""
+    gen = msg["gen"]
+    if type(gen) is int and gen > stored_ns + GEN_MAX_AHEAD_NS:
+        raise ImplausibleMessage(f"{msg.get('type')} mark {gen} is {(gen - stored_ns) / 1e9:.0f}s ahead of the time "
+                                 f"the stream stored it ({msg.get('pod')}): refused")
 
 
 def _batches(msg: dict) -> int:

@@ -139,10 +139,13 @@ class L1Reset(_Message):
 
 class PodRemoved(_Message):
     """The pod left discovery (for longer than ``ingest.l1.removalGrace``) or was unregistered: drop all of
-    its ranks."""
+    its ranks, and retire their generations started before ``gen`` (the bridge's clock when it removed the
+    pod): a generation started after it (the pod back, stored before this message by a retry) stays.
+    Without ``gen`` (older bridges), every generation of the pod is retired."""
 
     type: Literal["pod_removed"]
     reason: str = ""
+    gen: int | None = Field(None, ge=0)
 
 
 class RankRemoved(_Message):
@@ -152,6 +155,7 @@ class RankRemoved(_Message):
     type: Literal["rank_removed"]
     rank: int = Field(ge=0)
     reason: str = ""
+    gen: int | None = Field(None, ge=0)  # as pod_removed's
 
 
 L1Message = Annotated[Union[L1Batch, L1Reset, PodRemoved, RankRemoved], Field(discriminator="type")]

@@ -120,6 +120,55 @@ def test_pod_removed_drops_all_ranks_and_late_batches():
     assert held(s) == {4}
 
 
+def test_a_removal_with_a_mark_retires_only_the_generations_before_it_in_whatever_order_they_are_stored():
+    """Issue 36's sequencing model: a pod back right after its removal starts a new generation whose
+    messages the stream stored before the ``pod_removed`` (a retry after NATS lost it); the removal used to
+    retire that generation too, and every later batch of it was dropped as stale: the pod blind. With its
+    mark (the bridge's clock when it removed the pod) it retires only the generations before it, and a
+    message of one of those stored after it is stale, on any rank, seen before or not."""
+    from indexer.snapshot import decode_l1, encode_l1
+
+    s = L1State()
+    s.apply(batch(0, [stored(1)], rank=0, gen=10))
+    s.apply(batch(0, [stored(2)], rank=1, gen=30))  # started after the removal (the pod back): stays
+    s.apply({"type": "pod_removed", "pod": "127.0.1.1", "reason": "discovery", "gen": 20})
+    assert held(s, rank=0) == set() and held(s, rank=1) == {2}
+    s.apply(batch(1, [stored(3)], rank=0, gen=10))  # late ones of generations the removal retired
+    s.apply(batch(0, [stored(4)], rank=0, gen=15))
+    s.apply(batch(0, [stored(5)], rank=2, gen=15))  # a rank never seen
+    s.apply(reset(0, gen=19, rank=3))
+    s.apply(batch(1, [stored(6)], rank=1, gen=30))
+    assert held(s, rank=0) == held(s, rank=2) == held(s, rank=3) == set() and held(s, rank=1) == {2, 6}
+    loaded, _ = decode_l1(encode_l1(s, 7))  # the mark survives a snapshot
+    loaded.apply(batch(0, [stored(7)], rank=4, gen=19))
+    loaded.apply(batch(0, [stored(8)], rank=0, gen=21))  # a generation after the removal
+    assert held(loaded, rank=4) == set() and held(loaded, rank=0) == {8} and loaded.knows("127.0.1.1")
+    # one rank alike; and a removal without a mark (an older bridge's) retires every generation
+    loaded.apply({"type": "rank_removed", "pod": "127.0.1.1", "rank": 1, "reason": "discovery", "gen": 25})
+    assert held(loaded, rank=1) == {2, 6}
+    loaded.apply({"type": "rank_removed", "pod": "127.0.1.1", "rank": 5, "reason": "discovery", "gen": 25})
+    loaded.apply(batch(0, [stored(9)], rank=5, gen=24))
+    assert held(loaded, rank=5) == set()
+    loaded.apply({"type": "pod_removed", "pod": "127.0.1.1", "reason": "discovery"})
+    assert not loaded.blocks and not loaded.knows("127.0.1.1")
+
+
+def test_a_removal_mark_far_ahead_of_the_streams_clock_is_refused():
+    """A mark retires every generation before it: one far ahead (forged, or a broken clock) would blind
+    the pod for ever, as a generation that far ahead would."""
+    from indexer.l1_state import ImplausibleMessage
+    from schemas.events import GEN_MAX_AHEAD_NS
+
+    s = L1State()
+    now = 10**18
+    s.apply(batch(0, [stored(1)], gen=now - 5), now)
+    with pytest.raises(ImplausibleMessage):
+        s.apply({"type": "pod_removed", "pod": "127.0.1.1", "reason": "x", "gen": now + GEN_MAX_AHEAD_NS + 1}, now)
+    with pytest.raises(ValueError):
+        s.apply({"type": "rank_removed", "pod": "127.0.1.1", "rank": 0, "reason": "x", "gen": "soon"}, now)
+    assert held(s) == {1}
+
+
 def test_too_many_held_batches_declare_the_gap_lost():
     s = L1State(max_early=3)
     s.apply(batch(0, [stored(1)]))
