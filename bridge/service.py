@@ -42,7 +42,7 @@ from bridge.removals import MASTER, POD, PendingRemovals
 from bridge.resume_points import ResumePoints
 from bridge.shard_leases import ShardLeases
 from bridge.static_targets import StaticTargets
-from infra.targets_record import TargetsRecord
+from infra.targets_record import TargetsRecord, read_endpoints
 from bridge.endpoint import Endpoint
 from bridge.vllm_subscriber import VllmSubscriber
 from infra.lease import Lease
@@ -200,6 +200,7 @@ class Bridge:
 
     async def _start_sources(self) -> None:
         self._inherited_pods, self._inherited_masters = await self.targets_record.load()
+        self._ranks = await self._recorded_ranks()
         self._leaving_task = asyncio.create_task(self._remove_when_due(), name="bridge-removal-grace")
         self.registrations.follow(self.set_registered)
         if self.cfg.discovery.mode == "static":
@@ -278,6 +279,22 @@ class Bridge:
                 log.error("targets file %s: %s (keeping the last good targets)", targets.path, exc)
             await asyncio.sleep(interval)
 
+    async def _recorded_ranks(self) -> dict[str, set[int]]:
+        """The ranks each pod was listed with when the record was last written: a rank gone meanwhile (while
+        no bridge watched, or before this one read discovery) is removed like one that leaves now."""
+        try:
+            rows = await read_endpoints(self.targets_record.store) or ()
+        except Exception as exc:  # unreadable: only what leaves from now on is seen, as before the record
+            log.warning("bridge targets record unreadable (%s): DP ranks gone meanwhile stay indexed", exc)
+            return {}
+        ranks: dict[str, set[int]] = {}
+        for row in rows:
+            try:
+                ranks.setdefault(str(row[0]), set()).add(int(row[1]))
+            except (TypeError, ValueError, IndexError):
+                continue
+        return ranks
+
     async def set_endpoints(self, endpoints: list[Endpoint]) -> None:
         """Discovery's answer (all of it, each time)."""
         self._discovered = list(endpoints)
@@ -332,7 +349,8 @@ class Bridge:
                 else:
                     self._leaving.setdefault(pod, time.monotonic() + grace)
                     log.info("%s left discovery: removed in %.0fs unless it comes back", pod, grace)
-            self._ranks = {pod: ranks.get(pod) or self._ranks.get(pod, set()) for pod in live | self._leaving.keys()}
+            self._ranks = {pod: ranks.get(pod) or self._ranks.get(pod, set())
+                           for pod in live | self._leaving.keys() | self._inherited_pods}
             self._want_shards()
             if whole:
                 await self._save_pods()

@@ -456,6 +456,29 @@ async def test_pod_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(s
     assert await stack.bridge.targets_record.load() == ({POD2}, set())
 
 
+async def test_a_dp_rank_dropped_while_no_bridge_ran_is_removed_by_the_next_bridge(stack):
+    """Issue 36's chaos soak (seed 2821449035): the pod's second rank was dropped from the targets while the
+    bridge restarted; the new bridge never saw it listed, so it never published its rank_removed, and the
+    rank's blocks stayed indexed for ever. The targets record keeps each pod's ranks: the next bridge
+    removes one gone meanwhile like one that leaves while it watches."""
+    from bridge.service import Bridge
+
+    r0, r1 = stack.engine(POD, dp_rank=0), stack.engine(POD, dp_rank=1)
+    await stack.connect((r0, POD, 0), (r1, POD, 1))
+    await r0.publish([stored(CHAIN[:2])])
+    await r1.publish([stored(CHAIN[:6])])
+    await until_ratio(stack, POD, 0.75)
+    await wait_for(lambda: stack.bridge.targets_record._endpoints and len(stack.bridge.targets_record._endpoints) == 2,
+                   10, "both ranks recorded")
+    await stack.bridge.stop()  # no bridge runs while rank 1 is dropped
+    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
+    await stack.bridge.start()
+    await wait_for(lambda: stack.bridge._inherited_pods == {POD}, 10, "the new bridge to lead and read the record")
+    await stack.bridge.set_endpoints([r0.endpoint(POD, 0)])
+    await until_ratio(stack, POD, 0.25, what="the rank dropped meanwhile removed")
+    assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0}
+
+
 async def test_nats_restart_mid_stream_loses_and_duplicates_nothing(restartable_nats, stream_prefix):
     cfg = make_config(restartable_nats.url, stream_prefix, blockKey={"pythonHashSeed": "0"})
     stack = await L1Stack(cfg).start()
