@@ -165,6 +165,13 @@ class L1Publisher:
         if best is not None and best.gen < retired:
             log.info("%s rank %d: removed by this bridge after generation %d: a new generation", pod, rank, best.gen)
             return None
+        started = max((sent.gen for sent in self._in_flight.get((pod, rank), ())), default=-1)
+        if best is not None and best.gen < started:
+            # this bridge started a newer generation (its messages not stored yet: a flap while NATS is slow):
+            # the older one goes on nowhere, its batches stale once the newer reset is stored
+            log.info("%s rank %d: generation %d is newer than the stream's and not stored yet: a new generation",
+                     pod, rank, started)
+            return None
         if best is None or self._js is None:
             if best is None:
                 log.info("%s rank %d: no resume record and no message on the stream: a new generation at its "

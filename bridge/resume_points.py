@@ -102,7 +102,10 @@ class ResumePoints:
             return  # a late ack of a pod (or rank) since removed
         ranks = self._positions.setdefault(pod, {})
         old = ranks.get(rank)
-        if old is None or pos.stream_seq > old.stream_seq:
+        # by generation and seq, not by stream sequence: acks come out of order (a retry), and the prefix a
+        # late ack completes ends in a message the stream stored before the one that moved it last (it stuck
+        # at a generation's reset, whose missing timestamp then made the next bridge start a new one)
+        if old is None or (pos.gen, pos.seq, pos.stream_seq) > (old.gen, old.seq, old.stream_seq):
             ranks[rank] = pos
             self._dirty.add(pod)
             if (pod, rank) not in self._recorded:
