@@ -104,7 +104,7 @@ async def test_a_bridge_restarted_after_a_purge_resumes_an_idle_engine(nats_url,
         async def all_applied():
             info = await indexer.js.stream_info(name)
             return indexer.applied_seq == info.state.last_seq and info.state.messages >= 1200
-        await wait_for(all_applied, 30, "the others' batches applied")
+        await wait_for(all_applied, 60, "the others' batches applied")
         assert await indexer.snapshot_now()
         with pytest.raises(Exception):  # X's last message went with the purge
             await indexer.js.get_last_msg(name, f"{cfg.nats.l1Stream.subjectPrefix}.127_0_0_91.0")
