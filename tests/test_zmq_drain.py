@@ -78,11 +78,11 @@ async def test_without_the_bulk_receive_the_bridge_receives_through_pyzmq(nats_u
 def test_a_message_that_cannot_be_added_loses_itself_not_the_ones_before_it(pair):
     """The messages received before a failure are off the socket and held nowhere else: they come back
     beside the error (before, a failed append dropped the whole burst)."""
-    from bridge import _zmq_drain
-
     push, pull = pair
     drain = drainer(pull)
     needs_native(drain is not None, "the bridge's bulk ZMQ receive")
+    from bridge import _zmq_drain
+
     sent = [[b"t", i.to_bytes(8, "big"), b"payload %d" % i] for i in range(6)]
     for m in sent:
         push.send_multipart(m)
