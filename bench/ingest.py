@@ -34,7 +34,7 @@ def _baseline(batches: int, events: int) -> float:
     return block_events(data) / (time.perf_counter() - t)
 
 
-async def _run(batches: int, events: int, engines: int) -> dict:
+async def _run(batches: int, events: int, engines: int, encoding: str = "msgpack") -> dict:
     # counted before anything runs: computed meanwhile, it held the indexer's event loop (this process)
     total = sum(block_events(payloads(batches // engines, events, i + 1)) for i in range(engines))
     server = NatsServer().start()
@@ -52,7 +52,8 @@ async def _run(batches: int, events: int, engines: int) -> dict:
         targets.write_text("vllm:\n" + "".join(
             f"  - ip: 127.0.2.{i + 1}\n    zmqPort: {pub}\n    replayPort: {rep}\n"
             for i, (pub, rep) in enumerate(engine_ports)))
-        overrides = [f"nats.url={server.url}", f"discovery.static.file={targets}", "log.level=warning"]
+        overrides = [f"nats.url={server.url}", f"discovery.static.file={targets}", "log.level=warning",
+                     f"nats.l1Stream.encoding={encoding}"]
         prof = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE_BRIDGE"]] if os.environ.get("BENCH_PROFILE_BRIDGE") else []
         bridge = subprocess.Popen([sys.executable, *prof, "-m", "cache_indexer.cli", "bridge", *sum((["--set", o] for o in overrides), [])],
                                   cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -66,12 +67,14 @@ async def _run(batches: int, events: int, engines: int) -> dict:
             await asyncio.sleep(0.005)
         done = time.time()
         applied = indexer.l1.stats.block_events
+        stream = await indexer.js.stream_info(cfg.nats.l1Stream.name)
         if applied < total:
             print(f"ingest bench: only {applied} of {total} block events applied; stats {indexer.l1.stats}",
                   file=sys.stderr)
         await indexer.stop()
         return {"batches": batches, "events_per_batch": events, "engines": engines, "block_events": applied,
-                "seconds": done - min(starts), "rate": applied / (done - min(starts)),
+                "seconds": done - min(starts), "rate": applied / (done - min(starts)), "encoding": encoding,
+                "stream_bytes": stream.state.bytes, "messages": stream.state.messages,
                 "baseline_rate": _baseline(min(batches, 20000), events)}
     finally:
         for p in procs:
