@@ -282,3 +282,27 @@ def test_the_chart_points_its_pods_at_their_mounted_configuration(tmp_path):
         [cm] = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == cm_name]
         assert env["CACHE_INDEXER_CONFIG"] == f"{mount}/config.yaml" and "config.yaml" in cm["data"]
         assert c["args"][c["args"].index("--config") + 1] == env["CACHE_INDEXER_CONFIG"]
+
+
+async def test_a_bridge_set_to_json_publishes_text_that_its_indexers_serve(nats_url, stream_prefix):
+    """nats.l1Stream.encoding: json through the real bridge (vLLM's frames over ZMQ) to the API."""
+    from cache_indexer.simulate.vllm_engine import stored as stored_event
+    from schemas.block_hash import BlockHasher
+    from tests.l1_stack import L1Stack
+
+    cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"})
+    cfg = cfg.model_copy(update={"nats": cfg.nats.model_copy(update={
+        "l1Stream": cfg.nats.l1Stream.model_copy(update={"encoding": "json"})})})
+    stack = await L1Stack(cfg).start()
+    try:
+        tokens = list(range(9000, 9032))
+        engine = stack.engine("127.0.0.41")
+        await stack.connect((engine, "127.0.0.41", 0))
+        await engine.publish([stored_event(BlockHasher("sha256_cbor", "0").event_hashes(tokens, 16), token_ids=tokens)])
+        last = await stack.settled()
+        msg = await stack.replica.indexer.js.get_msg(cfg.nats.l1Stream.name, last)
+        assert msg.headers["Content-Type"].endswith("+json") and json.loads(msg.data)["pod"] == "127.0.0.41"
+        await wait_for(lambda: stack.replica.indexer.applied_seq >= last, 10, "the replica applied it")
+        assert await stack.ratios(["127.0.0.41"], tokens, 16) == [1.0]
+    finally:
+        await stack.stop()
