@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -17,7 +18,6 @@ from datetime import datetime
 from importlib.util import find_spec
 
 import aiohttp
-import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -112,7 +112,7 @@ async def test_a_bridge_and_an_indexer_export_only_their_own_series_and_log_json
                 f"{name} exports its own families only"
             (build,) = scraped[name]["cache_indexer_build_info"].samples
             native = "yes" if all(find_spec(m) for m in NATIVE_MODULES) else "no"
-            assert build.labels == {"version": PYPROJECT["version"], "python": ".".join(map(str, sys.version_info[:3])),
+            assert build.labels == {"version": PYPROJECT["version"], "python": platform.python_version(),
                                     "native": native, "component": name} and build.value == 1
         assert "cache_indexer_ready" not in scraped["bridge"]
         assert [s.value for s in scraped["bridge"]["cache_indexer_bridge_leader"].samples] == [1]
