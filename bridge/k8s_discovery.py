@@ -189,7 +189,7 @@ class KubernetesDiscovery:
     backoff_max = 30.0
 
     def __init__(self, cfg: DiscoveryConfig, on_change: OnChange, api_client: client.ApiClient | None = None,
-                 selector: dict[str, str] | None = None, mapper=None) -> None:
+                 selector: dict[str, str] | None = None, mapper=None, metrics=None, kind: str = "vllm") -> None:
         self.cfg = cfg
         self.on_change = on_change
         self.selector = selector if selector is not None else cfg.vllm.labelSelector
@@ -200,6 +200,9 @@ class KubernetesDiscovery:
         self.resource_version: str | None = None
         self.lists = 0  # list operations (each may be several pages)
         self.watches = 0
+        #: counters of lists and watches (infra.metrics), labelled by what this discovers
+        self._counted = (metrics.discovery_lists.labels(kind), metrics.discovery_watches.labels(kind)) \
+            if metrics is not None else None
         self._task: asyncio.Task | None = None
         self._last: list[Endpoint] | None = None
         self._dirty = False
@@ -299,6 +302,8 @@ class KubernetesDiscovery:
     async def _list(self, api: client.CoreV1Api) -> None:
         """Every pod of the selector, page by page of one snapshot; the watch goes on from its version."""
         self.lists += 1
+        if self._counted:
+            self._counted[0].inc()
         pods: dict[str, object] = {}
         self._over_cap = False
         token = None
@@ -329,6 +334,8 @@ class KubernetesDiscovery:
         """One watch from ``resource_version`` until the API server ends it; False when it ended at once
         with nothing (a server that does so must not make a busy loop)."""
         self.watches += 1
+        if self._counted:
+            self._counted[1].inc()
         timeout = max(1, int(self.cfg.refreshInterval))
         loop = asyncio.get_running_loop()
         began, got = loop.time(), False

@@ -209,13 +209,15 @@ class Bridge:
         if self.cfg.discovery.mode == "static":
             self._watch_task = asyncio.create_task(self._watch_static(), name="bridge-static-targets")
         else:
-            self.discovery = KubernetesDiscovery(self.cfg.discovery, self.set_endpoints, self._kube_client)
+            self.discovery = KubernetesDiscovery(self.cfg.discovery, self.set_endpoints, self._kube_client,
+                                                 metrics=self.metrics)
             self.discovery.start()
             if self.cfg.ingest.l3.enabled:
                 mc, scheme = self.cfg.discovery.mooncakeMaster, self.cfg.ingest.l3.scheme
                 self.master_discovery = KubernetesDiscovery(self.cfg.discovery, self.set_masters, self._kube_client,
                                                             selector=mc.labelSelector,
-                                                            mapper=lambda pod: master_targets(pod, mc, scheme))
+                                                            mapper=lambda pod: master_targets(pod, mc, scheme),
+                                                            metrics=self.metrics, kind="mooncake_master")
                 self.master_discovery.start()
 
     async def _stop_sources(self) -> None:

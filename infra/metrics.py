@@ -34,7 +34,8 @@ BRIDGE = frozenset({
     "bridge_gaps", "bridge_replays", "bridge_resets", "publish_retries", "publish_inflight", "subscriptions",
     "subscriptions_disconnected", "bridge_resubscribes", "bridge_buffered_bytes", "l3_poll_errors",
     "l3_poller_restarts", "l3_unparsed_keys", "l3_unlocatable_keys", "l3_relocated_keys", "l3_batch_query",
-    "l3_message_parts", "publish_refused", "l3_keys", "l3_poll_seconds", "targets_reload_errors", "bridge_leader"})
+    "l3_message_parts", "publish_refused", "l3_keys", "l3_poll_seconds", "targets_reload_errors", "bridge_leader",
+    "discovery_lists", "discovery_watches"})
 _OWN = {"bridge": BRIDGE, "indexer": INDEXER}
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -184,6 +185,11 @@ class Metrics:
                                              "Static targets file versions that could not be used (kept the last good).",
                                              registry=r)
         self.bridge_leader = Gauge(p + "bridge_leader", "1 while this bridge holds the ingest lease.", registry=r)
+        self.discovery_lists = Counter(p + "discovery_lists_total", "Kubernetes pod LISTs by what is discovered "
+                                       "(at start and after 410 Gone; steady watching lists nothing).", ["kind"],
+                                       registry=r)
+        self.discovery_watches = Counter(p + "discovery_watches_total", "Kubernetes pod watches opened (each "
+                                         "resumes from the last resourceVersion).", ["kind"], registry=r)
 
         self._keep_own(component)
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...

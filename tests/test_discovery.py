@@ -14,6 +14,7 @@ from kubernetes_asyncio import client
 
 from bridge.k8s_discovery import KubernetesDiscovery
 from bridge.static_targets import StaticTargets
+from infra.metrics import Metrics
 from schemas.config import DiscoveryConfig
 from tests.conftest import make_config, wait_for
 from tests.kube_fake import FakeKubeApi, make_pod
@@ -327,7 +328,9 @@ async def test_steady_watching_at_1000_pods_never_lists_and_a_410_lists_once():
     other = make_pod("other", "127.2.0.1", engine="sglang")
     kube.add(other)
     seen = Seen()
-    d = KubernetesDiscovery(DiscoveryConfig(mode="kubernetes", namespace="infer"), seen, api_client(kube))
+    metrics = Metrics("bridge")
+    d = KubernetesDiscovery(DiscoveryConfig(mode="kubernetes", namespace="infer"), seen, api_client(kube),
+                            metrics=metrics)
     d.start()
     try:
         await wait_for(lambda: len(seen.pods()) == 1000 and kube.watching, 30, "1,000 targets")
@@ -365,6 +368,9 @@ async def test_steady_watching_at_1000_pods_never_lists_and_a_410_lists_once():
         await wait_for(lambda: kube.watch_calls >= calls + 3, 10, "watching again")
         assert kube.list_calls == 2, "exactly one list after a 410 Gone"
         assert kube.list_pages == 4, "each list in two pages of 500 pods"
+        exported = metrics.render().decode()
+        assert 'cache_indexer_discovery_lists_total{kind="vllm"} 2.0' in exported
+        assert f'cache_indexer_discovery_watches_total{{kind="vllm"}} {float(d.watches)}' in exported
     finally:
         await d.stop()
         await kube.stop()
