@@ -5,3 +5,7 @@ engines, which only it and the tests run).
 
 May import: every package of the product. Nothing of the product imports it.
 """
+
+from infra.version import VERSION as __version__
+
+__all__ = ["__version__"]

@@ -222,6 +222,8 @@ class DiscoveryConfig(_Section):
     synonyms: ClassVar[dict[str, tuple[str, ...]]] = {"labels": tuple(_LABELS)}
     mode: Literal["static", "kubernetes"] = "static"
     namespace: str = ""
+    #: The pod watch's timeoutSeconds: the next watch resumes from the last resourceVersion seen (no list;
+    #: pods are listed again only on 410 Gone); a watch silent for twice this is given up and resumed.
     refreshInterval: Duration = 10.0
     #: Bound on a Mooncake master's /get_all_segments (which segments, i.e. pods, are live).
     segmentsFetchTimeout: Duration = 2.0
