@@ -1,4 +1,4 @@
-"""python -m bench [all|hashing|memory|query|ingest|replay|refcounts|l3|dynamo|fanout|fleet] [--quick] [--full] [--write]
+"""python -m bench [all|hashing|memory|query|ingest|replay|refcounts|l3|dynamo|fanout|events|fleet] [--quick] [--full] [--write]
 
 Runs the benchmarks and prints one Markdown report; --write also stores it in bench/RESULTS.md.
 """
@@ -22,6 +22,7 @@ SECTIONS = {
     "l3": ("Mooncake polling in local mode: poll time, CPU per poll and API latency while polls run", "bench.l3_poll"),
     "dynamo": ("Side by side with NVIDIA Dynamo's standalone KV indexer: ingest, CPU, query", "bench.dynamo"),
     "fanout": ("The index partitioned by worker: a query fanned out to two partitions", "bench.fanout"),
+    "events": ("Stream payload encodings: msgpack and JSON (readable with the nats CLI)", "bench.event_encoding"),
     "fleet": ("A fleet: fill, snapshots, a rolling update of every pod, discovery churn and a restore, with the query "
               "path probed",
               "bench.fleet"),

@@ -1,7 +1,7 @@
 """Turns bridge decisions (a batch, a reset, a pod removal) into L1 stream messages.
 
-Payloads are msgpack maps of ``schemas.events``; headers make ``nats stream view`` readable without a
-decoder. ``Nats-Msg-Id`` is ``<pod>:<rank>:<gen>:<seq>``: the generation changes whenever the engine's
+Payloads are maps of ``schemas.events`` in the stream's encoding (msgpack, or JSON: infra/event_codec.py);
+headers make ``nats stream view`` readable without a decoder. ``Nats-Msg-Id`` is ``<pod>:<rank>:<gen>:<seq>``: the generation changes whenever the engine's
 sequence restarts (engine restart, unrecoverable gap, bridge restart), so a restarted engine's seq 0 is
 never mistaken for a duplicate, while the same batch published twice (a retry, a replay overlap) is.
 A batch over the message limit (150k hashes is 1.35 MB) goes out in parts of the same seq,
@@ -25,10 +25,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgpack
-
 from bridge.jetstream_publisher import JetStreamPublisher
 from bridge.resume_points import Position, ResumePoints
+from infra.event_codec import MSGPACK, Codec, decode
 from infra.streams import l1_lifecycle_subject, l1_subject
 from schemas.events import CONTENT_TYPE_L1, SCHEMA_VERSION
 
@@ -52,8 +51,8 @@ def new_generation(*after: int) -> int:
         return _last_gen
 
 
-def _headers(pod: str, msg_id: str, kind: str, **extra: str) -> dict[str, str]:
-    h = {"Nats-Msg-Id": msg_id, "Content-Type": CONTENT_TYPE_L1, "Kv-Schema": str(SCHEMA_VERSION),
+def _headers(content_type: str, pod: str, msg_id: str, kind: str, **extra: str) -> dict[str, str]:
+    h = {"Nats-Msg-Id": msg_id, "Content-Type": content_type, "Kv-Schema": str(SCHEMA_VERSION),
          "Kv-Type": kind, "Kv-Pod": pod}
     h.update(extra)
     return h
@@ -61,28 +60,30 @@ def _headers(pod: str, msg_id: str, kind: str, **extra: str) -> dict[str, str]:
 
 #: What a batch message holds besides its events (type, pod, rank, gen, seq, ts, part, parts), at most.
 _ENVELOPE_BYTES = 256
-#: msgpack's upper bound for one uint64 hash (bridge/l3_publisher.py sizes its parts with it too).
-HASH_BYTES = 9
+#: msgpack's upper bound for one uint64 hash: the run's size estimate (bridge/batch_run.py); a run over
+#: the limit in the stream's encoding is cut in halves (``L1Publisher.run``)
+HASH_BYTES = MSGPACK.hash_bytes
 
 
-def split_events(events: list[dict], budget: int) -> list[list[dict]]:
+def split_events(events: list[dict], budget: int, codec: Codec = MSGPACK) -> list[list[dict]]:
     """``events`` cut into parts of at most ``budget`` encoded bytes, in order; an event too large for one
     part is cut into events of the same kind over consecutive slices of its hashes (the parent stays with
     the first slice): applied in order, the parts do what the whole batch does."""
     pieces: list[tuple[dict, int]] = []
     for ev in events:
-        size = len(msgpack.packb(ev))
+        size = len(codec.encode(ev)) + codec.item_sep
         hashes = ev.get("hashes") or []
         if size <= budget or not hashes:
             pieces.append((ev, size))
             continue
-        fixed = size - len(hashes) * HASH_BYTES  # a lower bound; the slices are sized from the upper one
-        per = max(1, (budget - max(fixed, 64)) // HASH_BYTES)
+        # what a slice holds besides its hashes (a later slice's parent is a hash), sized with their upper bound
+        fixed = len(codec.encode({**ev, "hashes": [], **({"parent": (1 << 64) - 1} if "parent" in ev else {})}))
+        per = max(1, (budget - codec.item_sep - max(fixed, 64)) // codec.hash_bytes)
         for i in range(0, len(hashes), per):
             piece = {**ev, "hashes": hashes[i:i + per]}
             if i and "parent" in piece:
                 piece["parent"] = hashes[i - 1]
-            pieces.append((piece, len(msgpack.packb(piece))))
+            pieces.append((piece, len(codec.encode(piece)) + codec.item_sep))
     parts: list[list[dict]] = [[]]
     room = budget
     for ev, size in pieces:
@@ -121,8 +122,10 @@ class _Sent:
 class L1Publisher:
     def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, js=None, stream: str = "",
                  max_payload: Callable[[], int] | None = None, bridge: str = "-",
-                 resume: ResumePoints | None = None) -> None:
+                 resume: ResumePoints | None = None, codec: Codec = MSGPACK) -> None:
         self._pub = publisher
+        self._codec = codec  # the stream's encoding (nats.l1Stream.encoding)
+        self._content_type = codec.content_type(CONTENT_TYPE_L1)
         self.resume = resume
         #: per worker, its messages not acked yet (or acked after one that is not), in publish order
         self._in_flight: dict[tuple[str, int], deque[_Sent]] = {}
@@ -216,7 +219,7 @@ class L1Publisher:
             seq -= 1  # a batch whose later parts never made it: it is published again, whole
         else:
             try:
-                ts = msgpack.unpackb(msg.data).get("ts")
+                ts = decode(msg.data).get("ts")
             except Exception:  # an undecodable message: resume without the incarnation check
                 ts = None
         return Position(gen, seq, h.get("Kv-Epoch", "-"), ts if isinstance(ts, float) else None, msg.seq,
@@ -261,13 +264,14 @@ class L1Publisher:
                     epoch: str = "") -> None:
         msg = {"v": SCHEMA_VERSION, "type": "batch", "pod": pod, "rank": rank, "gen": gen, "seq": seq, "ts": ts,
                "events": events}
-        payload = msgpack.packb(msg)
+        payload = self._codec.encode(msg)
         limit = self._max()
-        parts = [events] if len(payload) <= limit else split_events(events, limit - _ENVELOPE_BYTES - len(pod))
+        parts = [events] if len(payload) <= limit else split_events(
+            events, limit - _ENVELOPE_BYTES - self._codec.str_bytes(pod), self._codec)
         for i, part in enumerate(parts):
             extra = {}
             if len(parts) > 1:
-                payload = msgpack.packb({**msg, "events": part, "part": i, "parts": len(parts)})
+                payload = self._codec.encode({**msg, "events": part, "part": i, "parts": len(parts)})
                 extra["Kv-Part"] = f"{i + 1}/{len(parts)}"
             msg_id = f"{pod}:{rank}:{gen}:{seq}" + (f":{i}" if len(parts) > 1 else "")
             sent = _Sent(gen, seq, seq, epoch or "-", ts, i == len(parts) - 1)
@@ -284,7 +288,7 @@ class L1Publisher:
             return
         msg = run_message(pod, rank, gen, batches)
         events, first, last = msg["events"], msg["seq"], msg["last_seq"]
-        payload = msgpack.packb(msg)
+        payload = self._codec.encode(msg)
         if len(payload) > self._max():
             half = len(batches) // 2
             await self.run(pod, rank, gen, batches[:half], epoch)
@@ -299,13 +303,14 @@ class L1Publisher:
         extra.update({"Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(seq), "Kv-Epoch": epoch or "-",
                       "Kv-Events": str(len(events)), "Kv-Kinds": kinds or "-", "Kv-Bridge": self._bridge})
         stored, refused = self._track(pod, rank, sent)
-        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, _headers(pod, msg_id, "batch", **extra),
+        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload,
+                                _headers(self._content_type, pod, msg_id, "batch", **extra),
                                 stored, refused)
 
     async def reset(self, pod: str, rank: int, gen: int, next_seq: int, reason: str, epoch: str = "") -> None:
-        payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "reset", "pod": pod, "rank": rank, "gen": gen,
+        payload = self._codec.encode({"v": SCHEMA_VERSION, "type": "reset", "pod": pod, "rank": rank, "gen": gen,
                                  "next_seq": next_seq, "reason": reason})
-        headers = _headers(pod, f"{pod}:{rank}:{gen}:reset", "reset", **{
+        headers = _headers(self._content_type, pod, f"{pod}:{rank}:{gen}:reset", "reset", **{
             "Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(next_seq), "Kv-Epoch": epoch or "-",
             "Kv-Reason": reason, "Kv-Bridge": self._bridge})
         stored, refused = self._track(pod, rank, _Sent(gen, next_seq - 1, next_seq - 1, epoch or "-", None, True))
@@ -335,10 +340,10 @@ class L1Publisher:
         self._in_flight.pop((pod, rank), None)
         if self.resume is not None:
             await self.resume.forget_rank(pod, rank)
-        payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "rank_removed", "pod": pod, "rank": rank,
+        payload = self._codec.encode({"v": SCHEMA_VERSION, "type": "rank_removed", "pod": pod, "rank": rank,
                                  "reason": reason, "gen": mark})
         tail = mark if after is None else f"after:{after}"
-        headers = _headers(pod, f"{pod}:{rank}:removed:{tail}", "rank_removed",
+        headers = _headers(self._content_type, pod, f"{pod}:{rank}:removed:{tail}", "rank_removed",
                            **{"Kv-Dp-Rank": str(rank), "Kv-Gen": str(mark), "Kv-Reason": reason,
                               "Kv-Bridge": self._bridge})
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers)
@@ -351,9 +356,9 @@ class L1Publisher:
             del self._in_flight[key]
         if self.resume is not None:
             await self.resume.forget(pod)
-        payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "pod_removed", "pod": pod, "reason": reason,
+        payload = self._codec.encode({"v": SCHEMA_VERSION, "type": "pod_removed", "pod": pod, "reason": reason,
                                  "gen": mark})
         tail = mark if after is None else f"after:{after}"
-        headers = _headers(pod, f"{pod}:removed:{tail}", "pod_removed",
+        headers = _headers(self._content_type, pod, f"{pod}:removed:{tail}", "pod_removed",
                            **{"Kv-Gen": str(mark), "Kv-Reason": reason, "Kv-Bridge": self._bridge})
         await self._pub.publish(l1_lifecycle_subject(self._prefix, pod), payload, headers)

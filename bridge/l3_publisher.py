@@ -18,38 +18,37 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import msgpack
-
 from bridge.jetstream_publisher import JetStreamPublisher
-from bridge.l1_publisher import HASH_BYTES, new_generation
+from bridge.l1_publisher import new_generation
+from infra.event_codec import MSGPACK, Codec
 from infra.metrics import Metrics
 from infra.streams import l3_subject
 from schemas.events import CONTENT_TYPE_L3, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
-#: Upper bounds of msgpack's encoding: a pod key's string and list headers take at most 10 bytes; the
-#: envelope (type, master, gen, part, parts) is counted with the master's name.
-_POD_BYTES = 10
-_ENVELOPE_BYTES = 160
+#: Upper bound of the envelope (type, master, gen, part, parts, origin, seq) in either encoding, the
+#: master's name counted apart; a pod key's with its list's is the codec's ``key_bytes``.
+_ENVELOPE_BYTES = 192
 
 
-def split_pods(pods: dict[str, list[int]], budget: int) -> list[dict[str, list[int]]]:
+def split_pods(pods: dict[str, list[int]], budget: int, codec: Codec = MSGPACK) -> list[dict[str, list[int]]]:
     """``pods`` cut into maps of at most ``budget`` encoded bytes each (at least one map, maybe empty)."""
     parts: list[dict[str, list[int]]] = [{}]
     room = budget
+    hash_bytes = codec.hash_bytes
     for pod, hashes in pods.items():
-        cost = _POD_BYTES + len(pod.encode())
-        if budget < cost + HASH_BYTES:
+        cost = codec.key_bytes(pod)
+        if budget < cost + hash_bytes:
             raise ValueError(f"a message limit of {budget} bytes cannot hold one hash of pod {pod!r}")
         i = 0
         while True:
-            if room < cost + HASH_BYTES:
+            if room < cost + hash_bytes:
                 parts.append({})
                 room = budget
-            take = hashes[i:i + (room - cost) // HASH_BYTES]
+            take = hashes[i:i + (room - cost) // hash_bytes]
             parts[-1][pod] = take
-            room -= cost + HASH_BYTES * len(take)
+            room -= cost + hash_bytes * len(take)
             i += len(take)
             if i >= len(hashes):
                 break
@@ -58,8 +57,10 @@ def split_pods(pods: dict[str, list[int]], budget: int) -> list[dict[str, list[i
 
 class L3Publisher:
     def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, max_payload: Callable[[], int],
-                 metrics: Metrics, on_refused: Callable[[str], None] | None = None) -> None:
+                 metrics: Metrics, on_refused: Callable[[str], None] | None = None, codec: Codec = MSGPACK) -> None:
         self._pub = publisher
+        self._codec = codec  # the stream's encoding (nats.l3Stream.encoding)
+        self._content_type = codec.content_type(CONTENT_TYPE_L3)
         self.origin = new_generation()
         self._seq: dict[str, int] = {}  # master -> the last seq published
         self._on_refused = on_refused or (lambda master: None)
@@ -68,24 +69,24 @@ class L3Publisher:
         self._metrics = metrics
 
     def _budget(self, master: str) -> int:
-        return self._max() - _ENVELOPE_BYTES - len(master.encode())
+        return self._max() - _ENVELOPE_BYTES - self._codec.str_bytes(master)
 
     def _next_seq(self, master: str) -> int:
         seq = self._seq[master] = self._seq.get(master, -1) + 1
         return seq
 
     def _headers(self, master: str, kind: str, msg_id: str, seq: int) -> dict[str, str]:
-        return {"Nats-Msg-Id": msg_id, "Content-Type": CONTENT_TYPE_L3, "Kv-Schema": str(SCHEMA_VERSION),
+        return {"Nats-Msg-Id": msg_id, "Content-Type": self._content_type, "Kv-Schema": str(SCHEMA_VERSION),
                 "Kv-Type": kind, "Kv-Master": master, "Kv-Origin": str(self.origin), "Kv-Seq": str(seq)}
 
     async def diff(self, master: str, added: dict[str, list[int]], removed: dict[str, list[int]]) -> None:
         gen = new_generation()
         budget = self._budget(master)
-        parts = [("removed", p) for p in split_pods(removed, budget) if p] + \
-                [("added", p) for p in split_pods(added, budget) if p]
+        parts = [("removed", p) for p in split_pods(removed, budget, self._codec) if p] + \
+                [("added", p) for p in split_pods(added, budget, self._codec) if p]
         for i, (kind, pods) in enumerate(parts):
             seq = self._next_seq(master)
-            payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "l3_diff", "master": master,
+            payload = self._codec.encode({"v": SCHEMA_VERSION, "type": "l3_diff", "master": master,
                                      "added": pods if kind == "added" else {},
                                      "removed": pods if kind == "removed" else {}, "origin": self.origin, "seq": seq})
             headers = self._headers(master, "l3_diff", f"{master}:diff:{gen}:{i}", seq)
@@ -101,10 +102,10 @@ class L3Publisher:
 
     async def full(self, master: str, pods: dict[str, list[int]], msg_id: str | None = None) -> bool:
         gen = new_generation()
-        parts = split_pods(pods, self._budget(master))
+        parts = split_pods(pods, self._budget(master), self._codec)
         seq = self._next_seq(master)
         for i, chunk in enumerate(parts):
-            payload = msgpack.packb({"v": SCHEMA_VERSION, "type": "l3_full", "master": master, "pods": chunk,
+            payload = self._codec.encode({"v": SCHEMA_VERSION, "type": "l3_full", "master": master, "pods": chunk,
                                      "gen": gen, "part": i, "parts": len(parts), "origin": self.origin, "seq": seq})
             headers = self._headers(master, "l3_full", f"{msg_id or f'{master}:full:{gen}'}:{i}", seq)
             headers["Kv-Part"] = f"{i + 1}/{len(parts)}"

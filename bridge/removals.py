@@ -37,11 +37,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgpack
 from nats.js.errors import NotFoundError
 
 from bridge.l1_publisher import L1Publisher
 from bridge.l3_publisher import L3Publisher
+from infra.event_codec import decode
 from infra.streams import l1_pod_subjects, l1_subject, l3_subject
 from infra.throttled_log import ThrottledWarning
 from schemas.config import NatsConfig
@@ -163,6 +163,6 @@ def _empty_full_state(msg) -> bool:
     if _kind(msg) != "l3_full" or (msg.headers or {}).get("Kv-Part", "1/1") != "1/1":
         return False
     try:
-        return not msgpack.unpackb(msg.data, strict_map_key=False).get("pods")
+        return not decode(msg.data).get("pods")
     except Exception:
         return False

@@ -45,6 +45,7 @@ from bridge.static_targets import StaticTargets
 from infra.targets_record import TargetsRecord, read_endpoints
 from bridge.endpoint import Endpoint
 from bridge.vllm_subscriber import VllmSubscriber
+from infra.event_codec import codec
 from infra.lease import Lease
 from infra.block_key_verdicts import write_verdict
 from infra.metrics import Metrics
@@ -141,10 +142,10 @@ class Bridge:
         holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.l1 = L1Publisher(self.publisher, nats.l1Stream.subjectPrefix, js, nats.l1Stream.name,
                               lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM, holder,
-                              self.resume_points)
+                              self.resume_points, codec(nats.l1Stream.encoding))
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
                               lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics,
-                              on_refused=self._l3_refused)
+                              on_refused=self._l3_refused, codec=codec(nats.l3Stream.encoding))
         self.targets_record = TargetsRecord(js, records_bucket(self.cfg), self.cfg.nats.replicas)
         self.registrations = RegistrationStore(js, records_bucket(self.cfg), self.cfg.nats.replicas,
                                                on_error=self.metrics.registration_errors.inc)

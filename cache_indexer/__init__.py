@@ -1,6 +1,7 @@
 """The program, on top: the ``cache-indexer`` command (``cli``), a replica (indexer + API,
 ``replica``), local mode's embedded nats-server (``nats_server``, ``runtime_file``), the events CLI
-(``inspect_events``) and ``simulate`` (fake vLLM engines, which only it and the tests run).
+(``inspect_events``; ``decode_event`` for the nats CLI's --translate) and ``simulate`` (fake vLLM
+engines, which only it and the tests run).
 
 May import: every package of the product. Nothing of the product imports it.
 """

@@ -5,7 +5,7 @@
   simulate   simulated vLLM engines that feed a running `local` (or a targets file you name)
   bridge     vLLM ZMQ events and Mooncake masters -> JetStream
   indexer    an indexer replica with the HTTP API
-  events     view|tail: print the L1 or L3 stream as JSON lines
+  events     view|tail: print the L1 or L3 stream as JSON lines; decode: one payload (nats --translate)
   config     show: print the effective configuration
 """
 
@@ -23,13 +23,17 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cache_indexer import __version__
-from infra.config_loader import ConfigError, load_config
-from infra.tasks import cancel_and_wait
-from schemas.config import Config
+
+if TYPE_CHECKING:  # imported where used: `events decode` runs once per message and imports none of it
+    from schemas.config import Config
 
 log = logging.getLogger("cache_indexer")
+#: The configuration file when --config is not given (the chart sets it in its pods, so commands run with
+#: `kubectl exec` find the same NATS server as the process).
+CONFIG_ENV = "CACHE_INDEXER_CONFIG"
 
 Step = Callable[[], Awaitable[None]]
 #: The C accelerators setup.py builds (optional: without them the pure-Python paths run)
@@ -80,6 +84,8 @@ async def serve(start: list[Step], stop: list[Step], shutdown_timeout: float,
         gc.freeze()
         await waiter
     else:
+        from infra.tasks import cancel_and_wait
+
         await cancel_and_wait(starting)
     waiter.cancel()
 
@@ -195,8 +201,9 @@ async def run_local(cfg: Config) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", "-c", metavar="FILE",
-                        help="YAML configuration file: the Helm values' shape (the chart's or the documented product's)")
+    common.add_argument("--config", "-c", metavar="FILE", default=os.environ.get(CONFIG_ENV) or None,
+                        help="YAML configuration file: the Helm values' shape (the chart's or the documented "
+                             f"product's); default ${CONFIG_ENV}, which the chart's pods set to their mounted file")
     common.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                         help="override one field, e.g. --set http.port=8080 (repeatable)")
     p = argparse.ArgumentParser(prog="cache-indexer", description=__doc__,
@@ -226,11 +233,18 @@ def _parser() -> argparse.ArgumentParser:
     add("indexer", "run an indexer replica with the API",
         "Rebuilds the L1 and L3 indexes from the streams (snapshot + tail) and serves the hit-rate API.")
     ev = add("events", "print stream messages",
-             "Prints stream messages as JSON lines. Without --config, --set or a CACHE_INDEXER_NATS__URL, it\n"
-             "finds a running `cache-indexer local` by itself.")
-    ev.add_argument("mode", choices=["view", "tail"], help="view: what the stream holds now; tail: follow it")
+             "view, tail: print stream messages as JSON lines. The NATS server is the configured one\n"
+             "(--config or $CACHE_INDEXER_CONFIG, which the chart's pods set; CACHE_INDEXER_NATS__URL; --set);\n"
+             "without one, a running `cache-indexer local`. A --subject that matches nothing is an error (exit 1).\n"
+             "decode: one message payload on stdin (either encoding) printed as JSON, for the nats CLI:\n"
+             "  nats stream view KV_L1 --translate 'cache-indexer events decode'\n"
+             "See docs/events.md.")
+    ev.add_argument("mode", choices=["view", "tail", "decode"],
+                    help="view: what the stream holds now; tail: follow it; decode: a payload on stdin")
     ev.add_argument("--subject", help="subject filter, e.g. 'kvcache.l1.10_0_0_1.>'")
-    ev.add_argument("--last", type=int, default=0, help="start this many messages before the end")
+    ev.add_argument("--last", type=int, default=0, metavar="N",
+                    help="only the last N messages (of --subject where given); tail: then follow")
+    ev.add_argument("--pretty", action="store_true", help="decode: indented JSON")
     ev.add_argument("--tier", choices=["l1", "l3"], default="l1", help="the L1 (vLLM) or L3 (Mooncake) stream")
     cfg = add("config", "print the effective configuration",
               "Prints the effective configuration tree as YAML: defaults < --config FILE < environment\n"
@@ -270,7 +284,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["events", "decode"]:
+        # a filter the nats CLI runs once per message: no configuration, no connection, and none of the
+        # imports the full parser brings (about 0.5 s a message)
+        from cache_indexer.decode_event import main as decode_main
+
+        return decode_main(argv[2:])
+    from infra.config_loader import ConfigError, load_config
+
     args = _parser().parse_args(argv)
+    if args.cmd == "events" and args.last < 0:
+        print("cache-indexer: --last must be 0 (everything) or more", file=sys.stderr)
+        return 2
     overrides = list(args.set)
     if getattr(args, "targets", None) and args.cmd == "local":
         overrides.append(f"discovery.static.file={args.targets}")

@@ -26,10 +26,10 @@ import socket
 import time
 import uuid
 
-import msgpack
 from nats.js import api
 from nats.js.errors import NotFoundError
 
+from infra.event_codec import decode
 from infra.lease import Lease
 from infra.loop_turns import LoopTurns
 from infra.metrics import Metrics
@@ -185,7 +185,7 @@ class Indexer:
             return
         try:  # rollups leave gaps on purpose: a full state replaces what it rolled up
             incomplete, refused = self.l3.incomplete, self.l3.out_of_order
-            self.l3.apply(msgpack.unpackb(msg.data, raw=False, strict_map_key=False))
+            self.l3.apply(decode(msg.data))
             if self.l3.incomplete != incomplete:
                 self.metrics.l3_incomplete_states.inc(self.l3.incomplete - incomplete)
             if self.l3.out_of_order != refused:
@@ -232,7 +232,7 @@ class Indexer:
         state = self.l1
         lost = state.stats.lost_gaps
         try:
-            pieces, stored = run_slices(msgpack.unpackb(msg.data, raw=False)), _stored_ns(msg)
+            pieces, stored = run_slices(decode(msg.data)), _stored_ns(msg)
         except Exception as exc:
             pieces, stored = [], None
             self._refused(seq, exc)
@@ -298,7 +298,7 @@ class Indexer:
     def _apply_read_back(self, state: L1State, raw, pod: str, rank: int) -> None:
         """A spilled message read back: applied as when it first came, to its worker alone."""
         try:
-            pieces = run_slices(msgpack.unpackb(raw.data, raw=False))
+            pieces = run_slices(decode(raw.data))
             stored = int(raw.time.timestamp() * 1e9) if raw.time is not None else None
         except Exception as exc:
             self._refused(raw.seq, exc)

@@ -356,6 +356,10 @@ class StreamConfig(_Section):
     replicas: int = Field(1, ge=1, le=5)
     storage: Literal["file", "memory"] = "file"
     maxMsgSize: Size = 1 << 20
+    #: How the bridge encodes the payloads it publishes: msgpack (compact), or json, which
+    #: ``nats stream view`` and ``nats sub`` print as it is (about twice the bytes: docs/events.md).
+    #: Indexers read both, whatever this says: a stream may hold both.
+    encoding: Literal["msgpack", "json"] = "msgpack"
 
     @model_validator(mode="after")
     def _window_within_age(self) -> "StreamConfig":

@@ -3,7 +3,9 @@
 One message per vLLM ``KVEventBatch`` (type ``batch``), or per run of consecutive batches of one worker
 that the bridge coalesced (``last_seq``, ``ends``), plus control messages (``reset``,
 ``pod_removed``) on the same stream so every indexer replica sees them in the same order. Payloads
-are msgpack maps of exactly these models; block hashes are the uint64 form of vLLM's int events.
+are maps of exactly these models, msgpack (the default) or JSON (``nats.l1Stream.encoding`` /
+``l3Stream.encoding``: readable with the nats CLI alone); infra/event_codec.py reads both, so a stream may
+hold both. Block hashes are the uint64 form of vLLM's int events.
 The hot paths encode and decode plain dicts; tests validate what the bridge writes against these models.
 """
 
@@ -16,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 SCHEMA_VERSION = 1
 CONTENT_TYPE_L1 = "application/vnd.cache-indexer.l1-event+msgpack"
 CONTENT_TYPE_L3 = "application/vnd.cache-indexer.l3-event+msgpack"
+#: (the JSON encoding's end in ``+json`` instead: infra/event_codec.py)
 
 U64 = Annotated[int, Field(ge=0, lt=1 << 64)]
 #: The index keeps the KV-cache groups a worker holds a block in as a 64-bit mask.

@@ -292,7 +292,9 @@ NATS_PASSWORD:
      role user, or what externalNats names in a Secret; files, an nkey seed or .creds, are mounted by
      natsClientVolumes), and the indexers' registration token (registration.enabled). */}}
 {{- define "cache-indexer.containerEnv" -}}
-{{- $env := list -}}
+{{- /* the mounted configuration: what `kubectl exec ... cache-indexer events view` (any command without
+     --config) reads, so it finds the NATS server the process uses */ -}}
+{{- $env := list (dict "name" "CACHE_INDEXER_CONFIG" "value" "/etc/cache-indexer/config.yaml") -}}
 {{- if .Values.nats.enabled -}}
 {{- if .Values.nats.auth.enabled -}}
 {{- $secret := include "cache-indexer.natsAuthSecret" (dict "auth" .Values.nats.auth "release" .Release.Name) -}}
