@@ -55,7 +55,7 @@ class ServiceValues(_Closed):
 
 
 class WorkloadValues(_Closed):
-    replicas: int = setting(2, "Pods.", ge=0)
+    replicas: int = setting(2, "Pods of this component.", ge=0)
     resources: KubeObject = setting({}, "Resources of its containers; default: `resources`.")
 
 
@@ -76,7 +76,8 @@ class ServiceAccountValues(_Closed):
 
 
 class RbacValues(_Closed):
-    create: bool = setting(True, "Role and RoleBinding to get/list/watch pods in the release namespace.")
+    create: bool = setting(True, """Role and RoleBinding to get/list/watch pods in the discovery namespace; only the
+        bridge mounts a ServiceAccount token (the indexers have `automountServiceAccountToken: false`).""")
 
 
 class NetworkPolicyValues(_Closed):
@@ -84,8 +85,10 @@ class NetworkPolicyValues(_Closed):
     monitoring from the namespace plus `metricsFrom`; the bundled NATS only from this release's pods."""
 
     enabled: bool = setting(True, "Create the NetworkPolicies.")
-    apiFrom: list[KubeObject] = setting([], "More peers allowed to the API (a router in another namespace).")
-    metricsFrom: list[KubeObject] = setting([], "More peers allowed to the metrics (Prometheus elsewhere).")
+    apiFrom: list[KubeObject] = setting([], """More NetworkPolicy peers allowed to the API port (a router or Prometheus
+        in another namespace, e.g. a namespaceSelector). `/metrics` is on the API port: expose it only to your
+        monitoring.""")
+    metricsFrom: list[KubeObject] = setting([], "More peers allowed to the bridge's ops port and NATS monitoring.")
 
 
 class TopologySpreadValues(_Closed):
@@ -111,14 +114,15 @@ class PodMonitorValues(_Closed):
 
 
 class PrometheusRuleValues(_Closed):
-    enabled: bool = setting(False, "Alerts: blockKey mismatch, no active bridge, replica not ready, ingest lag, "
-                                   "history lost.")
+    enabled: bool = setting(False, """A PrometheusRule (needs the PodMonitor's series): CacheIndexerBlockKeyMismatch,
+        CacheIndexerNoActiveBridge, CacheIndexerReplicaNotReady, CacheIndexerIngestLag, CacheIndexerHistoryLost.""")
     labels: dict[str, str] = setting({}, "Labels the Prometheus selects rules by.")
     ingestLagMessages: int = setting(10000, "Ingest lag (messages) that alerts.", ge=0)
 
 
 class GrafanaDashboardValues(_Closed):
-    enabled: bool = setting(False, "A ConfigMap Grafana's dashboard sidecar loads.")
+    enabled: bool = setting(False, """A ConfigMap Grafana's dashboard sidecar loads (charts/cache-indexer/dashboards/):
+        the API's rate, latency and ratios, the index, snapshots, the bridge, Mooncake polls.""")
     labels: dict[str, str] = setting({"grafana_dashboard": "1"}, "What the sidecar looks for.")
     annotations: dict[str, str] = setting({}, "E.g. a folder annotation.")
     namespace: str = setting("", "Namespace of the ConfigMap; default: the release namespace.")
@@ -143,7 +147,8 @@ class ExternalNatsValues(_Closed):
     from one Secret in the release namespace (never the ConfigMap). One kind at most."""
 
     url: str = setting("", "Its URL(s); required when `nats.enabled` is false. Sets `nats.url`.")
-    secretName: str = setting("", "The Secret holding the credentials.")
+    secretName: str = setting("", """The Secret holding the credentials (passwords and tokens reach the processes as
+        environment, seed and .creds files are mounted at /etc/nats-credentials).""")
     user: str = setting("", "NATS user (its password under `passwordKey`).")
     passwordKey: str = setting("", "Key of the password in the Secret.")
     tokenKey: str = setting("", "Key of a token in the Secret.")
@@ -154,7 +159,7 @@ class ExternalNatsValues(_Closed):
 class NatsTlsValues(_Closed):
     """TLS to NATS from a Secret laid out as cert-manager writes them (`ca.crt`, `tls.crt`, `tls.key`)."""
 
-    secretName: str = setting("", "The Secret; empty: no TLS.")
+    secretName: str = setting("", "The Secret (mounted at /etc/nats-tls); empty: no TLS.")
     caKey: str = setting("ca.crt", "Key of the private CA's certificate.")
     clientCertificate: bool = setting(False, "Present `tls.crt`/`tls.key` (the server verifies clients).")
     serverName: str = setting("", "The name on the server's certificate, where it is not the URL's host.")
@@ -163,8 +168,11 @@ class NatsTlsValues(_Closed):
 class NatsAuthValues(_Closed):
     """Authorization on the bundled NATS: one user per role (bridge, indexer, admin)."""
 
-    enabled: bool = setting(True, "Require users; passwords generated into `<release>-nats-auth` and kept.")
-    existingSecret: str = setting("", "A Secret with keys bridge-password, indexer-password, admin-password.")
+    enabled: bool = setting(True, """Require users: `cache-indexer-bridge` and `cache-indexer-indexer`, each limited to
+        its role, and `admin` (nats-box); passwords generated into `<release>-nats-auth` and kept across
+        upgrades.""")
+    existingSecret: str = setting("", """A Secret with keys bridge-password, indexer-password, admin-password (letters and
+        digits, starting with a letter: NATS reads them unquoted).""")
 
 
 #: The product's NATS settings a chart user sets under ``nats`` (url, credentials and TLS come from the chart).

@@ -491,17 +491,22 @@ def _merged(base: dict, over: dict) -> dict:
     return out
 
 
+def _schema_errors(values: dict) -> list[str]:
+    """values.schema.json applied as Helm does: to the user's values merged over the chart's values.yaml."""
+    import jsonschema
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    merged = _merged(yaml.safe_load((CHART / "values.yaml").read_text()), values)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in jsonschema.Draft202012Validator(schema).iter_errors(merged)]
+
+
 @pytest.mark.parametrize("values", [None, SEED_VALUES], ids=["chart", "documented"])
 def test_the_charts_and_the_documented_values_meet_the_values_schema(values):
     """What Helm applies on install/upgrade/template/lint, checked with jsonschema too (independent of
     the Helm engine's version). A key added to values.yaml without its field in schemas/chart_values.py
     fails here: add it there and run python -m schemas.generate. Under a second."""
-    import jsonschema
-
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    merged = _merged(yaml.safe_load((CHART / "values.yaml").read_text()), values or {})
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in jsonschema.Draft202012Validator(schema).iter_errors(merged)]
+    errors = _schema_errors(values or {})
     assert not errors, errors
 
 
@@ -515,12 +520,7 @@ def test_the_charts_and_the_documented_values_meet_the_values_schema(values):
 ], ids=["nested", "top-level", "under-nats", "tuning", "deprecated-name-bad-value", "bad-duration"])
 def test_a_misspelled_or_invalid_value_fails_the_install_naming_it(values, named):
     """Issue 38: before, a typo passed `helm install` and surfaced as a crash-looping pod."""
-    import jsonschema
-
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    merged = _merged(yaml.safe_load((CHART / "values.yaml").read_text()), values)
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in jsonschema.Draft202012Validator(schema).iter_errors(merged)]
+    errors = _schema_errors(values)
     assert errors and any(named in e for e in errors), errors
 
 
@@ -554,9 +554,10 @@ def test_without_the_schema_check_the_templates_still_refuse_an_unknown_key(char
 @needs_nats_chart
 def test_deprecated_names_are_listed_for_the_release_notes(chart, tmp_path):
     """The chart names the deprecated keys a release uses (templates/_settings.tpl, for NOTES.txt)."""
+    import shutil
+
     probe = tmp_path / "probe"
-    shutil_copy = __import__("shutil").copytree
-    shutil_copy(chart, probe)
+    shutil.copytree(chart, probe)
     (probe / "templates" / "probe.yaml").write_text(
         'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: probe}\ndata:\n  notes: |\n'
         '    {{- include "cache-indexer.deprecations" . | nindent 4 }}\n')
