@@ -10,12 +10,12 @@ its field here (tests/test_chart.py renders the chart's own values against the s
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from schemas.config import (BlockKeyConfig, DiscoveryConfig, Duration, HttpConfig, IngestConfig, LogConfig, NatsConfig,
-                            Size, SnapshotConfig, setting)
+                            SnapshotConfig, StreamConfig, setting)
 from schemas.helm_values import NATS_CHART_KEYS
 
 #: A Kubernetes object (or list) passed into the manifests as it is.
@@ -198,13 +198,17 @@ for _name in sorted(NATS_CHART_KEYS - set(NatsChartValues.model_fields)):
 NatsChartValues.model_rebuild(force=True)
 
 
-class StreamLimitsValues(_Closed):
-    maxAge: Duration | None = None
-    maxBytes: Size | None = None
-    duplicateWindow: Duration | None = None
-    replicas: int | None = Field(None, ge=1, le=5)
-    storage: Literal["file", "memory"] | None = None
-    maxMsgSize: Size | None = None
+#: A stream's settings under the deprecated ``jetstream.l1`` / ``jetstream.l3``: the same fields as
+#: ``nats.l1Stream`` (schemas/config.py's StreamConfig), every one optional.
+def _optional(info) -> object:
+    """The field's type, its validators and JSON Schema kept (durations, sizes), or null."""
+    kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    return Optional[kind]  # noqa: UP007 (built at run time)
+
+
+StreamLimitsValues = create_model(
+    "StreamLimitsValues", __base__=_Closed,
+    **{name: (_optional(info), None) for name, info in StreamConfig.model_fields.items()})
 
 
 class JetStreamValues(_Closed):
