@@ -105,8 +105,21 @@ def is_text_field(annotation: object) -> bool:
     return False
 
 
+def _text_takes_numbers(schema: dict, cls: type[BaseModel]) -> None:
+    """The JSON Schema of a text setting accepts a number too, as the model does (``_numbers_as_text``):
+    ``--set blockKey.pythonHashSeed=0`` reaches Helm's schema check as the number 0."""
+    for name, field in cls.model_fields.items():
+        prop = schema.get("properties", {}).get(field.alias or name)
+        if prop is None or get_origin(field.annotation) is Literal or not is_text_field(field.annotation):
+            continue
+        if prop.get("type") == "string":
+            prop["type"] = ["string", "number"]
+        elif any(o.get("type") == "string" for o in prop.get("anyOf", ())):
+            prop["anyOf"] = [*prop["anyOf"], {"type": "number"}]
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, json_schema_extra=_text_takes_numbers)
 
     @model_validator(mode="before")
     @classmethod

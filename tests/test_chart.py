@@ -567,3 +567,14 @@ def test_deprecated_names_are_listed_for_the_release_notes(chart, tmp_path):
     assert all(n in seed for n in ("service.targetPort: use http.port", "blockKey.prefixCachingHashAlgo: use "
                                    "blockKey.hashAlgo", "discovery.labels.*"))
     assert "jetstream.*: use nats.replicas" in notes({"jetstream": {"replicas": 3}})
+
+
+@needs_nats_chart
+def test_a_text_setting_given_as_a_number_passes_the_schema(chart):
+    """`helm install --set blockKey.pythonHashSeed=0` hands Helm the number 0: the schema takes it, as the
+    processes do (the seed stays the text "0")."""
+    from schemas.config import Config
+
+    cfg = Config.model_validate(config_of(render(chart, {"blockKey": {"pythonHashSeed": 0}})))
+    assert cfg.blockKey.pythonHashSeed == "0"
+    assert not _schema_errors({"blockKey": {"pythonHashSeed": 42}, "ingest": {"l1": {"topic": 7}}})
