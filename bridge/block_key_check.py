@@ -59,7 +59,7 @@ class BlockKeyCheck:
                 advice = diagnose(probe, self.block_key.pythonHashSeed)
                 log.error("pod %s hashes blocks differently from blockKey (hashAlgo=%s, pythonHashSeed=%r): every "
                           "hit ratio for it will be 0. %s", pod, self.block_key.hashAlgo,
-                          self.block_key.pythonHashSeed, advice)
+                          self.block_key.pythonHashSeed, advice, extra={"pod": pod})
             self.mismatched.add(pod)
         self.metrics.block_key_mismatched_pods.set(len(self.mismatched))
         if self._verdicts.get(pod) != ok:

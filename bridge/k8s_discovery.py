@@ -1,23 +1,30 @@
-"""vLLM pods from the Kubernetes API: list + watch by label, with a periodic relist.
+"""vLLM pods from the Kubernetes API: one list, then a watch resumed from the last resourceVersion.
 
 Only Running, Ready pods with an IP, not being deleted, whose ``pdRole`` label is one of the
 configured roles become targets. Each pod yields one endpoint per data-parallel rank (ports + rank).
 The endpoint carries the pod's epoch (uid and container restart count): a restarted container is a
 new endpoint, so the bridge restarts its subscription, which publishes a reset and replays from 0.
 
-The watch runs with ``timeout_seconds = discovery.refreshInterval``: whatever happens to a watch (a
-silent stall, a 410 Gone, a broken connection), the view is rebuilt from a fresh list at least that
-often.
+The pods are listed once; then a watch (``timeoutSeconds = discovery.refreshInterval``, with
+``allowWatchBookmarks``) follows from the list's resourceVersion, and each next watch resumes from the
+last resourceVersion seen, an event's or a BOOKMARK's: the API server replays what changed meanwhile, so
+nothing is lost and nothing is listed again. A bookmark moves the resume point on while none of our pods
+changes, so the history the API server keeps (about 5 min) does not run out from under it. Only a 410
+Gone (an ERROR event or an HTTP 410: that version is no longer kept) lists again; other errors back off
+and resume. A watch that goes silent is given up after twice its timeout and resumed. A periodic full
+list at 1,000 pods was a steady load on the API server (issue 38).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 
-from kubernetes_asyncio import client, config, watch
-from kubernetes_asyncio.client.exceptions import ApiException
+import aiohttp
+from kubernetes_asyncio import client, config
 
 from bridge.mooncake_poller import MasterTarget
 from bridge.endpoint import Endpoint
@@ -31,6 +38,19 @@ OnChange = Callable[[list[Endpoint]], Awaitable[None]]
 
 #: how long watch events gather before the targets are published (a burst becomes one publish)
 PUBLISH_AFTER = 0.1
+#: pods per list page (``limit``; client-go's pager uses 500): a page, not the whole namespace, is in memory
+LIST_PAGE = 500
+#: bound on one list page's body: 128 KiB a pod on average
+MAX_PAGE_BYTES = 64 << 20
+#: bound on one watch event (a line): above the 1.5 MiB etcd keeps for an object, so only a broken server
+#: or proxy sends more
+MAX_EVENT_BYTES = 4 << 20
+#: bound on the pods one selector tracks; more are left out (and logged): the memory is bounded
+MAX_PODS = 10_000
+#: bound on a resourceVersion (an opaque string to a client; etcd's are decimal integers)
+MAX_RV_CHARS = 128
+#: bound on a list page's round trip
+LIST_TIMEOUT = 60.0
 
 
 def label_selector(labels: dict[str, str]) -> str:
@@ -92,22 +112,103 @@ def master_targets(pod, cfg: MooncakeDiscoveryConfig, scheme: str = "http") -> l
     return [MasterTarget(name=pod.metadata.name, url=f"{scheme}://{host}:{port}")]
 
 
+class Relist(Exception):
+    """Only a list goes on from here."""
+
+
+class WatchGone(Relist):
+    """410 Gone: the resourceVersion to resume from is no longer kept."""
+
+
+class EventTooLarge(Relist):
+    """A watch event over MAX_EVENT_BYTES, dropped: resuming would meet it again, the list pages have room."""
+
+
+class WatchFailed(Exception):
+    """A list or watch that failed otherwise (an error status, a malformed event, a broken connection)."""
+
+
+def _resource_version(obj: dict) -> str:
+    meta = obj.get("metadata")
+    rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
+    if not isinstance(rv, str) or not 0 < len(rv) <= MAX_RV_CHARS:
+        raise WatchFailed(f"an event without a valid metadata.resourceVersion: {str(rv)[:MAX_RV_CHARS]!r}")
+    return rv
+
+
+async def _body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """A response's body, at most ``limit`` bytes; an error status is raised (410 as WatchGone)."""
+    data = bytearray()
+    while chunk := await resp.content.read(min(1 << 20, limit + 1 - len(data))):
+        data += chunk
+        if len(data) > limit:
+            raise WatchFailed(f"a response over {limit} bytes")
+    _check_status(resp.status, bytes(data))
+    return bytes(data)
+
+
+def _check_status(status: int, body: bytes) -> None:
+    if 200 <= status < 300:
+        return
+    try:
+        message = str(json.loads(body).get("message", ""))[:200]
+    except (ValueError, AttributeError):
+        message = body[:200].decode("utf-8", "replace")
+    if status == 410:
+        raise WatchGone(f"410 Gone: {message}")
+    raise WatchFailed(f"HTTP {status}: {message}")
+
+
+async def _lines(resp: aiohttp.ClientResponse, limit: int) -> AsyncIterator[bytes]:
+    """The lines of a watch's body, each at most ``limit`` bytes (never more is buffered)."""
+    buf = bytearray()
+    while chunk := await resp.content.readany():
+        start = len(buf)
+        buf += chunk
+        end = buf.find(b"\n", start)
+        while end >= 0:
+            if end > limit:
+                raise EventTooLarge(f"a watch event over {limit} bytes")
+            line = bytes(buf[:end])
+            del buf[:end + 1]
+            if line.strip():
+                yield line
+            end = buf.find(b"\n")
+        if len(buf) > limit:
+            raise EventTooLarge(f"a watch event over {limit} bytes")
+    if buf.strip():
+        raise WatchFailed("the watch ended inside an event")
+
+
 class KubernetesDiscovery:
     """List + watch of the pods matching ``selector``; ``mapper`` turns a pod into targets (vLLM
     endpoints by default, Mooncake masters with ``master_targets``)."""
 
+    #: the wait after a failed list or watch, doubling up to ``backoff_max`` (reset by a good watch)
+    backoff_initial = 1.0
+    backoff_max = 30.0
+
     def __init__(self, cfg: DiscoveryConfig, on_change: OnChange, api_client: client.ApiClient | None = None,
-                 selector: dict[str, str] | None = None, mapper=None) -> None:
+                 selector: dict[str, str] | None = None, mapper=None, metrics=None, kind: str = "vllm") -> None:
         self.cfg = cfg
         self.on_change = on_change
         self.selector = selector if selector is not None else cfg.vllm.labelSelector
         self.mapper = mapper or (lambda pod: pod_endpoints(pod, cfg.vllm))
         self._api_client = api_client
         self.pods: dict[str, object] = {}  # uid -> pod
+        #: where the next watch resumes: the last resourceVersion seen (None: list first)
+        self.resource_version: str | None = None
+        self.lists = 0  # list operations (each may be several pages)
+        self.watches = 0
+        #: counters of lists and watches (infra.metrics), labelled by what this discovers
+        self._counted = (metrics.discovery_lists.labels(kind), metrics.discovery_watches.labels(kind)) \
+            if metrics is not None else None
         self._task: asyncio.Task | None = None
         self._last: list[Endpoint] | None = None
         self._dirty = False
         self._publishing: asyncio.Task | None = None
+        self._publish_lock = asyncio.Lock()
+        self._over_cap = False
 
     async def _client(self) -> client.ApiClient:
         if self._api_client is None:
@@ -128,10 +229,11 @@ class KubernetesDiscovery:
             await self._api_client.close()
 
     async def _publish(self) -> None:
-        eps = sorted((t for pod in self.pods.values() for t in self.mapper(pod)), key=repr)
-        if eps != self._last:
-            self._last = eps
-            await self.on_change(eps)
+        async with self._publish_lock:  # the list's publish and the events' never interleave
+            eps = sorted((t for pod in self.pods.values() for t in self.mapper(pod)), key=repr)
+            if eps != self._last:
+                self._last = eps
+                await self.on_change(eps)
 
     def _changed(self) -> None:
         """A watch event: the targets are published once the events at hand are read. A burst (a rolling
@@ -153,38 +255,139 @@ class KubernetesDiscovery:
             except Exception:  # the next event publishes again; never a silent end
                 log.exception("kubernetes discovery: publishing the targets failed")
 
+    def _keep(self, pods: dict[str, object], pod) -> None:
+        """``pods[uid] = pod`` within MAX_PODS (a pod over the bound is left out, and logged once)."""
+        uid = pod.metadata.uid if pod.metadata is not None else None
+        if not isinstance(uid, str) or not uid:
+            raise WatchFailed("a pod without metadata.uid")
+        if uid not in pods and len(pods) >= MAX_PODS:
+            if not self._over_cap:
+                self._over_cap = True
+                log.error("kubernetes discovery (%s): over %d pods; the pods beyond are left out",
+                          label_selector(self.selector), MAX_PODS)
+            return
+        pods[uid] = pod
+
     async def _loop(self) -> None:
         api = client.CoreV1Api(await self._client())
-        ns = self.cfg.namespace or "default"
-        selector = label_selector(self.selector)
-        backoff = 1.0
+        loop = asyncio.get_running_loop()
+        backoff = self.backoff_initial
+        listed_at = -float("inf")
         while True:
             try:
-                listed = await api.list_namespaced_pod(ns, label_selector=selector)
-                self.pods = {p.metadata.uid: p for p in listed.items}
-                await self._publish()
-                backoff = 1.0
-                w = watch.Watch()
-                async with w:
-                    async for event in w.stream(api.list_namespaced_pod, ns, label_selector=selector,
-                                                resource_version=listed.metadata.resource_version,
-                                                timeout_seconds=max(1, int(self.cfg.refreshInterval))):
-                        pod = event["object"]
-                        if event["type"] == "DELETED":
-                            self.pods.pop(pod.metadata.uid, None)
-                        elif event["type"] in ("ADDED", "MODIFIED"):
-                            self.pods[pod.metadata.uid] = pod
-                        self._changed()
+                if self.resource_version is None:
+                    listed_at = loop.time()
+                    await self._list(api)
+                if await self._watch(api):
+                    backoff = self.backoff_initial
+                    continue
+                raise WatchFailed("the watch ended at once, with nothing")
             except asyncio.CancelledError:
                 raise
-            except ApiException as exc:
-                if exc.status == 410:
-                    log.info("watch expired (410 Gone): relisting")
+            except Relist as exc:
+                self.resource_version = None
+                if loop.time() - listed_at >= backoff:  # lists again at once, but not again and again
+                    log.log(logging.INFO if isinstance(exc, WatchGone) else logging.WARNING,
+                            "kubernetes discovery (%s): %s; listing again", label_selector(self.selector), exc)
                     continue
-                log.warning("kubernetes API error %s: %s; relisting in %.0fs", exc.status, exc.reason, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+                log.warning("kubernetes discovery (%s): %s right after a list; listing again in %.1fs",
+                            label_selector(self.selector), exc, backoff)
             except Exception as exc:
-                log.warning("kubernetes discovery: %s; relisting in %.0fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+                after = "listing" if self.resource_version is None else f"resuming from {self.resource_version}"
+                log.warning("kubernetes discovery (%s): %s; %s in %.1fs", label_selector(self.selector),
+                            str(exc) or type(exc).__name__, after, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.backoff_max)
+
+    async def _list(self, api: client.CoreV1Api) -> None:
+        """Every pod of the selector, page by page of one snapshot; the watch goes on from its version."""
+        self.lists += 1
+        if self._counted:
+            self._counted[0].inc()
+        pods: dict[str, object] = {}
+        self._over_cap = False
+        token = None
+        while True:
+            resp = await api.list_namespaced_pod(
+                self.cfg.namespace or "default", label_selector=label_selector(self.selector), limit=LIST_PAGE,
+                _continue=token, _preload_content=False, _request_timeout=LIST_TIMEOUT)
+            try:
+                page = self._api_client.deserialize(SimpleNamespace(data=await _body(resp, MAX_PAGE_BYTES)),
+                                                    "V1PodList")
+            finally:
+                resp.release()
+            for pod in page.items or []:
+                self._keep(pods, pod)
+            token = page.metadata._continue if page.metadata is not None else None
+            if not token:
+                break
+        rv = page.metadata.resource_version if page.metadata is not None else None
+        if not isinstance(rv, str) or not 0 < len(rv) <= MAX_RV_CHARS:
+            raise WatchFailed(f"a list without a valid resourceVersion: {str(rv)[:MAX_RV_CHARS]!r}")
+        self.pods = pods
+        self.resource_version = rv
+        log.info("kubernetes discovery (%s): listed %d pods at resourceVersion %s",
+                 label_selector(self.selector), len(pods), rv)
+        await self._publish()
+
+    async def _watch(self, api: client.CoreV1Api) -> bool:
+        """One watch from ``resource_version`` until the API server ends it; False when it ended at once
+        with nothing (a server that does so must not make a busy loop)."""
+        self.watches += 1
+        if self._counted:
+            self._counted[1].inc()
+        timeout = max(1, int(self.cfg.refreshInterval))
+        loop = asyncio.get_running_loop()
+        began, got = loop.time(), False
+        try:
+            async with asyncio.timeout(2 * timeout):  # the server ends it at ``timeout``: silent past that
+                resp = await api.list_namespaced_pod(
+                    self.cfg.namespace or "default", label_selector=label_selector(self.selector), watch=True,
+                    allow_watch_bookmarks=True, resource_version=self.resource_version, timeout_seconds=timeout,
+                    _preload_content=False)
+                done = False
+                try:
+                    if not 200 <= resp.status < 300:
+                        await _body(resp, 64 << 10)
+                    async for line in _lines(resp, MAX_EVENT_BYTES):
+                        got = True
+                        self._apply(line)
+                    done = True
+                finally:
+                    if done:
+                        resp.release()  # the connection serves the next watch
+                    else:
+                        resp.close()
+        except TimeoutError:
+            log.info("kubernetes discovery (%s): the watch went silent for %ds; resuming from %s",
+                     label_selector(self.selector), 2 * timeout, self.resource_version)
+            return True
+        return got or loop.time() - began >= 1.0
+
+    def _apply(self, line: bytes) -> None:
+        """One watch event: the pods, and the resourceVersion to resume from, move on."""
+        try:
+            event = json.loads(line)
+        except ValueError:
+            raise WatchFailed(f"a watch event that is not JSON: {line[:100]!r}") from None
+        obj = event.get("object") if isinstance(event, dict) else None
+        kind = event.get("type") if isinstance(event, dict) else None
+        if not isinstance(obj, dict) or not isinstance(kind, str):
+            raise WatchFailed(f"a malformed watch event: {line[:100]!r}")
+        if kind == "ERROR":
+            message = str(obj.get("message", ""))[:200]
+            if obj.get("code") == 410:
+                raise WatchGone(f"410 Gone: {message}")
+            raise WatchFailed(f"watch error {str(obj.get('code'))[:10]} {str(obj.get('reason'))[:50]}: {message}")
+        rv = _resource_version(obj)
+        if kind in ("ADDED", "MODIFIED", "DELETED"):
+            pod = self._api_client.deserialize(SimpleNamespace(data=json.dumps(obj)), "V1Pod")
+            if kind == "DELETED":
+                if pod.metadata is not None:
+                    self.pods.pop(pod.metadata.uid, None)
+            else:
+                self._keep(self.pods, pod)
+            self._changed()
+        elif kind != "BOOKMARK":
+            log.warning("kubernetes discovery: watch event of unknown type %r ignored", kind[:20])
+        self.resource_version = rv

@@ -153,7 +153,8 @@ class L1Publisher:
         best = recorded.get(rank) if recorded is not None else None
         from_stream = await self._stream_position(pod, rank)
         if from_stream is not None and from_stream.gen < 0:
-            log.info("%s rank %d: the rank was removed after its last batch: a new generation", pod, rank)
+            log.info("%s rank %d: the rank was removed after its last batch: a new generation", pod, rank,
+                     extra={"pod": pod, "rank": rank})
             return None
         if from_stream is not None and best is None:
             best = from_stream  # no record of the worker (the first start after an upgrade)
@@ -163,19 +164,20 @@ class L1Publisher:
             return None
         retired = max(self._retired.get((pod, None), -1), self._retired.get((pod, rank), -1))
         if best is not None and best.gen < retired:
-            log.info("%s rank %d: removed by this bridge after generation %d: a new generation", pod, rank, best.gen)
+            log.info("%s rank %d: removed by this bridge after generation %d: a new generation", pod, rank, best.gen,
+                     extra={"pod": pod, "rank": rank})
             return None
         started = max((sent.gen for sent in self._in_flight.get((pod, rank), ())), default=-1)
         if best is not None and best.gen < started:
             # this bridge started a newer generation (its messages not stored yet: a flap while NATS is slow):
             # the older one goes on nowhere, its batches stale once the newer reset is stored
             log.info("%s rank %d: generation %d is newer than the stream's and not stored yet: a new generation",
-                     pod, rank, started)
+                     pod, rank, started, extra={"pod": pod, "rank": rank})
             return None
         if best is None or self._js is None:
             if best is None:
                 log.info("%s rank %d: no resume record and no message on the stream: a new generation at its "
-                         "first batch", pod, rank)
+                         "first batch", pod, rank, extra={"pod": pod, "rank": rank})
             return best
         try:
             removed = await self._js.get_last_msg(self._stream, l1_lifecycle_subject(self._prefix, pod))
@@ -186,7 +188,8 @@ class L1Publisher:
             # after it (a retry); an older bridge's removal, without a mark, all before it in the stream
             mark = (removed.headers or {}).get("Kv-Gen", "")
             if (best.gen < int(mark)) if mark.isdigit() else (removed.seq > best.stream_seq):
-                log.info("%s rank %d: the pod was removed after its last batch: a new generation", pod, rank)
+                log.info("%s rank %d: the pod was removed after its last batch: a new generation", pod, rank,
+                         extra={"pod": pod, "rank": rank})
                 return None  # the pod left discovery after that batch: indexers retired its generation
         return best
 

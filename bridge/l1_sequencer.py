@@ -81,6 +81,7 @@ class L1Sequencer:
     def __init__(self, endpoint: Endpoint, sink: L1Publisher, metrics: Metrics, replay: ReplaySource,
                  max_batches: int, max_bytes: int, block_key_check: BlockKeyCheck | None = None) -> None:
         self.ep = endpoint
+        self.log = logging.LoggerAdapter(log, {"pod": endpoint.pod, "rank": endpoint.rank})
         self.sink = sink
         self.metrics = metrics
         self._ask = replay
@@ -113,17 +114,18 @@ class L1Sequencer:
         if pos is None:
             return
         if pos.epoch != (self.ep.epoch or "-"):
-            log.info("%s rank %d: engine epoch changed since the last bridge; starting fresh", self.ep.pod, self.ep.rank)
+            self.log.info("%s rank %d: engine epoch changed since the last bridge; starting fresh", self.ep.pod,
+                          self.ep.rank)
             return
         if pos.ts is None:  # a reset, or a batch cut off in parts: which engine process it was cannot be checked
-            log.info("%s rank %d: the stream's position (generation %d, seq %d) carries no vLLM timestamp to check the "
-                     "engine against; starting a new generation from its buffer", self.ep.pod, self.ep.rank, pos.gen,
-                     pos.seq)
+            self.log.info("%s rank %d: the stream's position (generation %d, seq %d) carries no vLLM timestamp to check the "
+                          "engine against; starting a new generation from its buffer", self.ep.pod, self.ep.rank, pos.gen,
+                          pos.seq)
             return
         self.gen, self.last, self.last_live, self.last_ts = pos.gen, pos.seq, None, pos.ts
         self.tail_unchecked = not pos.tail_checked
-        log.info("%s rank %d: resuming generation %d after seq %d%s", self.ep.pod, self.ep.rank, pos.gen, pos.seq,
-                 "" if pos.tail_checked else " (the stream's last message: no resume record)")
+        self.log.info("%s rank %d: resuming generation %d after seq %d%s", self.ep.pod, self.ep.rank, pos.gen, pos.seq,
+                      "" if pos.tail_checked else " (the stream's last message: no resume record)")
 
     def start_over(self) -> None:
         """The stream lost what was published: the next batch starts a new generation (a reset, then
@@ -143,8 +145,8 @@ class L1Sequencer:
         """A new generation after the refused batches, filled from the engine's buffer (reset ``refused``):
         the indexers would otherwise hold every later batch of this worker waiting for them."""
         upto, self.refused_upto = self.refused_upto, None
-        log.error("%s rank %d: the stream refused batches up to seq %d for good; starting a new generation "
-                  "after them", self.ep.pod, self.ep.rank, upto)
+        self.log.error("%s rank %d: the stream refused batches up to seq %d for good; starting a new generation "
+                       "after them", self.ep.pod, self.ep.rank, upto)
         await self._reset(upto + 1, "refused")
         self.last = upto
         await self.publish_buffered(upto + 1, None)
@@ -193,13 +195,13 @@ class L1Sequencer:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("%s rank %d: catching up from the replay socket failed", self.ep.pod, self.ep.rank)
+            self.log.exception("%s rank %d: catching up from the replay socket failed", self.ep.pod, self.ep.rank)
             return
         if self.last != before:
             # live batches queued meanwhile up to the new last are the same ones again, not a restart
             self.last_live = before
-            log.info("%s rank %d: caught up %d batches published while no bridge listened", self.ep.pod,
-                     self.ep.rank, self.last - before)
+            self.log.info("%s rank %d: caught up %d batches published while no bridge listened", self.ep.pod,
+                          self.ep.rank, self.last - before)
 
     async def _first_contact(self) -> None:
         """A new generation from the engine's buffer, before any live batch. An engine that answers with
@@ -209,13 +211,14 @@ class L1Sequencer:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("%s rank %d: asking the replay socket on first contact failed", self.ep.pod, self.ep.rank)
+            self.log.exception("%s rank %d: asking the replay socket on first contact failed", self.ep.pod,
+                               self.ep.rank)
             return
         if not first.batches or self.gen is not None:
             first.release()
             return
-        log.info("%s rank %d: first contact: seq %d..%d from the engine's buffer", self.ep.pod, self.ep.rank,
-                 first.batches[0][0], first.batches[-1][0])
+        self.log.info("%s rank %d: first contact: seq %d..%d from the engine's buffer", self.ep.pod, self.ep.rank,
+                      first.batches[0][0], first.batches[-1][0])
         start = first.batches[0][0]
         await self._start_at_buffer(first, "subscribed")
         self.contact_start = start
@@ -233,8 +236,8 @@ class L1Sequencer:
         if replayed.batches and replayed.batches[0][0] <= upto:
             first = replayed.batches[0][0]
             self.last = first - 1
-            log.info("%s rank %d: publishing seq %d..%d again (resumed from the stream's last message)",
-                     self.ep.pod, self.ep.rank, first, upto)
+            self.log.info("%s rank %d: publishing seq %d..%d again (resumed from the stream's last message)",
+                          self.ep.pod, self.ep.rank, first, upto)
         return replayed
 
     async def _restart_from_buffer(self) -> None:
@@ -344,8 +347,8 @@ class L1Sequencer:
         elif seq <= self.last:
             reconnected, self.reconnected = self.reconnected, False
             if self.last_live is None or seq <= self.last_live:
-                log.info("%s rank %d: seq went back %s -> %d: engine restarted", self.ep.pod, self.ep.rank,
-                         self.last_live, seq)
+                self.log.info("%s rank %d: seq went back %s -> %d: engine restarted", self.ep.pod, self.ep.rank,
+                              self.last_live, seq)
                 await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
                 return
             if reconnected:  # a batch published from a replay already, or a restarted engine's
@@ -360,7 +363,7 @@ class L1Sequencer:
         else:
             self.reconnected = False
             self.metrics.bridge_gaps.inc()
-            log.info("%s rank %d: gap %d..%d", self.ep.pod, self.ep.rank, self.last + 1, seq - 1)
+            self.log.info("%s rank %d: gap %d..%d", self.ep.pod, self.ep.rank, self.last + 1, seq - 1)
             same, replayed = await self._same_incarnation()
             if same is False:
                 replayed.release()
@@ -398,9 +401,9 @@ class L1Sequencer:
         await self._resync(seq, payload, want_from=0, new_gen=True, reason="engine-restart")
 
     def _log_new_incarnation(self) -> None:
-        log.warning("%s rank %d: the engine holds another batch at the seq published last (%d): a new engine "
-                    "incarnation; starting a new generation from what its replay buffer holds", self.ep.pod,
-                    self.ep.rank, self.last)
+        self.log.warning("%s rank %d: the engine holds another batch at the seq published last (%d): a new engine "
+                         "incarnation; starting a new generation from what its replay buffer holds", self.ep.pod,
+                         self.ep.rank, self.last)
 
     async def _resync(self, live_seq: int, live_payload: bytes, want_from: int, new_gen: bool, reason: str,
                       replayed: Replayed | None = None) -> None:

@@ -113,7 +113,7 @@ class L3Publisher:
             await self._publish(master, payload, headers, "l3_full")
         if len(parts) > 1:
             log.info("mooncake master %s: full state of %d pairs published in %d parts", master,
-                     sum(map(len, pods.values())), len(parts))
+                     sum(map(len, pods.values())), len(parts), extra={"master": master})
         return True
 
     async def _publish(self, master: str, payload: bytes, headers: dict[str, str], kind: str) -> None:

@@ -157,7 +157,8 @@ class MooncakePoller:
         if self._stopping or task.cancelled():
             return
         self.metrics.l3_poller_restarts.inc()
-        log.error("mooncake master %s: the poller ended (%r); restarting it", self.target.name, task.exception())
+        log.error("mooncake master %s: the poller ended (%r); restarting it", self.target.name, task.exception(),
+                  extra={"master": self.target.name})
         self.start()
 
     def start_over(self) -> None:
@@ -181,7 +182,7 @@ class MooncakePoller:
                 reason = poll_error_reason(exc)
                 self.metrics.l3_poll_errors.labels(reason).inc()
                 log.warning("mooncake master %s: poll failed (%s: %s); keeping the previous state",
-                            self.target.name, reason, describe(exc))
+                            self.target.name, reason, describe(exc), extra={"master": self.target.name})
             await asyncio.sleep(self.cfg.pollInterval)
 
     async def poll(self) -> None:

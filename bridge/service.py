@@ -167,6 +167,9 @@ class Bridge:
             await self._start_sources()
 
     async def _nats_lost(self) -> None:
+        if self.nc is not None and (self.nc.is_draining or self.nc.is_closed):
+            return  # our own close at shutdown
+        self.metrics.nats_disconnects.inc()
         if self.publisher is not None:
             self.publisher.connection_lost()
 
@@ -206,13 +209,15 @@ class Bridge:
         if self.cfg.discovery.mode == "static":
             self._watch_task = asyncio.create_task(self._watch_static(), name="bridge-static-targets")
         else:
-            self.discovery = KubernetesDiscovery(self.cfg.discovery, self.set_endpoints, self._kube_client)
+            self.discovery = KubernetesDiscovery(self.cfg.discovery, self.set_endpoints, self._kube_client,
+                                                 metrics=self.metrics)
             self.discovery.start()
             if self.cfg.ingest.l3.enabled:
                 mc, scheme = self.cfg.discovery.mooncakeMaster, self.cfg.ingest.l3.scheme
                 self.master_discovery = KubernetesDiscovery(self.cfg.discovery, self.set_masters, self._kube_client,
                                                             selector=mc.labelSelector,
-                                                            mapper=lambda pod: master_targets(pod, mc, scheme))
+                                                            mapper=lambda pod: master_targets(pod, mc, scheme),
+                                                            metrics=self.metrics, kind="mooncake_master")
                 self.master_discovery.start()
 
     async def _stop_sources(self) -> None:
@@ -324,12 +329,14 @@ class Bridge:
                 self._inherited_pods = set()
             for pod in live & self._leaving.keys():
                 del self._leaving[pod]
-                log.info("%s is back within ingest.l1.removalGrace: it resumes where it stopped", pod)
+                log.info("%s is back within ingest.l1.removalGrace: it resumes where it stopped", pod,
+                         extra={"pod": pod})
             if self.removals is not None:
                 for e in endpoints:
                     self.removals.cancel("rank", e.pod, e.rank)
                     if self.removals.cancel("pod", e.pod):
-                        log.info("%s is back before its removal reached the stream: not removed", e.pod)
+                        log.info("%s is back before its removal reached the stream: not removed", e.pod,
+                                 extra={"pod": e.pod})
             await self._subscribe_to(self._mine(endpoints))
             ranks: dict[str, set[int]] = {}
             for e in endpoints:
@@ -348,7 +355,7 @@ class Bridge:
                     await self._remove_pod(pod, "unregistered" if pod in was_registered else "discovery")
                 else:
                     self._leaving.setdefault(pod, time.monotonic() + grace)
-                    log.info("%s left discovery: removed in %.0fs unless it comes back", pod, grace)
+                    log.info("%s left discovery: removed in %.0fs unless it comes back", pod, grace, extra={"pod": pod})
             self._ranks = {pod: ranks.get(pod) or self._ranks.get(pod, set())
                            for pod in live | self._leaving.keys() | self._inherited_pods}
             self._want_shards()
@@ -434,7 +441,7 @@ class Bridge:
         wanted = set(endpoints)
         for ep in [e for e in self.subscribers if e not in wanted]:
             await self.subscribers.pop(ep).stop()
-            log.info("unsubscribed %s rank %d (%s)", ep.pod, ep.rank, ep.pub)
+            log.info("unsubscribed %s rank %d (%s)", ep.pod, ep.rank, ep.pub, extra={"pod": ep.pod, "rank": ep.rank})
         for ep in endpoints:
             if ep not in self.subscribers:
                 sub = VllmSubscriber(self.ctx, ep, self.cfg.ingest.l1, self.l1, self.metrics, self._replay_slots,
@@ -442,7 +449,8 @@ class Bridge:
                 await sub.resume_from_stream()
                 sub.start()
                 self.subscribers[ep] = sub
-                log.info("subscribed %s rank %d at %s (replay %s)", ep.pod, ep.rank, ep.pub, ep.replay or "off")
+                log.info("subscribed %s rank %d at %s (replay %s)", ep.pod, ep.rank, ep.pub, ep.replay or "off",
+                         extra={"pod": ep.pod, "rank": ep.rank})
 
     def _stream_missing(self) -> None:
         """A publish found no stream: look (at most every few seconds) and recreate what was lost."""
@@ -489,7 +497,7 @@ class Bridge:
                 for name in names:
                     self.removals.cancel("master", name)
             for name in sorted(gone):
-                log.info("mooncake master %s is gone: its L3 entries are dropped", name)
+                log.info("mooncake master %s is gone: its L3 entries are dropped", name, extra={"master": name})
                 if self.removals is not None:
                     self.removals.add("master", name)
                     self._settle_now.set()
@@ -512,14 +520,14 @@ class Bridge:
         wanted = set(masters)
         for target in [t for t in self.pollers if t not in wanted]:
             await self.pollers.pop(target).stop()
-            log.info("stopped polling mooncake master %s", target.name)
+            log.info("stopped polling mooncake master %s", target.name, extra={"master": target.name})
         for target in masters:
             if target not in self.pollers:
                 poller = MooncakePoller(target, self.cfg.ingest.l3, self.l3, self.metrics, self._http,
                                         segments_timeout=self.cfg.discovery.segmentsFetchTimeout)
                 poller.start()
                 self.pollers[target] = poller
-                log.info("polling mooncake master %s at %s", target.name, target.url)
+                log.info("polling mooncake master %s at %s", target.name, target.url, extra={"master": target.name})
 
     async def stop(self) -> None:
         if self._lease_task:

@@ -59,6 +59,7 @@ class VllmReplayClient:
                  metrics: Metrics, slots: asyncio.Semaphore) -> None:
         self.ctx = ctx
         self.ep = endpoint
+        self.log = logging.LoggerAdapter(log, {"pod": endpoint.pod, "rank": endpoint.rank})
         self.cfg = cfg
         self.budget = budget
         self.metrics = metrics
@@ -102,8 +103,8 @@ class VllmReplayClient:
                 rounds += 1
                 if got is None:  # nothing at all within replayTimeout
                     self.metrics.bridge_replays.labels("timeout").inc()
-                    log.warning("%s rank %d: replay from %d timed out after %d batches (%d rounds)", self.ep.pod,
-                                self.ep.rank, start, len(out.batches), rounds)
+                    self.log.warning("%s rank %d: replay from %d timed out after %d batches (%d rounds)", self.ep.pod,
+                                     self.ep.rank, start, len(out.batches), rounds)
                     self._last_failed = time.monotonic()
                     break
                 got.sort(key=lambda x: x[0])
@@ -120,8 +121,8 @@ class VllmReplayClient:
                     out.complete = complete and len(stretch) == len(got)
                     break  # whole, or nothing new (the buffer moved on meanwhile: what is missing is gone)
                 if rounds >= REPLAY_MAX_ROUNDS:  # an engine that never finishes: what is missing resets
-                    log.warning("%s rank %d: replay from %d still incomplete after %d rounds (%d batches)",
-                                self.ep.pod, self.ep.rank, start, rounds, len(out.batches))
+                    self.log.warning("%s rank %d: replay from %d still incomplete after %d rounds (%d batches)",
+                                     self.ep.pod, self.ep.rank, start, rounds, len(out.batches))
                     break
                 want = stretch[-1][0] + 1  # dropped from there on (or in the middle): ask again
                 self.metrics.bridge_replays.labels("round").inc()

@@ -57,6 +57,7 @@ class VllmSubscriber:
                  budget: ReceiveBudget | None = None) -> None:
         self.ctx = ctx
         self.ep = endpoint
+        self.log = logging.LoggerAdapter(log, {"pod": endpoint.pod, "rank": endpoint.rank})
         self.cfg = cfg
         self.sink = sink
         self.metrics = metrics
@@ -143,9 +144,9 @@ class VllmSubscriber:
                 event = parse_monitor_message(await asyncio.wait_for(self._monitor.recv_multipart(), wait))
             except asyncio.TimeoutError:
                 self.metrics.bridge_resubscribes.inc()
-                log.warning("%s rank %d: the connection to %s dropped and libzmq does not reconnect (a message over "
-                            "ingest.l1.maxBatchBytes=%d, or another protocol error): subscribing again", self.ep.pod,
-                            self.ep.rank, self.ep.pub, self.cfg.maxBatchBytes)
+                self.log.warning("%s rank %d: the connection to %s dropped and libzmq does not reconnect (a message over "
+                                 "ingest.l1.maxBatchBytes=%d, or another protocol error): subscribing again", self.ep.pod,
+                                 self.ep.rank, self.ep.pub, self.cfg.maxBatchBytes)
                 await self._close_socket()
                 self._open()
                 dropped_at = None
@@ -156,7 +157,7 @@ class VllmSubscriber:
             except zmq.ZMQError:
                 return  # the subscription is closing
             except Exception:
-                log.exception("%s rank %d: unreadable socket monitor event", self.ep.pod, self.ep.rank)
+                self.log.exception("%s rank %d: unreadable socket monitor event", self.ep.pod, self.ep.rank)
                 continue
             kind = event["event"]
             if kind == zmq.EVENT_CONNECTED:
@@ -168,7 +169,7 @@ class VllmSubscriber:
                     self._queued.set()  # a first contact waits for it
                 if connects > 1:
                     self.sequencer.reconnected = True
-                    log.info("%s rank %d: reconnected to %s", self.ep.pod, self.ep.rank, self.ep.pub)
+                    self.log.info("%s rank %d: reconnected to %s", self.ep.pod, self.ep.rank, self.ep.pub)
                 if resubscribed:  # at least the batch the old connection broke on is missing: ask for it now
                     resubscribed = False
                     self._catch_up_due = True
@@ -241,9 +242,9 @@ class VllmSubscriber:
                 except (zmq.ZMQError, OSError):  # OSError: from the bulk receive
                     if plain.closed or sock.closed:
                         return
-                    log.exception("%s rank %d: receive failed", self.ep.pod, self.ep.rank)
+                    self.log.exception("%s rank %d: receive failed", self.ep.pod, self.ep.rank)
                 except Exception:
-                    log.exception("%s rank %d: receive failed", self.ep.pod, self.ep.rank)
+                    self.log.exception("%s rank %d: receive failed", self.ep.pod, self.ep.rank)
                 try:  # bounded: a missed signal costs at most this much delay
                     await asyncio.wait_for(signalled.wait(), READ_WAIT_MAX)
                 except asyncio.TimeoutError:
@@ -346,7 +347,7 @@ class VllmSubscriber:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("%s rank %d: %s failed", self.ep.pod, self.ep.rank, what)
+            self.log.exception("%s rank %d: %s failed", self.ep.pod, self.ep.rank, what)
             return None
 
     async def _tail_again(self, upto: int, gen: int) -> None:
@@ -369,7 +370,7 @@ class VllmSubscriber:
             return len(frames) == 3 and len(frames[1]) == 8 and self.sequencer.take_usual(
                 int.from_bytes(frames[1], "big"), frames[2])
         except Exception:  # never let one message kill the subscription (dropped, as _on_frames drops it)
-            log.exception("%s rank %d: failed to handle a batch", self.ep.pod, self.ep.rank)
+            self.log.exception("%s rank %d: failed to handle a batch", self.ep.pod, self.ep.rank)
             return True
 
     async def _on_frames(self, frames: list[bytes]) -> None:
@@ -383,5 +384,5 @@ class VllmSubscriber:
         except asyncio.CancelledError:
             raise
         except Exception:  # never let one message kill the subscription
-            log.exception("%s rank %d: failed to handle a batch", self.ep.pod, self.ep.rank)
+            self.log.exception("%s rank %d: failed to handle a batch", self.ep.pod, self.ep.rank)
 

@@ -4,3 +4,7 @@
 
 May import: every package of the product. Nothing of the product imports it.
 """
+
+from infra.version import VERSION as __version__
+
+__all__ = ["__version__"]

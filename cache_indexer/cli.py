@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import errno
 import gc
-import json
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from cache_indexer import __version__
 from infra.config_loader import ConfigError, load_config, log_renamed
 from infra.tasks import cancel_and_wait
 from schemas.config import Config
@@ -32,26 +32,14 @@ from schemas.config import Config
 log = logging.getLogger("cache_indexer")
 
 Step = Callable[[], Awaitable[None]]
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)), "level": record.levelname.lower(),
-               "logger": record.name, "msg": record.getMessage()}
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
+#: The C accelerators setup.py builds (optional: without them the pure-Python paths run)
+NATIVE_MODULES = ("schemas._blockhash", "indexer._prefix_walk", "indexer._native_index", "bridge._zmq_drain")
 
 
 def setup_logging(cfg: Config) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if cfg.log.format == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(cfg.log.level.upper())
+    from infra.log_format import configure
+
+    configure(cfg.log.level, cfg.log.format)
 
 
 async def serve(start: list[Step], stop: list[Step], shutdown_timeout: float,
@@ -129,12 +117,23 @@ def check_port_free(host: str, port: int) -> str | None:
     return None
 
 
+def process_metrics(component: str | None):
+    """The process's registry: its own component's metrics (None: local mode's, all), and its build."""
+    from importlib.util import find_spec
+
+    from infra.metrics import Metrics
+
+    metrics = Metrics(component)
+    metrics.set_build_info(native=all(find_spec(m) is not None for m in NATIVE_MODULES))
+    return metrics
+
+
 async def run_bridge(cfg: Config) -> int:
     from api.ops import make_ops_app
     from api.server import HttpServer
     from bridge.service import Bridge
 
-    bridge = Bridge(cfg)
+    bridge = Bridge(cfg, process_metrics("bridge"))
     http = HttpServer(make_ops_app(bridge.metrics, bridge.is_ready, bridge.not_ready_reason), cfg.http, bridge.metrics)
     return await serve([http.start, bridge.start], [http.stop, bridge.stop], cfg.http.shutdownTimeout)
 
@@ -142,7 +141,7 @@ async def run_bridge(cfg: Config) -> int:
 async def run_indexer(cfg: Config) -> int:
     from cache_indexer.replica import Replica
 
-    replica = Replica(cfg)
+    replica = Replica(cfg, process_metrics("indexer"))
     return await serve([replica.start], [replica.http.stop, replica.indexer.stop], cfg.http.shutdownTimeout)
 
 
@@ -154,7 +153,6 @@ async def run_local(cfg: Config) -> int:
     with this process, so nothing is left behind whichever process gets the signal."""
     from bridge.service import Bridge
     from cache_indexer import runtime_file
-    from infra.metrics import Metrics
     from cache_indexer.nats_server import NatsServer
     from cache_indexer.replica import Replica
 
@@ -167,7 +165,7 @@ async def run_local(cfg: Config) -> int:
         server = NatsServer(store_dir=cfg.nats.embeddedStoreDir or None).start()
         cfg = cfg.model_copy(update={"nats": cfg.nats.model_copy(update={"url": server.url})})
         log.info("embedded nats-server at %s (store %s)", server.url, server.store_dir)
-    metrics = Metrics()
+    metrics = process_metrics(None)
     bridge = Bridge(cfg, metrics)
     replica = Replica(cfg, metrics)
     api_url = f"http://{cfg.http.host}:{cfg.http.port}"
@@ -204,6 +202,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="override one field, e.g. --set http.port=8080 (repeatable)")
     p = argparse.ArgumentParser(prog="cache-indexer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def add(name: str, summary: str, description: str) -> argparse.ArgumentParser:

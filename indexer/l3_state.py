@@ -217,7 +217,7 @@ class L3State(TierIndex):
     def _dropped(self, master: str, pending: _Parts, why: str) -> None:
         self.incomplete += 1
         log.warning("L3 full state of master %s dropped after %d of %d parts (%s); the previous state stands",
-                    master, pending.next, pending.parts, why)
+                    master, pending.next, pending.parts, why, extra={"master": master})
 
     def _replace(self, m: int, pods: dict[str, list[int]]) -> None:
         self._room_for(m, pods)

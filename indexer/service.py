@@ -285,7 +285,8 @@ class Indexer:
                     self.history_lost += 1
                     self.metrics.history_lost.inc()
                     log.error("stream %s: seq %d of %s rank %d, held back to be read later, is gone from the stream "
-                              "(retention): what it held is lost", self._stream, at, pod, rank)
+                              "(retention): what it held is lost", self._stream, at, pod, rank,
+                              extra={"pod": pod, "rank": rank})
                     state.read_back_gone((pod, rank))
                     continue
                 self.metrics.ingest_read_back.inc()

@@ -56,10 +56,16 @@ class Lease:
                 pass
         self.is_leader = False
 
-    def _set(self, leader: bool) -> None:
+    def _set(self, leader: bool, why: str = "") -> None:
+        """Losing the lease is a WARNING: the holder stops working (a bridge stops relaying) until it wins
+        the lease again; acquiring it is routine."""
         if leader != self.is_leader:
             self.is_leader = leader
-            log.info("%s lease %s: %s", self.key, "acquired" if leader else "lost", self.holder.decode())
+            fields = {"lease": self.key, "holder": self.holder.decode()}
+            if leader:
+                log.info("%s lease acquired by %s", self.key, fields["holder"], extra=fields)
+            else:
+                log.warning("%s lease lost by %s: %s", self.key, fields["holder"], why, extra=fields)
             self.changed.set()
 
     async def _loop(self) -> None:
@@ -82,7 +88,7 @@ class Lease:
             except KeyWrongLastSequenceError:
                 ours = await self._still_ours(kv)
                 if ours is None:
-                    self._set(False)
+                    self._set(False, "another holder's write replaced ours")
                 else:  # an earlier write was stored though its reply was lost: the key is ours, renewed now
                     rev, retry_soon = ours, True
                     self._set(True)
@@ -95,7 +101,7 @@ class Lease:
                     retry_soon = True
                 else:
                     log.debug("lease %s: %s", self.key, exc)
-                    self._set(False)
+                    self._set(False, f"not renewed within 80% of the TTL ({exc or type(exc).__name__})")
             if retry_soon:
                 await asyncio.sleep(min(0.5, self.ttl / 10))
             else:

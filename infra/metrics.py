@@ -1,17 +1,57 @@
-"""Prometheus metrics of all components, on one registry per process (or per test instance)."""
+"""Prometheus metrics of all components, on one registry per process (or per test instance).
+
+Every metric object exists in every process (code shared by the components may update any), but a
+process's registry exports only its own component's families and the shared ones: a bridge shows no
+``cache_indexer_ready``, an indexer no bridge gauges. ``local`` (and tests) export everything.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import platform
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+
+from infra.version import VERSION
+
+Component = Literal["bridge", "indexer"]
+
+#: Exported by every process: its HTTP server, event loop, NATS connection and records, its build.
+SHARED = frozenset({
+    "build_info", "http_header_timeouts", "http_headers_too_large", "loop_lag", "loop_lag_max", "loop_step",
+    "loop_step_max", "streams_recreated", "nats_disconnects", "registration_errors"})
+#: Exported by indexer replicas only: the hit-rate API, the index, ingest from the streams, snapshots.
+INDEXER = frozenset({
+    "http_requests", "http_latency", "hashed_blocks", "best_hit_ratio", "unknown_candidates",
+    "registrations_refused", "index_blocks", "index_entries", "index_workers", "ingest_applied", "ingest_errors",
+    "ingest_lost_gaps", "ingest_read_back", "ingest_lag", "ingest_last_seq", "ready", "snapshot_loads",
+    "snapshot_load_failures", "snapshot_writes", "snapshot_ingest_pause", "stream_reloads", "history_lost",
+    "l3_out_of_order", "l3_incomplete_states"})
+#: Exported by bridges only: vLLM subscriptions, Mooncake polls, publishing, the lease.
+BRIDGE = frozenset({
+    "bridge_batches", "bridge_block_events", "block_key_checks", "block_key_mismatched_pods", "bridge_malformed",
+    "bridge_gaps", "bridge_replays", "bridge_resets", "publish_retries", "publish_inflight", "subscriptions",
+    "subscriptions_disconnected", "bridge_resubscribes", "bridge_buffered_bytes", "l3_poll_errors",
+    "l3_poller_restarts", "l3_unparsed_keys", "l3_unlocatable_keys", "l3_relocated_keys", "l3_batch_query",
+    "l3_message_parts", "publish_refused", "l3_keys", "l3_poll_seconds", "targets_reload_errors", "bridge_leader",
+    "discovery_lists", "discovery_watches"})
+_OWN = {"bridge": BRIDGE, "indexer": INDEXER}
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LAG_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """``component``: the process's own families only (with the shared ones); None: all of them."""
+
+    def __init__(self, component: Component | None = None) -> None:
         r = self.registry = CollectorRegistry()
+        self.component = component
         p = "cache_indexer_"
+        self.build_info = Gauge(p + "build_info", "Always 1: the version, Python, whether the C accelerators "
+                                "are built (native) and the component of this process.",
+                                ["version", "python", "native", "component"], registry=r)
         # API
         self.http_requests = Counter(p + "http_requests_total", "HTTP requests by path and status.",
                                      ["path", "status"], registry=r)
@@ -145,6 +185,30 @@ class Metrics:
                                              "Static targets file versions that could not be used (kept the last good).",
                                              registry=r)
         self.bridge_leader = Gauge(p + "bridge_leader", "1 while this bridge holds the ingest lease.", registry=r)
+        self.discovery_lists = Counter(p + "discovery_lists_total", "Kubernetes pod LISTs by what is discovered "
+                                       "(at start and after 410 Gone; steady watching lists nothing).", ["kind"],
+                                       registry=r)
+        self.discovery_watches = Counter(p + "discovery_watches_total", "Kubernetes pod watches opened (each "
+                                         "resumes from the last resourceVersion).", ["kind"], registry=r)
+
+        self._keep_own(component)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+
+    def _keep_own(self, component: Component | None) -> None:
+        metrics = {name for name, value in vars(self).items() if isinstance(value, MetricWrapperBase)}
+        unassigned = metrics - SHARED - INDEXER - BRIDGE
+        if unassigned:  # a new metric must say which processes export it
+            raise AssertionError(f"metrics in no component (infra/metrics.py SHARED, INDEXER, BRIDGE): {unassigned}")
+        if component is None:
+            return
+        for name in metrics - SHARED - _OWN[component]:
+            self.registry.unregister(getattr(self, name))
+
+    def set_build_info(self, native: bool) -> None:
+        """``native``: every C accelerator of the package is built (setup.py); the pure-Python paths are
+        exact, only slower."""
+        self.build_info.labels(version=VERSION, python=platform.python_version(), native="yes" if native else "no",
+                               component=self.component or "local").set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -114,10 +114,15 @@ class PodMonitorValues(_Closed):
 
 
 class PrometheusRuleValues(_Closed):
-    enabled: bool = setting(False, """A PrometheusRule (needs the PodMonitor's series): CacheIndexerBlockKeyMismatch,
+    enabled: bool = setting(False, """A PrometheusRule (over this chart's PodMonitor or any scrape of the pods):
+        CacheIndexerBlockKeyMismatch,
         CacheIndexerNoActiveBridge, CacheIndexerReplicaNotReady, CacheIndexerIngestLag, CacheIndexerHistoryLost.""")
     labels: dict[str, str] = setting({}, "Labels the Prometheus selects rules by.")
     ingestLagMessages: int = setting(10000, "Ingest lag (messages) that alerts.", ge=0)
+    selector: str = setting('namespace="{{ .Release.Namespace }}"', """PromQL label matchers every rule adds (a
+        template): where this release's series are. The rules select by metric name, never the scrape job; the
+        default holds wherever scraping keeps the pod's namespace as `namespace` (prometheus-operator,
+        kube-prometheus-stack); e.g. `kubernetes_namespace="..."` elsewhere, `""` for none.""")
 
 
 class GrafanaDashboardValues(_Closed):

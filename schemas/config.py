@@ -152,7 +152,8 @@ class HttpConfig(_Section):
 
     host: str = setting("0.0.0.0", "Address to listen on; `local` mode binds 127.0.0.1.")
     port: int = setting(28080, "The API's port (the documented values' `service.targetPort`).", ge=0, le=65535)
-    shutdownTimeout: Duration = setting(10.0, "Graceful shutdown on SIGTERM: in-flight requests get this long.")
+    shutdownTimeout: Duration = setting(10.0, """Graceful shutdown on SIGTERM: in-flight requests get this long (the
+        chart gives both Deployments `terminationGracePeriodSeconds` of this plus 10 s).""")
     readHeaderTimeout: Duration = setting(
         10.0, """Time for a request's headers to arrive, from accept or from the first byte of a next request on a
         kept-alive connection; the connection is closed after (slowloris guard,
@@ -259,7 +260,9 @@ class DiscoveryConfig(_Section):
         "static", "`static` (a targets file) or `kubernetes` (pods by label; the chart's default).")
     namespace: str = setting("", "Kubernetes namespace of the pods (the chart sets the release namespace).")
     refreshInterval: Duration = setting(
-        10.0, "Pod watches are restarted with a fresh list at least this often: bounds staleness if a watch stalls.")
+        10.0, """The pod watch's `timeoutSeconds`: each watch ends after this long and the next resumes from the
+        last resourceVersion seen (events and bookmarks), without a list; a silent watch is given up after twice
+        this. Pods are listed again only on `410 Gone`.""")
     segmentsFetchTimeout: Duration = setting(
         2.0, """Bound on a Mooncake master's `/get_all_segments` (other master requests: `ingest.l3.httpTimeout`); a
         poll that exceeds it fails and keeps the previous state.""")

@@ -4,6 +4,7 @@ lease while the key is surely still ours; a renewal stored whose reply was lost 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
 
@@ -118,3 +119,19 @@ async def test_a_key_another_holder_took_gives_the_lease_up_at_once(kv):
         assert not lease.is_leader
     finally:
         await _stop(lease)
+
+
+async def test_losing_the_lease_is_a_warning_naming_the_lease_the_holder_and_why(kv, caplog):
+    """Issue 38: a bridge that loses the lease stops relaying; that was logged at INFO (the reason at
+    DEBUG). Now one WARNING, its lease and holder as fields; acquiring stays INFO."""
+    caplog.set_level(logging.DEBUG, logger="infra.lease")
+    lease, seen = await _leading(kv, ttl=1.0)
+    try:
+        kv.holder, kv.revision = b"someone-else", kv.revision + 1
+        await wait_for(lambda: seen == [False], 5, "the lease given up")
+    finally:
+        await _stop(lease)
+    records = [r for r in caplog.records if r.name == "infra.lease" and r.levelno >= logging.INFO]
+    assert [(r.levelname, r.getMessage()) for r in records] == [
+        ("INFO", "k lease acquired by me"), ("WARNING", "k lease lost by me: another holder's write replaced ours")]
+    assert (records[1].lease, records[1].holder) == ("k", "me")

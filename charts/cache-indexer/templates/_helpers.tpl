@@ -396,3 +396,21 @@ topologySpreadConstraints:
         app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end -}}
+
+{{/* Seconds of a duration as the processes read it: a number of seconds or 500ms, 10s, 2m, 1h. */}}
+{{- define "cache-indexer.seconds" -}}
+{{- $s := toString . | trim -}}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $s -}}
+{{- $unit := trimPrefix $num $s | trim -}}
+{{- $mult := dict "" 1.0 "s" 1.0 "ms" 0.001 "m" 60.0 "h" 3600.0 -}}
+{{- if or (not $num) (not (hasKey $mult $unit)) -}}
+{{- fail (printf "not a duration: %q (a number of seconds or e.g. 500ms, 10s, 2m, 1h)" $s) -}}
+{{- end -}}
+{{- mulf (float64 $num) (get $mult $unit) -}}
+{{- end -}}
+
+{{/* terminationGracePeriodSeconds: the process stops itself within http.shutdownTimeout (draining the
+     API, handing the bridge lease over, flushing publishes); 10 s more before Kubernetes kills it. */}}
+{{- define "cache-indexer.gracePeriod" -}}
+{{- add (include "cache-indexer.seconds" .Values.http.shutdownTimeout | float64 | ceil | int) 10 -}}
+{{- end -}}

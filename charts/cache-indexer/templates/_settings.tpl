@@ -33,6 +33,6 @@
 {{- if .Values.discovery.labels -}}{{- $notes = append $notes "discovery.labels.*: use discovery.vllm.labelSelector, pdRoleLabel, pdRoles and discovery.mooncakeMaster.labelSelector" -}}{{- end -}}
 {{- if .Values.jetstream -}}{{- $notes = append $notes "jetstream.*: use nats.replicas, nats.lease.ttl, nats.l1Stream.*, nats.l3Stream.*" -}}{{- end -}}
 {{- range $notes }}
-DEPRECATED {{ . }} (the old name still works; docs/configuration.md, "Renamed settings")
+  - {{ . }}
 {{- end -}}
 {{- end -}}
