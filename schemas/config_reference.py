@@ -174,7 +174,8 @@ def values_schema() -> dict:
         "description": "Deprecated: use discovery.vllm.labelSelector, pdRoleLabel, pdRoles and "
                        "discovery.mooncakeMaster.labelSelector."}
     schema = _strip(schema)
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+    # draft-07: what every Helm 3 and 4 validates with (the keywords used here mean the same in 2020-12)
+    return {"$schema": "http://json-schema.org/draft-07/schema#", **schema}
 
 
 def values_check_template() -> str:

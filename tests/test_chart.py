@@ -497,9 +497,10 @@ def _schema_errors(values: dict) -> list[str]:
     import jsonschema
 
     schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
     merged = _merged(yaml.safe_load((CHART / "values.yaml").read_text()), values)
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in jsonschema.Draft202012Validator(schema).iter_errors(merged)]
+            for e in jsonschema.Draft7Validator(schema).iter_errors(merged)]
 
 
 @pytest.mark.parametrize("values", [None, SEED_VALUES], ids=["chart", "documented"])
