@@ -7,8 +7,8 @@
 Text settings stay text from every source, spelled as given: ``CACHE_INDEXER_BLOCKKEY__PYTHONHASHSEED=0123``
 and an unquoted ``pythonHashSeed: 0123`` in a file are the seed ``"0123"``, not YAML 1.1's octal 83.
 Invalid configuration raises ConfigError naming the field as the user wrote it. Deprecated names
-(schemas.helm_values.RENAMED) work; each one found is kept on the Config (``renamed``) for the process
-to log once its logging is set up (``log_renamed``).
+(schemas.helm_values.RENAMED) work; each one found is kept on the Config (``Config.renamed``) for the
+process to log once its logging is set up (``log_renamed``).
 """
 
 from __future__ import annotations
@@ -143,18 +143,13 @@ def load_config(file: str | Path | None = None, env: Mapping[str, str] | None = 
             loc = f"{written[loc]} (now {loc})" if loc in written else loc
             lines.append(f"  {loc}: {err['msg']}")
         raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
-    object.__setattr__(cfg, "renamed", tuple(dict.fromkeys(notes)))
+    cfg.record_renamed(notes)
     return cfg
-
-
-def renamed(cfg: Config) -> tuple[Renamed, ...]:
-    """The deprecated names ``load_config`` found (empty for a Config built otherwise)."""
-    return getattr(cfg, "renamed", ())
 
 
 def log_renamed(cfg: Config, logger: logging.Logger | None = None) -> None:
     """One deprecation warning per deprecated name used, naming both names."""
-    for note in renamed(cfg):
+    for note in cfg.renamed:
         (logger or logging.getLogger("cache_indexer.config")).warning("configuration: %s", note.warning())
 
 

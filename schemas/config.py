@@ -8,10 +8,10 @@ import re
 from types import UnionType
 from typing import Annotated, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, SecretStr, WithJsonSchema,
-                      WrapValidator, model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PrivateAttr, SecretStr,
+                      WithJsonSchema, WrapValidator, model_validator)
 
-from schemas.helm_values import LABEL_KEYS, to_config_tree
+from schemas.helm_values import LABEL_KEYS, Renamed, to_config_tree
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|Ki|Mi|Gi|KB|MB|GB|K|M|G)?\s*$")
@@ -512,6 +512,16 @@ class Config(_Section):
     ingest: IngestConfig = IngestConfig()
     nats: NatsConfig = NatsConfig()
     snapshot: SnapshotConfig = SnapshotConfig()
+    _renamed: tuple[Renamed, ...] = PrivateAttr(())
+
+    @property
+    def renamed(self) -> tuple[Renamed, ...]:
+        """The deprecated names this configuration was given under (infra.config_loader records them), for
+        the process to log once its logging is set up."""
+        return self._renamed
+
+    def record_renamed(self, notes: list[Renamed]) -> None:
+        self._renamed = tuple(dict.fromkeys(notes))
 
     @model_validator(mode="before")
     @classmethod

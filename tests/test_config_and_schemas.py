@@ -183,12 +183,10 @@ def test_a_deprecated_name_is_logged_naming_both_and_the_setting_shows_its_name(
     ("http:\n  port: 9000\n", {}),
 ])
 def test_every_deprecated_name_found_is_reported(tmp_path, text, renamed):
-    from infra.config_loader import renamed as renamed_of
-
     f = tmp_path / "values.yaml"
     f.write_text(text)
     cfg = load_config(f, env={})
-    assert {n.written: n.name for n in renamed_of(cfg)} == renamed
+    assert {n.written: n.name for n in cfg.renamed} == renamed
     if "replicas" in text:  # one knob: every stream follows nats.replicas
         assert cfg.nats.replicas == cfg.nats.l1Stream.replicas == cfg.nats.l3Stream.replicas == 3
         assert cfg.nats.l1Stream.maxBytes == 2 << 30 and cfg.nats.lease.ttl == 20
