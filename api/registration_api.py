@@ -163,7 +163,7 @@ class RegistrationApi:
         return web.json_response({"status": "ok"})
 
     def _check_token(self, request: web.Request) -> None:
-        token = self.http.registrationToken
+        token = self.http.registrationToken.get_secret_value()
         if not token:
             raise _Refused(403, "off", "registration is off: set http.registrationToken (the chart: "
                                        "registration.enabled)")

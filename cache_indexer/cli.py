@@ -185,7 +185,8 @@ async def run_local(cfg: Config) -> int:
         runtime_file.remove_local()
 
     async def _announce() -> None:
-        runtime_file.write_local({"nats_url": cfg.nats.url, "api_url": api_url, "config": cfg.model_dump(mode="json"),
+        public = cfg.public()  # no secrets in the runtime file: masked, as `config show` prints them
+        runtime_file.write_local({"nats_url": public["nats"]["url"], "api_url": api_url, "config": public,
                                   "targets": str(Path(cfg.discovery.static.file).resolve()),
                                   "store_dir": server.store_dir if server else "",
                                   "temporary_store": bool(server and not cfg.nats.embeddedStoreDir)})
@@ -291,7 +292,7 @@ def _main(argv: list[str] | None) -> int:
         from cache_indexer.decode_event import main as decode_main
 
         return decode_main(argv[2:])
-    from infra.config_loader import ConfigError, load_config
+    from infra.config_loader import ConfigError, load_config, log_renamed
 
     args = _parser().parse_args(argv)
     if args.cmd == "events" and args.last < 0:
@@ -315,10 +316,11 @@ def _main(argv: list[str] | None) -> int:
             print(f"cache-indexer: {exc}", file=sys.stderr)
             return 2
     setup_logging(cfg)
+    log_renamed(cfg)
     if args.cmd == "config":
         import yaml
 
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        print(yaml.safe_dump(cfg.public(), sort_keys=False), end="")
         return 0
     if args.cmd == "events":
         from cache_indexer.inspect_events import inspect

@@ -6,11 +6,14 @@
 - flags: ``--set section.field=value`` (repeatable), like ``helm --set``.
 Text settings stay text from every source, spelled as given: ``CACHE_INDEXER_BLOCKKEY__PYTHONHASHSEED=0123``
 and an unquoted ``pythonHashSeed: 0123`` in a file are the seed ``"0123"``, not YAML 1.1's octal 83.
-Invalid configuration raises ConfigError naming the field.
+Invalid configuration raises ConfigError naming the field as the user wrote it. Deprecated names
+(schemas.helm_values.RENAMED) work; each one found is kept on the Config (``Config.renamed``) for the
+process to log once its logging is set up (``log_renamed``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -19,8 +22,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from schemas.config import Config, is_text_field
-from schemas.helm_values import parent_node
+from schemas.config import Config, NatsConfig, is_text_field
+from schemas.helm_values import Renamed, parent_node, to_config_tree
 
 ENV_PREFIX = "CACHE_INDEXER_"
 
@@ -126,14 +129,28 @@ def load_config(file: str | Path | None = None, env: Mapping[str, str] | None = 
         path, value = item.split("=", 1)
         names = _field_names(Config, path.strip().split("."))
         _set_path(tree, names, _scalar(value, names))
+    notes: list[Renamed] = []
     try:
-        return Config.model_validate(tree)
-    except ValidationError as exc:
+        tree = to_config_tree(tree, frozenset(NatsConfig.model_fields), notes)
+        cfg = Config.model_validate(tree)
+    except ValueError as exc:  # ValidationError is one
+        if not isinstance(exc, ValidationError):
+            raise ConfigError(f"invalid configuration:\n  {exc}") from None
+        written = {n.name: n.written for n in notes}
         lines = []
         for err in exc.errors(include_url=False):
             loc = ".".join(str(x) for x in err["loc"])
+            loc = f"{written[loc]} (now {loc})" if loc in written else loc
             lines.append(f"  {loc}: {err['msg']}")
         raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+    cfg.record_renamed(notes)
+    return cfg
+
+
+def log_renamed(cfg: Config, logger: logging.Logger | None = None) -> None:
+    """One deprecation warning per deprecated name used, naming both names."""
+    for note in cfg.renamed:
+        (logger or logging.getLogger("cache_indexer.config")).warning("configuration: %s", note.warning())
 
 
 def _merge(dst: dict, src: dict) -> None:

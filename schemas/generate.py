@@ -1,4 +1,5 @@
-"""Generates ``schemas/openapi.json`` and ``schemas/jsonschema/*.json`` from the pydantic models.
+"""Generates ``schemas/openapi.json``, ``schemas/jsonschema/*.json``, the chart's ``values.schema.json`` and
+``docs/configuration.md`` from the pydantic models.
 
     python -m schemas.generate          # write the files
     python -m schemas.generate --check  # exit 1 when the files are stale
@@ -14,11 +15,13 @@ from pydantic.json_schema import models_json_schema
 
 from schemas.api import ErrorResponse, HitRateRequest, HitRateResponse
 from schemas.config import Config
+from schemas.config_reference import configuration_md, values_check_template, values_schema
 from schemas.events import L1Envelope, L3Envelope
 from schemas.tiered_api import (QueryByHashRequest, QueryError, QueryRequest, QueryResponse, RegisterRequest,
                                 UnregisterRequest, WorkerInfo)
 
 HERE = Path(__file__).parent
+ROOT = HERE.parent
 
 _ERRORS = {
     "400": "Malformed request: empty body, invalid JSON, unknown field, wrong type, empty server_ip, block_size <= 0.",
@@ -130,8 +133,12 @@ def openapi() -> dict:
     }
 
 
-def documents() -> dict[Path, dict]:
+def documents() -> dict[Path, dict | str]:
+    """Every generated file and its content (a JSON document, or text)."""
     return {
+        ROOT / "charts" / "cache-indexer" / "values.schema.json": values_schema(),
+        ROOT / "docs" / "configuration.md": configuration_md(),
+        ROOT / "charts" / "cache-indexer" / "templates" / "_values_check.tpl": values_check_template(),
         HERE / "openapi.json": openapi(),
         HERE / "jsonschema" / "hit-rate-request.json": HitRateRequest.model_json_schema(),
         HERE / "jsonschema" / "hit-rate-response.json": HitRateResponse.model_json_schema(mode="serialization"),
@@ -141,8 +148,8 @@ def documents() -> dict[Path, dict]:
     }
 
 
-def render(doc: dict) -> str:
-    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+def render(doc: dict | str) -> str:
+    return doc if isinstance(doc, str) else json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
 def main(argv: list[str]) -> int:
@@ -156,7 +163,7 @@ def main(argv: list[str]) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     if stale:
-        print("stale generated schemas (run python -m schemas.generate):\n  " + "\n  ".join(stale))
+        print("stale generated files (run python -m schemas.generate):\n  " + "\n  ".join(stale))
         return 1
     return 0
 

@@ -138,12 +138,16 @@ def test_network_policies_and_no_api_token_where_none_is_needed(chart):
 
 
 @needs_nats_chart
-def test_a_nats_cluster_gets_every_server_in_the_url_and_replicas_on_every_asset(chart):
-    """Issue 16 #3: jetstream.replicas reaches the streams, the KV buckets and the snapshot store, and
-    nats.url lists every server of the StatefulSet (the bundled chart does not advertise them)."""
+@pytest.mark.parametrize("replicas", [{"nats": {"replicas": 3}}, {"jetstream": {"replicas": 3}}],
+                         ids=["nats.replicas", "deprecated-jetstream.replicas"])
+def test_a_nats_cluster_gets_every_server_in_the_url_and_replicas_on_every_asset(chart, replicas):
+    """Issue 16 #3: nats.replicas (formerly jetstream.replicas, still accepted) reaches the streams, the
+    KV buckets and the snapshot store, and nats.url lists every server of the StatefulSet (the bundled
+    chart does not advertise them)."""
     from schemas.config import Config
 
-    objs = render(chart, {"jetstream": {"replicas": 3}, "nats": {"config": {"cluster": {"enabled": True, "replicas": 3}}}})
+    cluster = {"config": {"cluster": {"enabled": True, "replicas": 3}}}
+    objs = render(chart, {**replicas, "nats": {**replicas.get("nats", {}), **cluster}})
     validate_all(objs)
     cfg = Config.model_validate(config_of(objs))
     assert cfg.nats.url.split(",") == ["nats://cache-indexer-nats.infer.svc:4222"] + [
@@ -212,8 +216,11 @@ def test_documented_service_values_move_the_port_everywhere(chart):
     assert (svc["spec"]["ports"][0]["port"], svc["spec"]["ports"][0]["targetPort"]) == (9090, 18080)
     c = by_kind(objs, "Deployment", "cache-indexer-indexer")[0]["spec"]["template"]["spec"]["containers"][0]
     assert c["ports"][0]["containerPort"] == 18080 and config_of(objs)["http"]["port"] == 18080
+    objs = render(chart, {"http": {"port": 9000}})  # the setting's name alone (the chart's default names neither)
+    assert by_kind(objs, "Service", "cache-indexer-service")[0]["spec"]["ports"][0]["targetPort"] == 9000
+    assert config_of(objs)["http"]["port"] == 9000
     with pytest.raises(helm.HelmError, match="http.port .* and service.targetPort"):
-        render(chart, {"http": {"port": 9000}})
+        render(chart, {"http": {"port": 9000}, "service": {"targetPort": 28080}})
 
 
 # -- names: the router's URL whatever the release ---------------------------------------------------
@@ -273,15 +280,22 @@ def test_registry_and_pull_secrets_reach_every_image(chart):
 # -- the bundled NATS ------------------------------------------------------------------------------
 @needs_nats_chart
 def test_streams_that_do_not_fit_the_nats_store_fail_at_render(chart):
-    with pytest.raises(helm.HelmError, match=r"jetstream.l1.maxBytes .* do not fit the NATS JetStream store"):
+    with pytest.raises(helm.HelmError, match=r"nats.l1Stream.maxBytes .* do not fit the NATS JetStream store"):
         render(chart, {"nats": {"config": {"jetstream": {"fileStore": {"pvc": {"size": "4Gi"}}}}}})
     with pytest.raises(helm.HelmError, match="do not fit"):  # exactly full: no room for the buckets
+        render(chart, {"nats": {"l1Stream": {"maxBytes": "8GiB"}, "l3Stream": {"maxBytes": "2GiB"}}})
+    with pytest.raises(helm.HelmError, match="do not fit"):  # the deprecated names count the same
         render(chart, {"jetstream": {"l1": {"maxBytes": "8GiB"}, "l3": {"maxBytes": "2GiB"}}})
     render(chart, {"jetstream": {"l1": {"maxBytes": "8GiB"}, "l3": {"maxBytes": "2047MiB"}}})
-    objs = render(chart, {"jetstream": {"l1": {"maxBytes": "16GiB"}, "l3": {"maxBytes": "2GiB"}},
-                          "nats": {"config": {"jetstream": {"fileStore": {"pvc": {"size": "20Gi"}}}}}})
+    objs = render(chart, {"nats": {"l1Stream": {"maxBytes": "16GiB"}, "l3Stream": {"maxBytes": "2GiB"},
+                                   "config": {"jetstream": {"fileStore": {"pvc": {"size": "20Gi"}}}}}})
     cfg = config_of(objs)
-    assert cfg["jetstream"]["l1"]["maxBytes"] == "16GiB" and cfg["jetstream"]["l3"]["maxBytes"] == "2GiB"
+    assert cfg["nats"]["l1Stream"]["maxBytes"] == "16GiB" and cfg["nats"]["l3Stream"]["maxBytes"] == "2GiB"
+    objs = render(chart, {"jetstream": {"l1": {"maxBytes": "3GiB"}, "leaseTtl": "20s", "duplicateWindow": "1m"}})
+    cfg = config_of(objs)
+    assert "jetstream" not in cfg, "the chart renders the settings' names"
+    assert cfg["nats"]["l1Stream"] == {"maxAge": "24h", "maxBytes": "3GiB", "encoding": "msgpack", "duplicateWindow": "1m"}
+    assert cfg["nats"]["lease"] == {"ttl": "20s"} and cfg["nats"]["l3Stream"]["duplicateWindow"] == "1m"
 
 
 def test_chart_without_its_nats_dependency_fails_saying_what_to_do():
@@ -467,3 +481,102 @@ def test_registration_takes_its_token_from_a_secret_and_only_the_indexers_get_it
     objs = render(chart, {"registration": {"enabled": True, "existingSecret": "engines-token"}})
     assert _container_env(objs, "indexer")[var]["valueFrom"]["secretKeyRef"] == {"name": "engines-token", "key": "token"}
     assert not [o for o in by_kind(objs, "Secret") if o["metadata"]["name"].endswith("-registration")]
+
+
+# -- values.schema.json: a typo fails the install, naming the key -----------------------------------
+def _merged(base: dict, over: dict) -> dict:
+    """Helm's merge of user values over the chart's values.yaml (maps merge, everything else replaces)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _schema_errors(values: dict) -> list[str]:
+    """values.schema.json applied as Helm does: to the user's values merged over the chart's values.yaml."""
+    import jsonschema
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    merged = _merged(yaml.safe_load((CHART / "values.yaml").read_text()), values)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in jsonschema.Draft7Validator(schema).iter_errors(merged)]
+
+
+@pytest.mark.parametrize("values", [None, SEED_VALUES], ids=["chart", "documented"])
+def test_the_charts_and_the_documented_values_meet_the_values_schema(values):
+    """What Helm applies on install/upgrade/template/lint, checked with jsonschema too (independent of
+    the Helm engine's version). A key added to values.yaml without its field in schemas/chart_values.py
+    fails here: add it there and run python -m schemas.generate. Under a second."""
+    errors = _schema_errors(values or {})
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("values,named", [
+    ({"discovery": {"refreshIntervall": "10s"}}, "refreshIntervall"),
+    ({"imagee": {"tag": "1"}}, "imagee"),
+    ({"nats": {"l1Streem": {"maxBytes": "1GiB"}}}, "l1Streem"),
+    ({"ingest": {"l1": {"rcvHwn": 10}}}, "rcvHwn"),
+    ({"blockKey": {"prefixCachingHashAlgo": "md5"}}, "prefixCachingHashAlgo"),
+    ({"http": {"readTimeout": "soon"}}, "readTimeout"),
+], ids=["nested", "top-level", "under-nats", "tuning", "deprecated-name-bad-value", "bad-duration"])
+def test_a_misspelled_or_invalid_value_fails_the_install_naming_it(values, named):
+    """Issue 38: before, a typo passed `helm install` and surfaced as a crash-looping pod."""
+    errors = _schema_errors(values)
+    assert errors and any(named in e for e in errors), errors
+
+
+@needs_nats_chart
+def test_helm_template_with_a_misspelled_value_fails_naming_it(chart):
+    """Helm's own engine applies values.schema.json (as `helm template` and `helm install` do)."""
+    with pytest.raises(helm.HelmError, match=r"/discovery.*refreshIntervall"):
+        render(chart, {"discovery": {"refreshIntervall": "10s"}})
+    with pytest.raises(helm.HelmError, match="imagee"):
+        render(chart, {"imagee": {"tag": "1"}})
+    with pytest.raises(helm.HelmError, match="/http/port"):
+        render(chart, {"http": {"port": "x"}})
+
+
+@needs_nats_chart
+def test_without_the_schema_check_the_templates_still_refuse_an_unknown_key(chart, tmp_path):
+    """`helm install --skip-schema-validation` (or a Helm that ignores the schema): the chart's own
+    check (templates/_values_check.tpl, generated) fails rendering, naming the key."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(chart, bare)
+    (bare / "values.schema.json").unlink()
+    with pytest.raises(helm.HelmError, match=r"unknown value discovery.refreshIntervall"):
+        render(bare, {"discovery": {"refreshIntervall": "10s"}})
+    with pytest.raises(helm.HelmError, match=r'unknown value "imagee"'):
+        render(bare, {"imagee": {"tag": "1"}})
+    render(bare, SEED_VALUES)
+
+
+@needs_nats_chart
+def test_deprecated_names_are_listed_for_the_release_notes(chart, tmp_path):
+    """The chart names the deprecated keys a release uses (templates/_settings.tpl; NOTES.txt prints them)."""
+    import shutil
+
+    probe = tmp_path / "probe"
+    shutil.copytree(chart, probe)
+    (probe / "templates" / "probe.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: probe}\ndata:\n  notes: |\n'
+        '    {{- include "cache-indexer.deprecations" . | nindent 4 }}\n')
+    notes = lambda values: by_kind(render(probe, values), "ConfigMap", "probe")[0]["data"]["notes"]  # noqa: E731
+    assert notes(None).strip() == ""
+    seed = notes(SEED_VALUES)
+    assert all(n in seed for n in ("service.targetPort: use http.port", "blockKey.prefixCachingHashAlgo: use "
+                                   "blockKey.hashAlgo", "discovery.labels.*"))
+    assert "jetstream.*: use nats.replicas" in notes({"jetstream": {"replicas": 3}})
+
+
+@needs_nats_chart
+def test_a_text_setting_given_as_a_number_passes_the_schema(chart):
+    """`helm install --set blockKey.pythonHashSeed=0` hands Helm the number 0: the schema takes it, as the
+    processes do (the seed stays the text "0")."""
+    from schemas.config import Config
+
+    cfg = Config.model_validate(config_of(render(chart, {"blockKey": {"pythonHashSeed": 0}})))
+    assert cfg.blockKey.pythonHashSeed == "0"
+    assert not _schema_errors({"blockKey": {"pythonHashSeed": 42}, "ingest": {"l1": {"topic": 7}}})

@@ -55,9 +55,16 @@ def test_grace_periods_follow_the_shutdown_timeout(chart, timeout, grace):
         assert _deployment(objs, component)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == grace
 
 
-def test_a_shutdown_timeout_that_is_not_a_duration_fails_naming_it(chart):
-    with pytest.raises(helm.HelmError, match='not a duration: "10x"'):
+def test_a_shutdown_timeout_that_is_not_a_duration_fails_naming_it(chart, tmp_path):
+    with pytest.raises(helm.HelmError, match="/http/shutdownTimeout.*'10x' does not match"):  # values.schema.json
         render(chart, {"http": {"shutdownTimeout": "10x"}})
+    import shutil
+
+    bare = tmp_path / "bare"  # where the schema is skipped, the template's own parse says it
+    shutil.copytree(chart, bare)
+    (bare / "values.schema.json").unlink()
+    with pytest.raises(helm.HelmError, match='not a duration: "10x"'):
+        render(bare, {"http": {"shutdownTimeout": "10x"}})
 
 
 def helm_test_pod(objs) -> dict:

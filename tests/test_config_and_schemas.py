@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -151,3 +152,97 @@ def test_documented_names_work_from_the_environment():
     cfg = load_config(env={"CACHE_INDEXER_BLOCKKEY__PREFIXCACHINGHASHALGO": "xxhash",
                            "CACHE_INDEXER_DISCOVERY__LABELS__ENGINEVALUE": "vllm-a"})
     assert cfg.blockKey.hashAlgo == "xxhash" and cfg.discovery.vllm.labelSelector == {"openfuyao.com/engine": "vllm-a"}
+
+
+# -- one name per setting (issue 38) ---------------------------------------------------------------
+def test_a_deprecated_name_is_logged_naming_both_and_the_setting_shows_its_name():
+    """The documented values file works as it is; each deprecated name it uses is one warning that names
+    the current name, and `config show` prints the current names. A few seconds (one process)."""
+    import yaml
+
+    r = subprocess.run([sys.executable, "-m", "cache_indexer.cli", "config", "show", "--config", str(SEED_VALUES)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for old, new in (("blockKey.prefixCachingHashAlgo", "blockKey.hashAlgo"), ("service.targetPort", "http.port"),
+                     ("discovery.labels.pdRoleValue", "discovery.vllm.pdRoles"),
+                     ("discovery.labels.engineKey/discovery.labels.engineValue", "discovery.vllm.labelSelector")):
+        assert f"{old} " in r.stderr and f"deprecated: use {new} " in r.stderr, r.stderr
+    tree = yaml.safe_load(r.stdout)
+    assert "prefixCachingHashAlgo" not in tree["blockKey"] and tree["blockKey"]["hashAlgo"] == "sha256_cbor"
+    chart = subprocess.run([sys.executable, "-m", "cache_indexer.cli", "config", "show", "--config",
+                            str(ROOT / "charts" / "cache-indexer" / "values.yaml")], capture_output=True, text=True,
+                           timeout=60)
+    assert chart.returncode == 0 and "deprecated" not in chart.stderr, "the chart's own values use current names"
+
+
+@pytest.mark.parametrize("text,renamed", [
+    ("jetstream:\n  l1:\n    maxBytes: 2GiB\n  leaseTtl: 20s\n  replicas: 3\n",
+     {"jetstream.l1.maxBytes": "nats.l1Stream.maxBytes", "jetstream.leaseTtl": "nats.lease.ttl",
+      "jetstream.replicas": "nats.replicas"}),
+    ("service:\n  targetPort: 9000\n", {"service.targetPort": "http.port"}),
+    ("http:\n  port: 9000\n", {}),
+])
+def test_every_deprecated_name_found_is_reported(tmp_path, text, renamed):
+    f = tmp_path / "values.yaml"
+    f.write_text(text)
+    cfg = load_config(f, env={})
+    assert {n.written: n.name for n in cfg.renamed} == renamed
+    if "replicas" in text:  # one knob: every stream follows nats.replicas
+        assert cfg.nats.replicas == cfg.nats.l1Stream.replicas == cfg.nats.l3Stream.replicas == 3
+        assert cfg.nats.l1Stream.maxBytes == 2 << 30 and cfg.nats.lease.ttl == 20
+
+
+@pytest.mark.parametrize("source", ["file", "env", "flag"])
+def test_an_error_names_the_key_as_the_user_wrote_it(tmp_path, source):
+    """Before, a bad value under a deprecated name was reported under the other name only."""
+    f = tmp_path / "values.yaml"
+    f.write_text("blockKey:\n  prefixCachingHashAlgo: md5\n")
+    kwargs = {"file": {"file": f, "env": {}},
+              "env": {"env": {"CACHE_INDEXER_BLOCKKEY__PREFIXCACHINGHASHALGO": "md5"}},
+              "flag": {"env": {}, "overrides": ["blockKey.prefixCachingHashAlgo=md5"]}}[source]
+    with pytest.raises(ConfigError, match=r"blockKey\.prefixCachingHashAlgo \(now blockKey\.hashAlgo\)"):
+        load_config(**kwargs)
+
+
+def test_secrets_are_never_printed_by_config_show():
+    """registrationToken, the NATS password and token, and credentials in a NATS URL: masked. One process."""
+    env = {**os.environ, "CACHE_INDEXER_HTTP__REGISTRATIONTOKEN": "reg-s3cret", "CACHE_INDEXER_NATS__USER": "u",
+           "CACHE_INDEXER_NATS__PASSWORD": "pw-s3cret", "CACHE_INDEXER_NATS__URL": "nats://u:url-s3cret@nats:4222"}
+    r = subprocess.run([sys.executable, "-m", "cache_indexer.cli", "config", "show"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "s3cret" not in r.stdout + r.stderr
+    import yaml
+
+    tree = yaml.safe_load(r.stdout)
+    assert tree["http"]["registrationToken"] == tree["nats"]["password"] == "**********"
+    assert tree["nats"]["url"] == "nats://***@nats:4222"
+    token_only = subprocess.run([sys.executable, "-m", "cache_indexer.cli", "config", "show"], capture_output=True,
+                                text=True, timeout=60, env={**os.environ, "CACHE_INDEXER_NATS__TOKEN": "tok-s3cret"})
+    assert token_only.returncode == 0 and "s3cret" not in token_only.stdout
+
+
+def test_the_generated_files_come_from_the_model():
+    """The reference, the JSON Schema, values.schema.json and the chart's key check are regenerated and
+    compared (test_generated_schemas_are_current); here: each setting of the model is in each of them,
+    with its description."""
+    import json
+
+    from schemas.chart_values import CHART_NATS_SETTINGS
+    from schemas.config_reference import settings
+
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    values_schema = json.loads((ROOT / "charts" / "cache-indexer" / "values.schema.json").read_text())
+    config_schema = json.loads((ROOT / "schemas" / "jsonschema" / "config.json").read_text())
+    for path, info, _ in settings(generate.Config):
+        assert info.description, f"{path} has no description"
+        assert f"| `{path}` |" in reference, path
+        chart_sets_it = path.startswith("nats.") and path.split(".")[1] not in CHART_NATS_SETTINGS
+        for schema in (config_schema,) if chart_sets_it else (config_schema, values_schema):
+            node = schema
+            for seg in path.split("."):
+                while "$ref" in node:
+                    node = schema["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+                node = node["properties"][seg]
+            assert node.get("description") == info.description, path
+    assert values_schema["additionalProperties"] is False

@@ -1,7 +1,7 @@
 """Issue 25: the import graph of the product's packages points one way, and no module uses another
 package's private names.
 
-Layers, bottom to top (README, Layout): ``schemas`` (the contracts: wire formats, configuration, the
+Layers, bottom to top (docs/development.md, Layout): ``schemas`` (the contracts: wire formats, configuration, the
 block hash); ``infra`` (the shared ground: NATS streams, leases, authentication, tasks, metrics,
 configuration loading); ``bridge`` and ``indexer`` side by side, neither importing the other; ``api``
 above the indexer; ``cache_indexer``, the program, on top. Every import statement counts, also one

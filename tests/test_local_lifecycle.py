@@ -291,13 +291,16 @@ def test_reconnect_warnings_are_throttled(caplog):
 
 async def test_simulate_registers_its_engines_and_asks_the_ecosystem_api(tmp_path, targets):
     """`simulate --register --ask query`: the engines come in over POST /register (the local instance's
-    token), the ratio is checked and the curl printed with POST /query, and Ctrl-C unregisters them."""
+    token, given to both: the runtime file never holds it), the ratio is checked and the curl printed with POST /query, and Ctrl-C unregisters them."""
     local = Local(tmp_path, targets, None, "--set", "http.registrationToken=local-token").start()
     sim = None
     try:
         await local.wait_ready()
+        record = (tmp_path / "run" / "local.json").read_text()
+        assert "local-token" not in record, "a secret in the runtime file (issue 38)"
+        assert json.loads(record)["config"]["http"]["registrationToken"] == "**********"
         sim = subprocess.Popen([sys.executable, "-m", "cache_indexer.cli", "simulate", "--rate", "50", "--register",
-                                "--ask", "query"], cwd=tmp_path, env=local.env, stdout=subprocess.PIPE,
+                                "--ask", "query", "--token", "local-token"], cwd=tmp_path, env=local.env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         url, body = await _printed_curl(sim)
         assert url == f"http://127.0.0.1:{local.port}/query"

@@ -36,7 +36,10 @@ CHAINS = [H.event_hashes(doc, BS) for doc in DOCS]
 
 
 def write_config(cfg, path: Path, **overrides) -> Path:
-    tree = cfg.model_dump(mode="json")
+    tree = cfg.model_dump(mode="json")  # secrets come out masked: the child process gets them in clear
+    tree["http"]["registrationToken"] = cfg.http.registrationToken.get_secret_value()
+    tree["nats"]["password"] = cfg.nats.password.get_secret_value()
+    tree["nats"]["token"] = cfg.nats.token.get_secret_value()
     for dotted, value in overrides.items():
         node = tree
         *parents, leaf = dotted.split(".")

@@ -304,7 +304,7 @@ class Sequencing(RuleBasedStateMachine):
         replaced is a version from before the resume records (it kept none), stopped by the rolling update,
         so the new one resumes every pod from the stream's last message, and publishes the engine's buffer
         up to it again."""
-        # Open (README, recovery; found by a 1,500-run hunt): after the stream refused a message, a new
+        # Open (docs/operations.md, recovery; found by a 1,500-run hunt): after the stream refused a message, a new
         # generation began while older ones of the old generation were still in flight; one stored after
         # the new reset is the subject's last message, and a bridge with no record (an upgrade) resumes
         # that old generation, whose batches the indexers then drop as stale. Upgrades are drawn only
@@ -314,7 +314,7 @@ class Sequencing(RuleBasedStateMachine):
         if records_first:
             self.records_written()
         if not graceful:
-            # The one window left open (README, recovery): a bridge killed while a new generation's reset
+            # The one window left open (docs/operations.md, recovery): a bridge killed while a new generation's reset
             # is in flight and a later batch of it was stored (out of order) leaves that generation
             # without its reset; the next bridge resumes it from the stream. The model kills bridges
             # outside it: a generation not yet recorded has its messages in flight stored first.

@@ -238,14 +238,13 @@ async def simulate(cfg: Config, args: argparse.Namespace, out=sys.stdout) -> int
     import zmq.asyncio
 
     record = runtime_file.read_local()
-    token = (args.token or os.environ.get("CACHE_INDEXER_HTTP__REGISTRATIONTOKEN")
-             or ((record or {}).get("config") or {}).get("http", {}).get("registrationToken", ""))
+    # The runtime record never holds the token (a secret): it comes from the flag or the environment.
+    token = args.token or os.environ.get("CACHE_INDEXER_HTTP__REGISTRATIONTOKEN")
     if args.register:
         targets_path = None
         if not token:
-            print("cache-indexer: --register needs the instance's registration token (--token, or "
-                  "$CACHE_INDEXER_HTTP__REGISTRATIONTOKEN; `cache-indexer local --set http.registrationToken=...`)",
-                  file=sys.stderr)
+            print("cache-indexer: --register needs the instance's registration token: --token TOKEN, or "
+                  "$CACHE_INDEXER_HTTP__REGISTRATIONTOKEN (what `cache-indexer local` was given)", file=sys.stderr)
             return 2
         if record is None and not args.api:
             print("cache-indexer: no running `cache-indexer local` found; start it first, or pass --api URL",

@@ -106,10 +106,13 @@ app.kubernetes.io/instance: {{ .Release.Name | trunc 63 | trimSuffix "-" }}
 {{- end -}}
 {{- $fs := $n.config.jetstream.fileStore -}}
 {{- $store := include "cache-indexer.bytes" ($fs.maxSize | default $fs.pvc.size) | atoi -}}
-{{- $l1 := include "cache-indexer.bytes" .Values.jetstream.l1.maxBytes | atoi -}}
-{{- $l3 := include "cache-indexer.bytes" .Values.jetstream.l3.maxBytes | atoi -}}
+{{- $streams := include "cache-indexer.natsSettings" . | fromYaml -}}
+{{- $l1b := ($streams.l1Stream | default dict).maxBytes | default "4GiB" -}}
+{{- $l3b := ($streams.l3Stream | default dict).maxBytes | default "1GiB" -}}
+{{- $l1 := include "cache-indexer.bytes" $l1b | atoi -}}
+{{- $l3 := include "cache-indexer.bytes" $l3b | atoi -}}
 {{- if ge (add $l1 $l3) $store -}}
-{{- fail (printf "jetstream.l1.maxBytes (%v) + jetstream.l3.maxBytes (%v) do not fit the NATS JetStream store (nats.config.jetstream.fileStore: %v): a NATS server reserves each stream's maxBytes and refuses any new stream, the snapshot store and the lease buckets included, once nothing is left; keep the sum below the store" .Values.jetstream.l1.maxBytes .Values.jetstream.l3.maxBytes ($fs.maxSize | default $fs.pvc.size)) -}}
+{{- fail (printf "nats.l1Stream.maxBytes (%v) + nats.l3Stream.maxBytes (%v) do not fit the NATS JetStream store (nats.config.jetstream.fileStore: %v): a NATS server reserves each stream's maxBytes and refuses any new stream, the snapshot store and the lease buckets included, once nothing is left; keep the sum below the store" $l1b $l3b ($fs.maxSize | default $fs.pvc.size)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
