@@ -61,7 +61,7 @@ PROBES_AT_ONCE = 1  # stores published while this many probes poll are not probe
 PROBE_GIVE_UP = 30.0
 DEFAULTS = {"trace": str(SAMPLE), "format": "auto", "requests": 500, "speeds": [20.0, 60.0], "engines": 8, "ranks": 1,
             "blocks_per_engine": 50_000, "block_size": 16, "cpu_blocks": 0, "lora_share": 0.0, "loras": 4,
-            "prefill_tps": 10_000.0, "tpot": 0.03, "policies": None, "dynamo": None, "engine_procs": 1,
+            "prefill_tps": 10_000.0, "tpot": 0.03, "policies": None, "dynamo": None,
             "verify_requests": 200, "chart": None, "probe": True}
 QUICK = {"requests": 200, "speeds": [60.0]}
 
@@ -346,19 +346,9 @@ class Replay:
         self.control.setsockopt(zmq.LINGER, 0)
         control_port = self.control.bind_to_random_port("tcp://127.0.0.1")
         subscribers = 1 + self.use_dynamo
-        procs = max(1, min(p["engine_procs"], p["engines"]))
-        per = -(-p["engines"] // procs)
-        hosts = []
-        for k in range(procs):
-            first = k * per
-            count = min(per, p["engines"] - first)
-            if count > 0:
-                hosts.append(_spawn(["-m", "bench.trace_engines", "--pods", str(count), "--first", str(first), "--ranks",
-                                     str(self.ranks), "--subscribers", str(subscribers), "--control",
-                                     f"tcp://127.0.0.1:{control_port}"], tmp / f"engines-{k}.log",
-                                    stdout=subprocess.PIPE, text=True))
-        if len(hosts) > 1:
-            raise ValueError("one engines' process for now (a PAIR socket each is needed for more)")
+        hosts = [_spawn(["-m", "bench.trace_engines", "--pods", str(p["engines"]), "--ranks", str(self.ranks),
+                         "--subscribers", str(subscribers), "--control", f"tcp://127.0.0.1:{control_port}"],
+                        tmp / "engines-0.log", stdout=subprocess.PIPE, text=True)]
         ours = dynamo = None
         ack_task = None
         try:

@@ -258,19 +258,25 @@ class CpuTier:
                 self.lru.move_to_end(h)
 
     def store(self, hashes: list[int], evicted: list[int]) -> list[int]:
-        """Stores those not held (evicting the least recently used); returns the indexes stored."""
+        """Stores those not held, after evicting the least recently used to make room (as vLLM's
+        ``prepare_store``: nothing stored where the tier cannot make room); returns their indexes."""
         lru = self.lru
-        out = []
+        new, seen = [], set()
         for i, h in enumerate(hashes):
             if h in lru:
                 lru.move_to_end(h)
-                continue
-            if len(lru) >= self.num_blocks:
-                old, _ = lru.popitem(last=False)
-                evicted.append(old)
-            lru[h] = None
-            out.append(i)
-        return out
+            elif h not in seen:
+                seen.add(h)
+                new.append(i)
+        over = len(lru) + len(new) - self.num_blocks
+        if over > len(lru):
+            return []
+        for _ in range(max(0, over)):
+            old, _ = lru.popitem(last=False)
+            evicted.append(old)
+        for i in new:
+            lru[hashes[i]] = None
+        return new
 
 
 @dataclass
