@@ -33,6 +33,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -62,7 +63,7 @@ PROBE_GIVE_UP = 30.0
 DEFAULTS = {"trace": str(SAMPLE), "format": "auto", "requests": 500, "speeds": [20.0, 60.0], "engines": 8, "ranks": 1,
             "blocks_per_engine": 50_000, "block_size": 16, "cpu_blocks": 0, "lora_share": 0.0, "loras": 4,
             "prefill_tps": 10_000.0, "tpot": 0.03, "policies": None, "dynamo": None,
-            "verify_requests": 200, "chart": None, "probe": True}
+            "verify_requests": 200, "chart": None, "probe": True, "profile": None}
 QUICK = {"requests": 200, "speeds": [60.0]}
 
 
@@ -375,6 +376,7 @@ class Replay:
                         raise RuntimeError(f"the engines were not subscribed: {(tmp / 'engines-0.log').read_text()[-2000:]}")
                 ack_task = asyncio.create_task(self._acks())
                 pids = {**ours.pids(), **({"dynamo": dynamo.proc.pid} if dynamo else {}), "engines": hosts[0].pid}
+                spies = _spy(self.p.get("profile"), f"{self.policy}-{self.speed:g}x", pids)
                 cpu0 = {k: _cpu(pid) for k, pid in pids.items()}
                 me0 = os.times()
                 t_wall = time.monotonic()
@@ -390,6 +392,7 @@ class Replay:
                 await asyncio.sleep(1.0)  # the indexer (and Dynamo) apply what is in flight
                 cpu = {k: _cpu(pid) - cpu0[k] for k, pid in pids.items()}
                 me = os.times()
+                _unspy(spies)
                 cpu["benchmark"] = me.user + me.system - me0.user - me0.system
                 self.out["wall_s"] = time.monotonic() - t_wall
                 self.out["cpu"] = cpu
@@ -530,6 +533,31 @@ async def _at_least(value, target) -> bool:
 
 async def _at_least_async(coro, target) -> bool:
     return (await coro) >= target
+
+
+def _spy(where: str | None, run: str, pids: dict[str, int]) -> list[subprocess.Popen]:
+    """py-spy on our Python processes (bridge, indexer, engines) over the replay: collapsed stacks (one
+    line a stack and its samples, flamegraph.pl's input) in ``where``/<run>-<process>.txt."""
+    if not where:
+        return []
+    spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if not spy:
+        raise RuntimeError("--profile needs py-spy (pip install py-spy; or PY_SPY=<path>)")
+    Path(where).mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([spy, "record", "--pid", str(pids[name]), "--rate", "250", "--nonblocking", "--format", "raw",
+                              "--output", str(Path(where) / f"{run}-{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name in ("bridge", "indexer", "engines") if name in pids]
+
+
+def _unspy(spies: list[subprocess.Popen]) -> None:
+    for s in spies:
+        s.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for s in spies:
+        try:
+            s.wait(30)
+        except subprocess.TimeoutExpired:
+            s.kill()
 
 
 def _debug(what: str) -> None:
@@ -684,9 +712,16 @@ def chart(res: dict, path: str | None) -> str | None:
           title=f"{p['engines']} engines, {res['trace_requests']:,} requests")
     b.set(xlabel="replay speed (x)", ylabel="freshness: publish to answer (ms)", xscale="log", yscale="log",
           title="freshness of the routed index")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    speeds = sorted({r["speed"] for r in runs})
     for ax in (a, b):
+        ax.set_xticks(speeds)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
+    b.yaxis.set_major_formatter(ScalarFormatter())
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -718,6 +753,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-probe", dest="probe", action="store_false", default=None, help="no freshness probes")
     ap.add_argument("--chart", help="where the PNG goes (default: the temp dir's cache-indexer-trace.png)")
     ap.add_argument("--json", help="also write the raw results here")
+    ap.add_argument("--profile", metavar="DIR", help="py-spy the bridge, the indexer and the engines over each replay: "
+                                                     "collapsed stacks in DIR (needs py-spy)")
     ap.add_argument("--quick", action="store_true", help="200 requests at 60x")
     return ap
 

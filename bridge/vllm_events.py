@@ -182,29 +182,61 @@ def _fast_hashes(values: list[int | bytes]) -> list[int]:
 
 
 def decode_current(payload: bytes) -> DecodedBatch:
-    """The current shape only, strictly (msgspec errors otherwise); the same result as the reference."""
+    """The current shape only, strictly (msgspec errors otherwise); the same result as the reference.
+    Consecutive removals of one medium and group come out as one event (``merge_removals``)."""
     batch = _strict.decode(payload)
     events: list[dict] = []
+    run: list | None = None  # the raw hashes of the removals gathered into the last event, while it is one
+    run_key = None
     for ev in batch.events:
         medium = ev.medium.upper() if ev.medium is not None else None
-        if type(ev) is _Stored:
-            parent = ev.parent_block_hash
-            out = {"kind": "stored", "medium": medium, "hashes": _fast_hashes(ev.block_hashes),
-                   "parent": None if parent is None else _fast_hashes([parent])[0]}
-            if ev.block_size is not None and ev.block_size > 0:
-                out["block_size"] = _in_range("block_size", ev.block_size, 1, MAX_BLOCK_SIZE)
-            if ev.lora_name is not None:
-                out["lora_name"] = ev.lora_name
-        elif type(ev) is _Removed:
-            out = {"kind": "removed", "medium": medium, "hashes": _fast_hashes(ev.block_hashes)}
+        if type(ev) is _Removed:
+            # vLLM publishes a BlockRemoved per evicted block: a batch that evicts 500 blocks holds 500 of them
+            key = (medium, ev.group_idx)
+            if run is not None and key == run_key:
+                run += ev.block_hashes
+                continue
+            if run is not None:
+                events[-1]["hashes"] = _fast_hashes(run)
+            run, run_key = list(ev.block_hashes), key
+            out = {"kind": "removed", "medium": medium, "hashes": None}
         else:
-            events.append({"kind": "cleared", "medium": medium})
-            continue
+            if run is not None:
+                events[-1]["hashes"] = _fast_hashes(run)
+                run = None
+            if type(ev) is _Stored:
+                parent = ev.parent_block_hash
+                out = {"kind": "stored", "medium": medium, "hashes": _fast_hashes(ev.block_hashes),
+                       "parent": None if parent is None else _fast_hashes([parent])[0]}
+                if ev.block_size is not None and ev.block_size > 0:
+                    out["block_size"] = _in_range("block_size", ev.block_size, 1, MAX_BLOCK_SIZE)
+                if ev.lora_name is not None:
+                    out["lora_name"] = ev.lora_name
+            else:
+                events.append({"kind": "cleared", "medium": medium})
+                continue
         if ev.group_idx is not None:
             out["group_idx"] = _in_range("group_idx", ev.group_idx, 0, MAX_GROUP_IDX)
         events.append(out)
+    if run is not None:
+        events[-1]["hashes"] = _fast_hashes(run)
     ts = batch.ts
     return DecodedBatch(ts=float(ts) if ts is not None else None, events=events, dp_rank=batch.dp_rank)
+
+
+def merge_removals(events: list[dict]) -> list[dict]:
+    """Consecutive removals of one medium and KV-cache group as one event, their hashes in order: the same
+    to every index (a removal is applied hash by hash, in order; a hash named twice is removed twice, one
+    copy each time), and one event to check, encode and apply instead of one per evicted block."""
+    out: list[dict] = []
+    for e in events:
+        prev = out[-1] if out else None
+        if (e["kind"] == "removed" and prev is not None and prev["kind"] == "removed"
+                and prev["medium"] == e["medium"] and prev.get("group_idx") == e.get("group_idx")):
+            prev["hashes"] = prev["hashes"] + e["hashes"]
+        else:
+            out.append(e)
+    return out
 
 
 def decode_batch(payload: bytes, want_probe: bool = False) -> DecodedBatch:
@@ -249,5 +281,5 @@ def decode_reference(payload: bytes, want_probe: bool = False) -> DecodedBatch:
         if (want_probe and probe is None and norm["kind"] == "stored" and norm["parent"] is None and norm["hashes"]
                 and norm["medium"] in (None, "GPU")):
             probe = _probe(ev)
-    return DecodedBatch(ts=float(ts) if ts is not None else None, events=events, dp_rank=dp_rank,
+    return DecodedBatch(ts=float(ts) if ts is not None else None, events=merge_removals(events), dp_rank=dp_rank,
                         unknown_events=unknown, probe=probe)

@@ -49,10 +49,32 @@ def test_decodes_every_shared_payload(path):
     assert batch.ts == decoded[0]
     assert batch.dp_rank == (decoded[2] if len(decoded) > 2 else None)
     assert batch.unknown_events == 0
-    assert len(batch.events) == len(decoded[1])
-    for got, raw in zip(batch.events, decoded[1]):
+    expected = []  # consecutive removals of one medium and group come as one event, their hashes in order
+    for raw in decoded[1]:
         exp = _expected(raw)
+        group = (raw.get("group_idx") if isinstance(raw, dict) else None)
+        prev = expected[-1] if expected else None
+        if prev and exp["kind"] == prev[0]["kind"] == "removed" and (exp["medium"], group) == (prev[0]["medium"], prev[1]):
+            prev[0]["hashes"] += exp["hashes"]
+        else:
+            expected.append((exp, group))
+    assert len(batch.events) == len(expected)
+    for got, (exp, _) in zip(batch.events, expected):
         assert {k: got.get(k) for k in exp} == exp
+
+
+def test_consecutive_removals_of_one_medium_and_group_are_one_event():
+    """vLLM publishes a BlockRemoved per evicted block; both decoders give a run of them as one event (the
+    same to every index), and keep apart what a store, another medium or another group separates."""
+    from bridge.vllm_events import decode_current, decode_reference
+    from cache_indexer.simulate.vllm_engine import batch_payload, removed, stored
+
+    events = [removed([1]), removed([2]), removed([2]), stored([3], block_size=4, token_ids=[0] * 4), removed([4]),
+              removed([5], medium="CPU"), removed([6], medium="cpu"), removed([7], group_idx=1), removed([8])]
+    for decode in (decode_batch, decode_current, decode_reference):
+        got = [(e["kind"], e["medium"], e.get("group_idx"), e["hashes"]) for e in decode(batch_payload(events)).events]
+        assert got == [("removed", "GPU", 0, [1, 2, 2]), ("stored", "GPU", 0, [3]), ("removed", "GPU", 0, [4]),
+                       ("removed", "CPU", 0, [5, 6]), ("removed", "GPU", 1, [7]), ("removed", "GPU", 0, [8])], decode
 
 
 def test_legacy_and_current_shapes_agree():
