@@ -67,11 +67,11 @@ DEFAULTS = {"trace": str(SAMPLE), "format": "auto", "requests": 500, "speeds": [
 QUICK = {"requests": 200, "speeds": [60.0]}
 
 
-def _cpu(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads) so far."""
+def _cpu(pid: int, system_only: bool = False) -> float:
+    """User + system (or system only) CPU seconds of a process (all its threads) so far."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return (int(fields[12]) + (0 if system_only else int(fields[11]))) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError):
         return 0.0
 
@@ -378,6 +378,7 @@ class Replay:
                 pids = {**ours.pids(), **({"dynamo": dynamo.proc.pid} if dynamo else {}), "engines": hosts[0].pid}
                 spies = _spy(self.p.get("profile"), f"{self.policy}-{self.speed:g}x", pids)
                 cpu0 = {k: _cpu(pid) for k, pid in pids.items()}
+                sys0 = {k: _cpu(pid, True) for k, pid in pids.items()}
                 me0 = os.times()
                 t_wall = time.monotonic()
                 await self._replay()
@@ -391,6 +392,7 @@ class Replay:
                 _debug("bridge published")
                 await asyncio.sleep(1.0)  # the indexer (and Dynamo) apply what is in flight
                 cpu = {k: _cpu(pid) - cpu0[k] for k, pid in pids.items()}
+                self.out["cpu_system"] = {k: _cpu(pid, True) - sys0[k] for k, pid in pids.items()}
                 me = os.times()
                 _unspy(spies)
                 cpu["benchmark"] = me.user + me.system - me0.user - me0.system
@@ -660,8 +662,8 @@ def table(res: dict) -> str:
                      f"{r['prompt_tokens'] / 1e6:,.2f}M | {r['agreement']:.2%} | {exact} | {fresh} | {query} | "
                      f"{_ms(r['lag'], 'p99')} / {_ms(r['lag'], 'max')} ms |")
     dyn = p["dynamo"]
-    lines += ["", "CPU seconds of each process over the replay (until every batch is in and 1 s more); block events "
-              "published; the index against the engines' truth after the run (a replica from the stream, entry by "
+    lines += ["", "CPU seconds of each process over the replay (until every batch is in and 1 s more; in brackets the "
+              "system time, kernel work such as loopback TCP, part of it); block events published; the index against the engines' truth after the run (a replica from the stream, entry by "
               "entry; the answers for a sample of the prompts):", "",
               "| policy | speed | batches / stored / removed | bridge | indexer | nats | ours total | " +
               ("Dynamo | ours / Dynamo | " if dyn else "") + "engines | benchmark | index == truth | answers wrong (ours" +
@@ -669,11 +671,15 @@ def table(res: dict) -> str:
               "|---|---|---|---|---|---|---|" + ("---|---|" if dyn else "") + "---|---|---|---|"]
     for r in runs:
         c, v = r["cpu"], r["verify"]
+        ks = r.get("cpu_system", {})
+
+        def cs(name: str) -> str:
+            return f"{c[name]:.2f} ({ks[name]:.2f})" if name in ks else f"{c[name]:.2f}"
         total = c["bridge"] + c["indexer"] + c["nats"]
         row = (f"| {r['policy']} | {r['speed']:g}x | {r['batches']:,} / {r['stored_events']:,} / {r['removed_events']:,} | "
-               f"{c['bridge']:.2f} | {c['indexer']:.2f} | {c['nats']:.2f} | {total:.2f} | ")
+               f"{cs('bridge')} | {cs('indexer')} | {cs('nats')} | {total:.2f} | ")
         if dyn:
-            row += f"{c['dynamo']:.2f} | {total / max(c['dynamo'], 1e-9):.2f}x | "
+            row += f"{cs('dynamo')} | {total / max(c['dynamo'], 1e-9):.2f}x | "
         exact = "yes" if v["state_exact"] else f"no: {v['state_missing']:,} missing, {v['state_extra']:,} extra"
         wrong = f"{v['ours_answers_wrong']}" + (f" / {v['dynamo_answers_wrong']}" if dyn else "")
         row += f"{c['engines']:.2f} | {c['benchmark']:.2f} | {exact} ({v['state_entries']:,} entries) | {wrong} of {v['checked']} |"
