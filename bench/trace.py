@@ -153,6 +153,26 @@ class Ours:
             self.nats.close()
 
 
+class LoggedDynamo(Dynamo):
+    """Dynamo's standalone indexer (bench/dynamo.py), its output kept in a log."""
+
+    def __init__(self, log: Path, **kw) -> None:
+        super().__init__([], **kw)
+        self.log = log
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([self.python, "-m", "dynamo.indexer", "--port", str(self.port), "--block-size",
+                                          str(self.block), "--workers", self.workers], stdout=out, stderr=subprocess.STDOUT)
+
+        async def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"Dynamo's indexer exited (code {self.proc.returncode}): "
+                                   f"{self.log.read_text()[-2000:]}")
+            return await _get(session, f"http://127.0.0.1:{self.port}/workers") is not None
+        await _until(up, 120, what="Dynamo's indexer up")
+
+
 class Replay:
     """One policy at one speed on a fresh fleet."""
 
@@ -367,13 +387,18 @@ class Replay:
                 if self.use_dynamo:
                     spec = ",".join(f"{i + 1}{f':{r}' if r else ''}=tcp://{host}:{pub + r}"
                                     for i, (host, pub, _) in enumerate(ports) for r in range(self.ranks))
-                    dynamo = Dynamo([], block=self.bs, workers=spec)
+                    dynamo = LoggedDynamo(tmp / "dynamo.log", block=self.bs, workers=spec)
                     await dynamo.start(session)
                     self.dynamo_url = f"http://127.0.0.1:{dynamo.port}"
-                for h in hosts:
-                    line = await asyncio.to_thread(h.stdout.readline)
-                    if line.strip() != "READY":
-                        raise RuntimeError(f"the engines were not subscribed: {(tmp / 'engines-0.log').read_text()[-2000:]}")
+                ready = asyncio.ensure_future(asyncio.to_thread(hosts[0].stdout.readline))
+                while not ready.done():  # every subscriber joined every engine; meanwhile, none of them died
+                    await asyncio.wait([ready], timeout=1.0)
+                    for name, proc in [*ours.procs.items(), *([("Dynamo", dynamo.proc)] if dynamo else [])]:
+                        if proc.poll() is not None:
+                            raise RuntimeError(f"{name} exited (code {proc.returncode}) before every engine had its "
+                                               f"subscribers; its log: {tmp}")
+                if ready.result().strip() != "READY":
+                    raise RuntimeError(f"the engines were not subscribed: {(tmp / 'engines-0.log').read_text()[-2000:]}")
                 ack_task = asyncio.create_task(self._acks())
                 pids = {**ours.pids(), **({"dynamo": dynamo.proc.pid} if dynamo else {}), "engines": hosts[0].pid}
                 spies = _spy(self.p.get("profile"), f"{self.policy}-{self.speed:g}x", pids)
@@ -399,11 +424,16 @@ class Replay:
                 self.out["wall_s"] = time.monotonic() - t_wall
                 self.out["cpu"] = cpu
                 self.out["verify"] = await self._verify(session, ours, dynamo)
+        except BaseException:
+            keep = True  # the processes' logs, for the error
+            raise
+        else:
+            keep = False
         finally:
             if ack_task:
                 ack_task.cancel()
             try:
-                await self.control.send(b"end")
+                await self.control.send(b"end", zmq.NOBLOCK)  # (no peer yet where the engines never got ready)
             except zmq.ZMQError:
                 pass
             for h in hosts:
@@ -419,7 +449,10 @@ class Replay:
             _debug("stopped")
             self.control.close(0)
             ctx.term()
-            shutil.rmtree(tmp, ignore_errors=True)
+            if keep:
+                print(f"trace: the run's logs are kept in {tmp}", file=sys.stderr)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
             _debug("cleaned up")
         f = self.fleet
         self.out.update({

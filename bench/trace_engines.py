@@ -28,10 +28,15 @@ def pod_host(i: int) -> str:
     return f"127.8.{i // 250}.{i % 250 + 1}"
 
 
+#: below Linux's ephemeral range (32768-60999 by default), from which the benchmark's own listeners take
+#: theirs (bench.common.free_port): Dynamo listens on every interface, so its port must not be an engine's
+PORT_RANGE = (10000, 32000)
+
+
 def _bind_pod(ctx, host: str, ranks: int, rng: random.Random) -> list[VllmPublisher]:
     """The pod's ranks on consecutive ports (its PUB base + r and replay base + r), retried until free."""
     for _ in range(200):
-        pub, rep = rng.randrange(20000, 60000 - ranks), rng.randrange(20000, 60000 - ranks)
+        pub, rep = rng.randrange(PORT_RANGE[0], PORT_RANGE[1] - ranks), rng.randrange(PORT_RANGE[0], PORT_RANGE[1] - ranks)
         if abs(pub - rep) < ranks:
             continue
         made: list[VllmPublisher] = []
