@@ -717,9 +717,33 @@ def table(res: dict) -> str:
         wrong = f"{v['ours_answers_wrong']}" + (f" / {v['dynamo_answers_wrong']}" if dyn else "")
         row += f"{c['engines']:.2f} | {c['benchmark']:.2f} | {exact} ({v['state_entries']:,} entries) | {wrong} of {v['checked']} |"
         lines.append(row)
+    lines += _marks(runs, dyn)
     if res.get("chart"):
         lines += ["", f"Chart: `{res['chart']}`"]
     return "\n".join(lines)
+
+
+def _marks(runs: list[dict], dyn: bool) -> list[str]:
+    """Per speed, the issue's marks: agreement of our KV policies with perfect knowledge; ingest CPU of our
+    processes against Dynamo's where neither is asked to route (its work alone); query latency through
+    ``/query`` against Dynamo's."""
+    out = ["", "Per speed:", ""]
+    for speed in dict.fromkeys(r["speed"] for r in runs):
+        at = {r["policy"]: r for r in runs if r["speed"] == speed}
+        parts = [f"{pol} {at[pol]['agreement']:.2%}" for pol in ("kv-seed", "kv-query", "dynamo") if pol in at]
+        line = f"- {speed:g}x: agreement with perfect knowledge: {', '.join(parts) or '-'}"
+        quiet = [r for pol, r in at.items() if pol not in KV_POLICIES]
+        if dyn and quiet:
+            ours = sum(r["cpu"]["bridge"] + r["cpu"]["indexer"] + r["cpu"]["nats"] for r in quiet)
+            theirs = sum(r["cpu"]["dynamo"] for r in quiet)
+            line += (f"; ingest CPU (runs without routing queries: {', '.join(r['policy'] for r in quiet)}) ours "
+                     f"{ours:.2f} s / Dynamo {theirs:.2f} s = {ours / max(theirs, 1e-9):.2f}x")
+        if "kv-query" in at and "dynamo" in at and at["kv-query"]["query"]["n"] and at["dynamo"]["query"]["n"]:
+            q, d = at["kv-query"]["query"], at["dynamo"]["query"]
+            line += (f"; /query p50 / p99 ours {q['p50'] * 1e3:.2f} / {q['p99'] * 1e3:.2f} ms, Dynamo "
+                     f"{d['p50'] * 1e3:.2f} / {d['p99'] * 1e3:.2f} ms ({q['p50'] / d['p50']:.2f} / {q['p99'] / d['p99']:.2f}x)")
+        out.append(line)
+    return out
 
 
 def chart(res: dict, path: str | None) -> str | None:
