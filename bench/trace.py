@@ -771,11 +771,12 @@ def chart(res: dict, path: str | None) -> str | None:
                 b.plot([r["speed"] for r in rs], [r["fresh"]["p99"] * 1e3 for r in rs], marker="^", linestyle="--",
                        color=line.get_color(), label=f"{pol} p99")
     p = res["params"]
+    a.set_ylim(bottom=0)
     a.set(xlabel="replay speed (x)", ylabel="fleet prefix-hit rate (%)", xscale="log",
           title=f"{p['engines']} engines, {res['trace_requests']:,} requests")
     b.set(xlabel="replay speed (x)", ylabel="freshness: publish to answer (ms)", xscale="log", yscale="log",
           title="freshness of the routed index")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter, ScalarFormatter
 
     speeds = sorted({r["speed"] for r in runs})
     for ax in (a, b):
@@ -784,7 +785,9 @@ def chart(res: dict, path: str | None) -> str | None:
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    b.yaxis.set_major_formatter(ScalarFormatter())
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    b.yaxis.set_major_formatter(plain)
+    b.yaxis.set_minor_formatter(plain)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
