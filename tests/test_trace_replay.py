@@ -5,6 +5,7 @@ index equals the engines' truth afterwards, entry by entry, and KV-aware routing
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -92,6 +93,20 @@ def test_the_sample_loads_and_ids_become_stable_tokens():
     a, b = tok.prompt(reqs[0]), tok.prompt(reqs[1])
     assert len(a) == reqs[0].input_length
     assert a[:512] == b[:512] and a[512:1024] != b[512:1024]  # both start with id 0, then differ
+
+
+def test_the_bailian_layout_is_read_in_seconds_and_16_token_blocks(tmp_path):
+    rows = [{"chat_id": 2, "parent_chat_id": 1, "timestamp": 61.5, "input_length": 40, "output_length": 3, "type": "text",
+             "turn": 2, "hash_ids": [7, 8, 9]},
+            {"chat_id": 1, "parent_chat_id": -1, "timestamp": 61.0, "input_length": 20, "output_length": 5, "type": "text",
+             "turn": 1, "hash_ids": [7, 8]}]
+    path = tmp_path / "bailian.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs, block_tokens = load_trace(path)
+    assert block_tokens == 16 and [r.at for r in reqs] == [0.0, 0.5] and [r.ids for r in reqs] == [(7, 8), (7, 8, 9)]
+    tok = Tokens(block_tokens)
+    first, second = tok.prompt(reqs[0]), tok.prompt(reqs[1])
+    assert len(first) == 20 and second[:20] == first  # the second turn extends the first
 
 
 # -- end to end ------------------------------------------------------------------------------------
