@@ -7,7 +7,7 @@ to fix, the second is sizing (CPU requests and limits). Two measures:
 
 - the lag: how late the process's timers fire (wall clock: both causes). Every timer the loop runs counts
   (a sleep, a timeout, a call_later: each a sample taken in the step timing below, one comparison), and the
-  monitor's own timer, every ``every`` seconds (0.1 s), makes sure of a sample in a quiet process; each
+  monitor's own timer, every ``every`` seconds (1 s), makes sure of a sample in a quiet process; each
   tick records the latest of them since the tick before. A fast timer of its own (5 ms before) cost an idle
   process 200 wake-ups a second, about 3% of a core, more than the work it watched on a real trace;
 - the steps: every callback the loop runs (``asyncio.Handle._run``: a task's step, an I/O callback),
@@ -92,7 +92,7 @@ class WindowMax:
 
 
 class LoopLagMonitor:
-    def __init__(self, metrics, every: float = 0.1) -> None:
+    def __init__(self, metrics, every: float = 1.0) -> None:
         self.metrics = metrics
         self.every = every
         #: the latest any timer fired since the last tick (set by the step timing)

@@ -43,8 +43,8 @@ class Metrics:
                                           "anything but the IP the bridge subscribes to shows up here).",
                                           registry=r)
         self.loop_lag = Histogram(p + "event_loop_lag_seconds", "How late the process's timers fired, the latest "
-                                  "in each 0.1 s (every timer it sets counts, and one of the monitor's own every "
-                                  "0.1 s; wall clock: this process's own work, or waiting for a core).", buckets=_LAG_BUCKETS,
+                                  "in each second (every timer it sets counts, and one of the monitor's own every "
+                                  "second; wall clock: this process's own work, or waiting for a core).", buckets=_LAG_BUCKETS,
                                   registry=r)
         self.loop_lag_max = Gauge(p + "event_loop_lag_max_seconds", "The longest event_loop_lag_seconds of the last "
                                   "10 to 20 s.", registry=r)

@@ -76,15 +76,15 @@ async def test_a_loop_kept_off_the_cpu_shows_as_lag_only():
     assert asyncio.events.Handle._run.__name__ == "_run", "the plain step again once nobody watches"
 
 
-async def test_an_idle_monitor_wakes_its_loop_a_few_times_a_second_not_two_hundred():
-    """Its own timer is coarse (0.1 s): a 5 ms one cost an idle process about 3% of a core (issue 37). ~1 s."""
+async def test_an_idle_monitor_wakes_its_loop_once_a_second_not_two_hundred_times():
+    """Its own timer is coarse (1 s): a 5 ms one cost an idle process about 3% of a core (issue 37). ~1.5 s."""
     metrics = Metrics()
     monitor = LoopLagMonitor(metrics)
     monitor.start()
     try:
-        await asyncio.sleep(1.0)  # (this sleep is one timer more, not a tick)
+        await asyncio.sleep(1.5)  # (this sleep is one timer more, not a tick)
         ticks = metrics.registry.get_sample_value("cache_indexer_event_loop_lag_seconds_count")
-        assert 5 <= ticks <= 12, ticks
+        assert ticks == 1, ticks
     finally:
         await monitor.stop()
 
