@@ -11,7 +11,8 @@ keys on hashes).
 
 Two paths: the current shape (a batch of tagged maps, every field of the type it should be) is decoded by
 msgspec into typed structs that skip what the index does not need (token ids: most of a batch's bytes),
-about twice as fast; anything else (older shapes, unknown events, odd types) fails that strict decoder
+about twice as fast (and its plain form, before msgspec, by bridge/_vllm_decode.c where it is built, which
+returns msgspec's result: ``decode_current``); anything else (older shapes, unknown events, odd types) fails that strict decoder
 and takes the tolerant reference path, which has the last word. A test checks both give the same result.
 What the fast path skips it never decodes: a batch whose skipped parts msgpack-python refuses (a map
 keyed by arrays, a reserved ext code, text that is not UTF-8 in an unknown field) is decoded by the fast
