@@ -1,4 +1,4 @@
-"""python -m bench [all|hashing|memory|query|ingest|replay|refcounts|l3|dynamo|fanout|events|fleet] [--quick] [--full] [--write]
+"""python -m bench [all|hashing|memory|query|ingest|replay|refcounts|l3|dynamo|fanout|events|fleet|trace] [--quick] [--full] [--write]
 
 Runs the benchmarks and prints one Markdown report; --write also stores it in bench/RESULTS.md.
 """
@@ -26,6 +26,8 @@ SECTIONS = {
     "fleet": ("A fleet: fill, snapshots, a rolling update of every pod, discovery churn and a restore, with the query "
               "path probed",
               "bench.fleet"),
+    "trace": ("A trace-driven fleet: a public trace replayed through simulated vLLM engines, routed by each policy "
+              "(python -m bench.trace for its options)", "bench.trace"),
 }
 
 

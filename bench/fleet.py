@@ -19,7 +19,7 @@ replica about the fleet's shared system prompt every 5 ms throughout. Phases:
 The query path is measured per phase by the probe (end to end, what a router sees, including the
 probe's own wait for a core) and by the replica itself (infra/loop_lag.py): the steps of its event loop
 in CPU time (``cache_indexer_event_loop_step_seconds``: its own work, which a query arriving meanwhile
-waits for, whatever else runs on the machine) and how late a 5 ms timer fired (wall clock, waiting
+waits for, whatever else runs on the machine) and how late its timers fired (wall clock, waiting
 for a core included).
 With two or more cores (``pin``), the replica and the probe get the last core and everything else
 (engines, bridge, nats-server) the others, as a replica with its own CPU request would.
@@ -394,7 +394,7 @@ def table(res: dict) -> str:
                     f"{_ms(p['p99_ms'])} / {_ms(p['max_ms'])} |")
         lag = res["lag"].get(phase)
         if lag:
-            rows.append(f"| {phase}: the replica's event loop: steps of its own work (CPU) / lag of a 5 ms timer "
+            rows.append(f"| {phase}: the replica's event loop: steps of its own work (CPU) / lag of its timers "
                         f"(wall) | {_loop(lag['step'])} / {_loop(lag['lag'])} |")
         lag = res.get("bridge_lag", {}).get(phase)
         if lag:

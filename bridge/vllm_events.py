@@ -11,7 +11,8 @@ keys on hashes).
 
 Two paths: the current shape (a batch of tagged maps, every field of the type it should be) is decoded by
 msgspec into typed structs that skip what the index does not need (token ids: most of a batch's bytes),
-about twice as fast; anything else (older shapes, unknown events, odd types) fails that strict decoder
+about twice as fast (and its plain form, before msgspec, by bridge/_vllm_decode.c where it is built, which
+returns msgspec's result: ``decode_current``); anything else (older shapes, unknown events, odd types) fails that strict decoder
 and takes the tolerant reference path, which has the last word. A test checks both give the same result.
 What the fast path skips it never decodes: a batch whose skipped parts msgpack-python refuses (a map
 keyed by arrays, a reserved ext code, text that is not UTF-8 in an unknown field) is decoded by the fast
@@ -176,35 +177,85 @@ class _Batch(msgspec.Struct, array_like=True):
 
 _strict = msgspec.msgpack.Decoder(_Batch)
 
+try:
+    from bridge._vllm_decode import decode as _native
+except ImportError:  # not built (no compiler at install): msgspec alone
+    _native = None
+
 
 def _fast_hashes(values: list[int | bytes]) -> list[int]:
     return [h & U64_MASK if type(h) is int else int.from_bytes(h[-8:], "big") for h in values]
 
 
 def decode_current(payload: bytes) -> DecodedBatch:
-    """The current shape only, strictly (msgspec errors otherwise); the same result as the reference."""
+    """The current shape only, strictly (msgspec errors otherwise); the same result as the reference.
+    Consecutive removals of one medium and group come out as one event (``merge_removals``).
+
+    The plain current shape goes through the C decoder where it is built (bridge/_vllm_decode.c: no struct
+    per event, token ids skipped without objects; 3-4x faster on a real trace's batch of hundreds of
+    removals); what it does not take, it leaves to msgspec below."""
+    if _native is not None:
+        got = _native(payload)
+        if got is not None:
+            return DecodedBatch(ts=got[0], events=got[1], dp_rank=got[2])
+    return decode_strict(payload)
+
+
+def decode_strict(payload: bytes) -> DecodedBatch:
+    """``decode_current`` through msgspec alone."""
     batch = _strict.decode(payload)
     events: list[dict] = []
+    run: list | None = None  # the raw hashes of the removals gathered into the last event, while it is one
+    run_key = None
     for ev in batch.events:
         medium = ev.medium.upper() if ev.medium is not None else None
-        if type(ev) is _Stored:
-            parent = ev.parent_block_hash
-            out = {"kind": "stored", "medium": medium, "hashes": _fast_hashes(ev.block_hashes),
-                   "parent": None if parent is None else _fast_hashes([parent])[0]}
-            if ev.block_size is not None and ev.block_size > 0:
-                out["block_size"] = _in_range("block_size", ev.block_size, 1, MAX_BLOCK_SIZE)
-            if ev.lora_name is not None:
-                out["lora_name"] = ev.lora_name
-        elif type(ev) is _Removed:
-            out = {"kind": "removed", "medium": medium, "hashes": _fast_hashes(ev.block_hashes)}
+        if type(ev) is _Removed:
+            # vLLM publishes a BlockRemoved per evicted block: a batch that evicts 500 blocks holds 500 of them
+            key = (medium, ev.group_idx)
+            if run is not None and key == run_key:
+                run += ev.block_hashes
+                continue
+            if run is not None:
+                events[-1]["hashes"] = _fast_hashes(run)
+            run, run_key = list(ev.block_hashes), key
+            out = {"kind": "removed", "medium": medium, "hashes": None}
         else:
-            events.append({"kind": "cleared", "medium": medium})
-            continue
+            if run is not None:
+                events[-1]["hashes"] = _fast_hashes(run)
+                run = None
+            if type(ev) is _Stored:
+                parent = ev.parent_block_hash
+                out = {"kind": "stored", "medium": medium, "hashes": _fast_hashes(ev.block_hashes),
+                       "parent": None if parent is None else _fast_hashes([parent])[0]}
+                if ev.block_size is not None and ev.block_size > 0:
+                    out["block_size"] = _in_range("block_size", ev.block_size, 1, MAX_BLOCK_SIZE)
+                if ev.lora_name is not None:
+                    out["lora_name"] = ev.lora_name
+            else:
+                events.append({"kind": "cleared", "medium": medium})
+                continue
         if ev.group_idx is not None:
             out["group_idx"] = _in_range("group_idx", ev.group_idx, 0, MAX_GROUP_IDX)
         events.append(out)
+    if run is not None:
+        events[-1]["hashes"] = _fast_hashes(run)
     ts = batch.ts
     return DecodedBatch(ts=float(ts) if ts is not None else None, events=events, dp_rank=batch.dp_rank)
+
+
+def merge_removals(events: list[dict]) -> list[dict]:
+    """Consecutive removals of one medium and KV-cache group as one event, their hashes in order: the same
+    to every index (a removal is applied hash by hash, in order; a hash named twice is removed twice, one
+    copy each time), and one event to check, encode and apply instead of one per evicted block."""
+    out: list[dict] = []
+    for e in events:
+        prev = out[-1] if out else None
+        if (e["kind"] == "removed" and prev is not None and prev["kind"] == "removed"
+                and prev["medium"] == e["medium"] and prev.get("group_idx") == e.get("group_idx")):
+            prev["hashes"] = prev["hashes"] + e["hashes"]
+        else:
+            out.append(e)
+    return out
 
 
 def decode_batch(payload: bytes, want_probe: bool = False) -> DecodedBatch:
@@ -249,5 +300,5 @@ def decode_reference(payload: bytes, want_probe: bool = False) -> DecodedBatch:
         if (want_probe and probe is None and norm["kind"] == "stored" and norm["parent"] is None and norm["hashes"]
                 and norm["medium"] in (None, "GPU")):
             probe = _probe(ev)
-    return DecodedBatch(ts=float(ts) if ts is not None else None, events=events, dp_rank=dp_rank,
+    return DecodedBatch(ts=float(ts) if ts is not None else None, events=merge_removals(events), dp_rank=dp_rank,
                         unknown_events=unknown, probe=probe)

@@ -28,6 +28,7 @@ from bridge.block_key_check import BlockKeyCheck
 from bridge.endpoint import Endpoint
 from bridge.l1_publisher import L1Publisher
 from bridge.l1_sequencer import L1Sequencer, Replayed
+from bridge.read_sweep import read_sweep
 from bridge.receive_budget import BATCH_OVERHEAD, ReceiveBudget
 from bridge.vllm_replay import VllmReplayClient
 from bridge.zmq_drain import drainer
@@ -46,7 +47,7 @@ PUBLISH_BURST = 256  # queued batches handled without yielding to the event loop
 #: Messages read from libzmq without yielding: reading ahead must outpace publishing, or the backlog
 #: waits in the engine's send queue (vLLM's PUB holds up to 100,000 messages in the engine's memory).
 READ_BURST = 4096
-#: Longest wait for libzmq's signal: a missed one costs at most this much delay.
+#: Longest wait for libzmq's signal: a missed one costs at most this much delay (bridge/read_sweep.py).
 READ_WAIT_MAX = 1.0
 #: A new subscription asks the engine's buffer at once when no live batch comes within this after it
 #: connected (an idle engine, otherwise invisible until it publishes again).
@@ -218,6 +219,8 @@ class VllmSubscriber:
         signalled = asyncio.Event()
         fd = plain.get(zmq.FD)
         loop.add_reader(fd, signalled.set)
+        sweep = read_sweep(READ_WAIT_MAX)
+        sweep.watch(plain, signalled)
         try:
             while True:
                 try:
@@ -245,11 +248,9 @@ class VllmSubscriber:
                     self.log.exception("%s rank %d: receive failed", self.ep.pod, self.ep.rank)
                 except Exception:
                     self.log.exception("%s rank %d: receive failed", self.ep.pod, self.ep.rank)
-                try:  # bounded: a missed signal costs at most this much delay
-                    await asyncio.wait_for(signalled.wait(), READ_WAIT_MAX)
-                except asyncio.TimeoutError:
-                    pass
+                await signalled.wait()  # bounded: a missed signal is found by the sweep
         finally:
+            sweep.forget(signalled)
             loop.remove_reader(fd)
 
     def _receive_burst(self, plain: zmq.Socket) -> None:

@@ -37,7 +37,8 @@ CONFIG_ENV = "CACHE_INDEXER_CONFIG"
 
 Step = Callable[[], Awaitable[None]]
 #: The C accelerators setup.py builds (optional: without them the pure-Python paths run)
-NATIVE_MODULES = ("schemas._blockhash", "indexer._prefix_walk", "indexer._native_index", "bridge._zmq_drain")
+NATIVE_MODULES = (
+    "schemas._blockhash", "indexer._prefix_walk", "indexer._native_index", "bridge._zmq_drain", "bridge._vllm_decode")
 
 
 def setup_logging(cfg: Config) -> None:

@@ -82,8 +82,9 @@ class Metrics:
                                           "Candidates no KV-cache event was seen for (a router naming pods by "
                                           "anything but the IP the bridge subscribes to shows up here).",
                                           registry=r)
-        self.loop_lag = Histogram(p + "event_loop_lag_seconds", "How late a timer set every 5 ms fired (wall clock: "
-                                  "this process's own work, or waiting for a core).", buckets=_LAG_BUCKETS,
+        self.loop_lag = Histogram(p + "event_loop_lag_seconds", "How late the process's timers fired, the latest "
+                                  "in each second (every timer it sets counts, and one of the monitor's own every "
+                                  "second; wall clock: this process's own work, or waiting for a core).", buckets=_LAG_BUCKETS,
                                   registry=r)
         self.loop_lag_max = Gauge(p + "event_loop_lag_max_seconds", "The longest event_loop_lag_seconds of the last "
                                   "10 to 20 s.", registry=r)

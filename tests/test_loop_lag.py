@@ -12,7 +12,7 @@ import aiohttp
 
 from api.ops import make_ops_app
 from api.server import HttpServer
-from infra.loop_lag import WindowMax
+from infra.loop_lag import LoopLagMonitor, WindowMax
 from infra.loop_turns import LoopTurns
 from infra.metrics import Metrics
 from schemas.config import HttpConfig
@@ -74,6 +74,40 @@ async def test_a_loop_kept_off_the_cpu_shows_as_lag_only():
     out = await _served(lambda: time.sleep(0.08))
     assert out["lag"] >= 0.06 and out["step"] < 0.02, out
     assert asyncio.events.Handle._run.__name__ == "_run", "the plain step again once nobody watches"
+
+
+async def test_an_idle_monitor_wakes_its_loop_once_a_second_not_two_hundred_times():
+    """Its own timer is coarse (1 s): a 5 ms one cost an idle process about 3% of a core (issue 37). ~1.5 s."""
+    metrics = Metrics()
+    monitor = LoopLagMonitor(metrics)
+    monitor.start()
+    try:
+        await asyncio.sleep(1.5)  # (this sleep is one timer more, not a tick)
+        ticks = metrics.registry.get_sample_value("cache_indexer_event_loop_lag_seconds_count")
+        assert ticks == 1, ticks
+    finally:
+        await monitor.stop()
+
+
+async def test_a_pause_shows_as_lag_through_any_timer_of_the_process_while_the_monitors_own_is_not_due():
+    """The monitor's timer fires on time after the pause (it is due 0.5 s after the last tick); a timer the
+    process set for 5 ms into the pause fires 75 ms late, and that is the lag recorded. ~1 s."""
+    metrics = Metrics()
+    monitor = LoopLagMonitor(metrics, every=0.5)
+
+    def count() -> float:
+        return metrics.registry.get_sample_value("cache_indexer_event_loop_lag_seconds_count") or 0
+    monitor.start()
+    try:
+        await wait_for(lambda: count() >= 1, 5, "a first tick")
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.005, lambda: None)
+        loop.call_soon(time.sleep, 0.08)  # kept off the CPU, right after a tick
+        await wait_for(lambda: count() >= 2, 5, "the next tick")
+        lag = metrics.registry.get_sample_value("cache_indexer_event_loop_lag_max_seconds")
+        assert lag >= 0.06, lag
+    finally:
+        await monitor.stop()
 
 
 async def test_work_hands_the_loop_a_turn_once_its_budget_is_spent():

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from bridge.vllm_events import MalformedPayload, decode_batch
 from schemas.block_hash import BlockHasher, event_block_hash
 from tests.conftest import VLLM_EVENTS as EVENTS
+from tests.conftest import needs_native
 
 FILES = sorted(EVENTS.glob("*.bin")) + sorted((EVENTS / "legacy").glob("*.bin"))
 
@@ -49,10 +50,32 @@ def test_decodes_every_shared_payload(path):
     assert batch.ts == decoded[0]
     assert batch.dp_rank == (decoded[2] if len(decoded) > 2 else None)
     assert batch.unknown_events == 0
-    assert len(batch.events) == len(decoded[1])
-    for got, raw in zip(batch.events, decoded[1]):
+    expected = []  # consecutive removals of one medium and group come as one event, their hashes in order
+    for raw in decoded[1]:
         exp = _expected(raw)
+        group = (raw.get("group_idx") if isinstance(raw, dict) else None)
+        prev = expected[-1] if expected else None
+        if prev and exp["kind"] == prev[0]["kind"] == "removed" and (exp["medium"], group) == (prev[0]["medium"], prev[1]):
+            prev[0]["hashes"] += exp["hashes"]
+        else:
+            expected.append((exp, group))
+    assert len(batch.events) == len(expected)
+    for got, (exp, _) in zip(batch.events, expected):
         assert {k: got.get(k) for k in exp} == exp
+
+
+def test_consecutive_removals_of_one_medium_and_group_are_one_event():
+    """vLLM publishes a BlockRemoved per evicted block; both decoders give a run of them as one event (the
+    same to every index), and keep apart what a store, another medium or another group separates."""
+    from bridge.vllm_events import decode_current, decode_reference
+    from cache_indexer.simulate.vllm_engine import batch_payload, removed, stored
+
+    events = [removed([1]), removed([2]), removed([2]), stored([3], block_size=4, token_ids=[0] * 4), removed([4]),
+              removed([5], medium="CPU"), removed([6], medium="cpu"), removed([7], group_idx=1), removed([8])]
+    for decode in (decode_batch, decode_current, decode_reference):
+        got = [(e["kind"], e["medium"], e.get("group_idx"), e["hashes"]) for e in decode(batch_payload(events)).events]
+        assert got == [("removed", "GPU", 0, [1, 2, 2]), ("stored", "GPU", 0, [3]), ("removed", "GPU", 0, [4]),
+                       ("removed", "CPU", 0, [5, 6]), ("removed", "GPU", 1, [7]), ("removed", "GPU", 0, [8])], decode
 
 
 def test_legacy_and_current_shapes_agree():
@@ -210,6 +233,79 @@ def test_the_fast_path_decodes_as_the_reference_wherever_it_decodes_at_all(batch
         return
     assert fast == _outcome(decode_reference, payload)
     assert _outcome(decode_batch, payload) == fast
+
+
+def _native_or_none(payload):
+    from bridge.vllm_events import DecodedBatch, _native
+    got = _native(payload)
+    return None if got is None else _outcome(lambda _: DecodedBatch(ts=got[0], events=got[1], dp_rank=got[2]), payload)
+
+
+def _strict_or_error(payload):
+    import msgspec
+
+    from bridge.vllm_events import decode_strict
+    try:
+        return _outcome(decode_strict, payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return "error", type(exc).__name__
+
+
+_extra = st.dictionaries(st.text(max_size=6).filter(lambda k: k not in {"type", "block_hashes", "medium", "group_idx",
+                                                                          "parent_block_hash", "block_size", "lora_name"}),
+                         st.recursive(_value, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                                      st.dictionaries(st.text(max_size=3), inner,
+                                                                                      max_size=3)), max_leaves=8),
+                         max_size=2)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_batch, st.lists(_extra, max_size=4), st.sampled_from(["GPU", "gpu", "cpu", None]), st.integers(0, 6),
+       st.data())
+def test_the_c_decoder_equals_msgspec_wherever_it_takes_a_batch(batch, extras, run_medium, run_length, data):
+    """bridge/_vllm_decode.c (issue 37): what it returns is exactly what msgspec's path returns; what it does
+    not take (None) is left to that path. Also with unknown fields of every kind (nested maps, binary,
+    text), long runs of removals, truncated and corrupted payloads. It takes every batch of the plain shape."""
+    from bridge import vllm_events
+    needs_native(vllm_events._native is not None, "the bridge's C decoder of vLLM batches")
+    if isinstance(batch[1], list):
+        for event, extra in zip(batch[1], extras):
+            if isinstance(event, dict):
+                event.update(extra)
+        batch[1].extend({"type": "BlockRemoved", "block_hashes": [i], "medium": run_medium} for i in range(run_length))
+    payload = msgpack.packb(batch, use_bin_type=True)
+    native, strict = _native_or_none(payload), _strict_or_error(payload)
+    if native is not None:
+        assert native == strict
+    plain = (isinstance(batch[0], float) or batch[0] is None) and len(batch) <= 3 and strict[0] != "error" and all(
+        isinstance(e, dict) and next(iter(e)) == "type" and all(all(ord(c) < 128 for c in k) for k in e)
+        for e in batch[1]) and (len(batch) < 3 or type(batch[2]) is int or batch[2] is None)
+    if plain and strict[0] != "malformed":
+        assert native is not None, "a plain batch left to msgspec"
+    cut = data.draw(st.integers(0, len(payload)))
+    flip = data.draw(st.integers(0, max(0, len(payload) - 1)))
+    for broken in (payload[:cut], payload[:flip] + bytes([payload[flip] ^ 0xFF]) + payload[flip + 1:] if payload else b""):
+        native = _native_or_none(broken)
+        if native is not None:
+            assert repr(native) == repr(_strict_or_error(broken))  # (a flipped byte may make the ts NaN)
+
+
+def test_the_c_decoder_takes_a_real_traces_batch_of_hundreds_of_removals():
+    """The shape that made the bridge's decode most of its CPU on the trace benchmark: 520 removals (one a
+    block, as vLLM publishes them) and a store of 700 blocks with their token ids."""
+    import random
+
+    from bridge import vllm_events
+    needs_native(vllm_events._native is not None, "the bridge's C decoder of vLLM batches")
+    r = random.Random(3)
+    events = [{"type": "BlockRemoved", "block_hashes": [r.getrandbits(64)], "medium": "GPU"} for _ in range(520)]
+    events.append({"type": "BlockStored", "block_hashes": [r.getrandbits(64) for _ in range(700)],
+                   "parent_block_hash": r.getrandbits(64), "token_ids": [r.randrange(150_000) for _ in range(11_200)],
+                   "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None})
+    payload = msgpack.packb([1.5, events, 0])
+    got = _native_or_none(payload)
+    assert got is not None and got == _strict_or_error(payload)
+    assert [e["kind"] for e in got[1]] == ["removed", "stored"] and len(got[1][0]["hashes"]) == 520
 
 
 def test_the_fast_path_takes_the_engines_payloads():
