@@ -147,13 +147,25 @@ static int rd_hashes(Rd *r, PyObject *list) {
     return 0;
 }
 
-/* past one msgpack value of any kind, nested ones included, without objects; -1: malformed */
+/* Containers nested deeper than this inside a skipped value make the batch not plainly the shape: msgspec
+ * skips by recursion and raises RecursionError at a depth that depends on the caller's stack, so a batch
+ * taken here must stay far below any depth it refuses (vLLM's own fields nest 3 deep at most). */
+#define MAX_SKIP_DEPTH 32
+
+/* past one msgpack value of any kind, nested ones included, without objects; -1: malformed or nested
+ * deeper than MAX_SKIP_DEPTH */
 static int skip(Rd *r) {
-    uint64_t left = 1;
-    while (left) {
+    uint64_t left[MAX_SKIP_DEPTH + 1];  /* values still to pass at each open level */
+    int depth = 0;
+    left[0] = 1;
+    for (;;) {
+        while (left[depth] == 0) {
+            if (depth == 0) return 0;
+            depth--;
+        }
         if (need(r, 1)) return -1;
         unsigned c = *r->p++;
-        left--;
+        left[depth]--;
         int64_t len = 0;
         uint64_t more = 0;
         if (c <= 0x7f || c >= 0xe0 || c == 0xc0 || c == 0xc2 || c == 0xc3) continue;
@@ -188,10 +200,11 @@ static int skip(Rd *r) {
         }
         if (len < 0 || need(r, (size_t)len)) return -1;
         r->p += len;
+        if (more == 0) continue;
         if (more > (uint64_t)(r->end - r->p)) return -1;  /* every value takes a byte at least */
-        left += more;
+        if (depth == MAX_SKIP_DEPTH) return -1;
+        left[++depth] = more;
     }
-    return 0;
 }
 
 /* the medium upper-cased, as str.upper() does; a new reference, or NULL (an error set, or none: not one) */

@@ -203,7 +203,12 @@ def decode_current(payload: bytes) -> DecodedBatch:
 
 def decode_strict(payload: bytes) -> DecodedBatch:
     """``decode_current`` through msgspec alone."""
-    batch = _strict.decode(payload)
+    try:
+        batch = _strict.decode(payload)
+    except RecursionError:
+        # msgspec skips an unknown field by recursion: one nested a thousand deep is not the strict shape,
+        # and leaves it to the reference decoder like any other (a RecursionError killed the caller)
+        raise msgspec.DecodeError("nested too deep for the strict decoder") from None
     events: list[dict] = []
     run: list | None = None  # the raw hashes of the removals gathered into the last event, while it is one
     run_key = None

@@ -1,7 +1,8 @@
 """Bounded-time fuzzing of the boundaries where the network's bytes meet native code, each held equal
 to its pure-Python reference: the request's token array (``parse_token_array`` and the native query's
-parse, C), vLLM's block hash chain (``chain``, C) and vLLM event payloads through the decoder into the
-L1 state (the native index held equal to the pure-Python one). At fleet shape (issue 35): the native
+parse, C), vLLM's block hash chain (``chain``, C), vLLM event payloads through the decoder into the
+L1 state (the native index held equal to the pure-Python one) and through the bridge's C decoder of vLLM
+batches (``bridge/_vllm_decode.c``, held equal to msgspec's path; lengths, widths and truncations too). At fleet shape (issue 35): the native
 walk over populated tiers of hundreds of workers spread over ~32 chunks of 64 ids, and the L1 and L3
 stream messages of many workers, against the pure-Python indexes (tests/native_fleet.py,
 tests/native_events.py). Those two run in a child process: a case that fails, or crashes the child, is
@@ -292,3 +293,123 @@ def test_stream_messages_of_many_workers_apply_and_query_as_the_reference(fuzz_s
 
     needs_native(hit_rate.NATIVE_QUERY, "the native index and query")
     native_fleet.fuzz_in_child("events", fuzz_seed, SECONDS, tmp_path)
+
+
+def _headers(data: bytes) -> list[tuple[int, int, str, int]]:
+    """Where each msgpack value's header lies in data: (offset, header length, kind, count or length),
+    kind one of array/map/str/bin/ext/int; as far as the bytes parse."""
+    out, at, left = [], 0, 1
+    while left and at < len(data):
+        c, left = data[at], left - 1
+        if c <= 0x7f or c >= 0xe0:
+            out.append((at, 1, "int", c))
+            at += 1
+        elif 0x80 <= c <= 0x9f:
+            n = c & 0x0f
+            out.append((at, 1, "map" if c < 0x90 else "array", n))
+            left += 2 * n if c < 0x90 else n
+            at += 1
+        elif 0xa0 <= c <= 0xbf:
+            out.append((at, 1, "str", c & 0x1f))
+            at += 1 + (c & 0x1f)
+        elif c in (0xdc, 0xdd, 0xde, 0xdf):
+            w = 2 if c in (0xdc, 0xde) else 4
+            n = int.from_bytes(data[at + 1:at + 1 + w], "big")
+            out.append((at, 1 + w, "array" if c < 0xde else "map", n))
+            left += n if c < 0xde else 2 * n
+            at += 1 + w
+        elif c in (0xc4, 0xc5, 0xc6, 0xd9, 0xda, 0xdb, 0xc7, 0xc8, 0xc9):
+            w = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4, 0xc7: 1, 0xc8: 2, 0xc9: 4}[c]
+            n = int.from_bytes(data[at + 1:at + 1 + w], "big")
+            kind = "bin" if c <= 0xc6 else "str" if c >= 0xd9 else "ext"
+            out.append((at, 1 + w, kind, n))
+            at += 1 + w + n + (kind == "ext")
+        elif 0xcc <= c <= 0xd3:
+            w = 1 << ((c - 0xcc) % 4)
+            out.append((at, 1 + w, "int", int.from_bytes(data[at + 1:at + 1 + w], "big", signed=c >= 0xd0)))
+            at += 1 + w
+        else:  # nil, bools, floats, fixext: passed over
+            at += {0xca: 5, 0xcb: 9, 0xd4: 3, 0xd5: 4, 0xd6: 6, 0xd7: 10, 0xd8: 18}.get(c, 1)
+    return out
+
+
+_WIDE = {"array": (0xdc, 0xdd), "map": (0xde, 0xdf), "str": (0xd9, 0xda, 0xdb), "bin": (0xc4, 0xc5, 0xc6)}
+_NEAR_2_32 = [0, 1, 2, 15, 16, 31, 32, 255, 256, 65535, 65536, (1 << 31) - 1, 1 << 31, (1 << 32) - 2, (1 << 32) - 1]
+
+
+def corrupt_headers(rng: random.Random, data: bytes) -> bytes:
+    """A msgpack payload with one value's header rewritten: a container's or a string's length set to a
+    boundary (0, off by one, near 2**31 and 2**32), a fixed-size header widened to its 16- or 32-bit form
+    (real payloads use the short ones, vLLM's longer batches the long ones), or an integer re-encoded in
+    every width and sign (uint64 above 2**63, int64 below 0)."""
+    headers = _headers(data)
+    if not headers:
+        return data
+    at, size, kind, n = rng.choice(headers)
+    head, tail = data[:at], data[at + size:]
+    if kind == "int":
+        v = rng.choice([n, n + 1, n - 1, -1, -(1 << 63), (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 63, 64, 65536, 65537])
+        fmts = [(0xcc, "B"), (0xcd, ">H"), (0xce, ">I"), (0xcf, ">Q"), (0xd0, "b"), (0xd1, ">h"), (0xd2, ">i"),
+                (0xd3, ">q")]
+        import struct
+
+        for code, fmt in rng.sample(fmts, len(fmts)):
+            try:
+                return head + bytes([code]) + struct.pack(fmt, v) + tail
+            except struct.error:
+                continue
+        return head + msgpack.packb(v if -(1 << 63) <= v < 1 << 64 else 0) + tail
+    if kind == "ext":
+        return head + data[at:at + 1] + (rng.choice(_NEAR_2_32) % (1 << 8 * (size - 1))).to_bytes(size - 1, "big") + tail
+    if rng.random() < 0.5:  # the same length, a wider header
+        code = rng.choice(_WIDE[kind])
+        w = {0xdc: 2, 0xdd: 4, 0xde: 2, 0xdf: 4, 0xd9: 1, 0xda: 2, 0xdb: 4, 0xc4: 1, 0xc5: 2, 0xc6: 4}[code]
+        if n < 1 << (8 * w):
+            return head + bytes([code]) + n.to_bytes(w, "big") + tail
+    v = rng.choice(_NEAR_2_32 + [n + 1, max(n - 1, 0), n + len(tail), max(n - 2, 0)])
+    code = rng.choice(_WIDE[kind])
+    w = {0xdc: 2, 0xdd: 4, 0xde: 2, 0xdf: 4, 0xd9: 1, 0xda: 2, 0xdb: 4, 0xc4: 1, 0xc5: 2, 0xc6: 4}[code]
+    return head + bytes([code]) + (v % (1 << (8 * w))).to_bytes(w, "big") + tail
+
+
+def test_the_c_decoder_of_vllm_batches_equals_msgspecs_path(rng):
+    """bridge/_vllm_decode.c reads the network's bytes: on the vLLM event corpus mutated (the byte-level
+    mutations above, every header's length corrupted or widened to its 16/32-bit form, integers in every
+    width and sign, truncations), whatever it takes equals msgspec's path (``decode_strict``) on the same
+    bytes, and whatever it does not take (None) it leaves without an exception. Most of the cases it
+    takes, so both paths are held equal on real answers, not only on refusals."""
+    import msgspec
+
+    from bridge import vllm_events
+    needs_native(vllm_events._native is not None, "the bridge's C decoder of vLLM batches")
+    # the engines' payloads, and batches with what they seldom hold (digests, unknown fields of every kind,
+    # removal runs across media and groups, 16-bit lengths): tests/data/fuzz/vllm_batches
+    corpus = [p.read_bytes() for p in sorted([*(DATA / "vllm" / "events").glob("*.bin"),
+                                              *(DATA / "fuzz" / "vllm_batches").glob("*.bin")])]
+    taken = 0
+    for n in budget():
+        base = rng.choice(corpus)
+        op = rng.randrange(4) if n >= len(corpus) else -1
+        if op == 0:
+            raw = mutate(rng, base, corpus)
+        elif op == 1:
+            raw = corrupt_headers(rng, base)
+            if rng.random() < 0.5:
+                raw = corrupt_headers(rng, raw)
+        elif op == 2:
+            raw = base[:rng.randrange(len(base) + 1)]
+        elif op == 3:
+            raw = corrupt_headers(rng, base)[:rng.randrange(len(base) + 8)]
+        else:
+            raw = base
+        got = vllm_events._native(raw)
+        if got is None:
+            continue
+        taken += 1
+        try:
+            want = vllm_events.decode_strict(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError, MalformedPayload) as exc:
+            raise AssertionError(f"C took {raw[:200]!r} which msgspec's path refuses: {exc}") from None
+        # repr: a corrupted ts may be NaN, equal to itself only in print
+        assert repr(got) == repr((want.ts, want.events, want.dp_rank)), raw[:200]
+    assert taken >= n // 20, f"the C decoder took only {taken} of {n} cases (about a sixth is usual)"

@@ -337,3 +337,37 @@ def test_a_due_blockkey_check_puts_only_batches_that_can_hold_a_probe_on_the_ref
     first = batch_payload([stored([9], block_size=4, token_ids=[1, 2, 3, 4])])
     probe = ve.decode_batch(first, want_probe=True).probe
     assert calls == [1] and probe is not None and probe.token_ids == [1, 2, 3, 4] and probe.block_hash == 9
+
+
+@pytest.mark.parametrize("depth", [2_000, 100_000])
+def test_an_unknown_field_nested_too_deep_is_malformed_not_a_recursion_error(depth):
+    """An unknown field nested thousands deep: msgspec skips it by recursion and raised RecursionError,
+    which neither decode_batch nor the bridge's usual-batch path caught (the task publishing the pod's
+    batches died); the C decoder, skipping without recursion, took the batch msgspec refuses (a different
+    answer from the path it must equal). Now the strict path refuses it as msgspec's DecodeError, the C
+    decoder leaves it (nested past 32 levels), and the reference decides: msgpack-python refuses it too."""
+    import msgspec
+
+    from bridge import vllm_events
+    payload = msgpack.packb([1.5, [{"type": "BlockRemoved", "block_hashes": [1], "x": None}], 0])
+    payload = payload.replace(b"\xa1x\xc0", b"\xa1x" + b"\x91" * depth + b"\xc0")
+    with pytest.raises(MalformedPayload):
+        decode_batch(payload)
+    if vllm_events._native is not None:
+        assert vllm_events._native(payload) is None
+    with pytest.raises(msgspec.DecodeError):
+        vllm_events.decode_strict(payload)
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):  # what take_usual catches
+        vllm_events.decode_current(payload)
+
+
+def test_the_c_decoder_takes_unknown_fields_nested_as_deep_as_its_bound():
+    """32 levels of containers inside an unknown field are still the plain shape (vLLM's nest 3 deep at
+    most); 33 are left to msgspec, which takes them too: the same answer either way."""
+    from bridge import vllm_events
+    needs_native(vllm_events._native is not None, "the bridge's C decoder of vLLM batches")
+    base = msgpack.packb([1.5, [{"type": "BlockRemoved", "block_hashes": [1], "x": None}], 0])
+    for depth, taken in ((32, True), (33, False)):
+        payload = base.replace(b"\xa1x\xc0", b"\xa1x" + b"\x92\x01" * depth + b"\xc0")
+        assert (vllm_events._native(payload) is not None) is taken, depth
+        assert _outcome(decode_batch, payload) == _strict_or_error(payload)
