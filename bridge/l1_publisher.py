@@ -188,9 +188,11 @@ class L1Publisher:
             removed = None
         if removed is not None:
             # the removal retired the generations before its mark, even one whose batch the stream stored
-            # after it (a retry); an older bridge's removal, without a mark, all before it in the stream
+            # after it (a retry). One stored after the position may be an older removal re-sent late, and a
+            # newer one before it in the stream may have retired the position's generation: it is not
+            # resumed either (an older bridge's removal, without a mark, retired all before it)
             mark = (removed.headers or {}).get("Kv-Gen", "")
-            if (best.gen < int(mark)) if mark.isdigit() else (removed.seq > best.stream_seq):
+            if removed.seq > best.stream_seq or (mark.isdigit() and best.gen < int(mark)):
                 log.info("%s rank %d: the pod was removed after its last batch: a new generation", pod, rank,
                          extra={"pod": pod, "rank": rank})
                 return None  # the pod left discovery after that batch: indexers retired its generation

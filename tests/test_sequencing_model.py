@@ -30,7 +30,8 @@ Windows left open, which the model steers around (each says where): a rank_remov
 bridge (the next one does not know the rank was listed, and never removes it); a removed rank's batch the
 stream stores after its rank_removed, which a later bridge resumes when the rank is listed again (no
 record, and the rank's subject shows the batch); likewise a pod's, where a purge took the pod_removed but
-kept the batch; a pod away within its grace whose messages were lost with a killed bridge after a later
+kept the batch, or where an earlier pod_removed of the pod, re-sent, was stored after it (a bridge sees the
+last removal's mark only); a pod away within its grace whose messages were lost with a killed bridge after a later
 one was stored (the indexers declare the hole lost after EARLY_TIMEOUT_NS and clear the worker; back,
 the pod resumes that generation and what the clear took is not published again).
 
@@ -369,6 +370,10 @@ class Sequencing(RuleBasedStateMachine):
         """Gone longer than the grace: ``pod_removed`` (its record deleted first)."""
         pod = sorted(self.away)[p % len(self.away)]
         self.away.discard(pod)
+        # Open (the module's doc): an earlier removal of the pod re-sent after this one is the pod's last
+        # lifecycle message; a bridge without this one's mark in memory may then resume a generation this
+        # one retired. The model stores the earlier one first.
+        self._store_now(lambda e: e[2]["Kv-Type"] == "pod_removed" and e[2]["Kv-Pod"] == pod)
         self.run(self.bridge.l1.pod_removed(pod, "discovery"))
 
     @precondition(lambda self: len(self.present) < len(PODS))
@@ -539,14 +544,14 @@ class Sequencing(RuleBasedStateMachine):
         row = msgpack.unpackb(record, strict_map_key=False)["ranks"].get(rank) if record else None
         if last is not None and last.headers["Kv-Type"] == "rank_removed":
             return False
-        removal = self._last(l1_lifecycle_subject(PREFIX, pod))
-        retired = int(removal.headers["Kv-Gen"]) if removal is not None else -1  # generations before it
+        removal = self._last(l1_lifecycle_subject(PREFIX, pod))  # it retired generations before its mark
+        retired, removed_at = (int(removal.headers["Kv-Gen"]), removal.seq) if removal is not None else (-1, -1)
         if row is not None:
             if last is not None and int(last.headers["Kv-Gen"]) > row[0]:
                 return False  # a generation younger than the record: started anew
-            return row[3] is not None and row[0] >= retired
+            return row[3] is not None and row[0] >= retired and row[4] > removed_at
         return (last is not None and last.headers["Kv-Type"] == "batch"
-                and int(last.headers["Kv-Gen"]) >= retired)
+                and int(last.headers["Kv-Gen"]) >= retired and last.seq > removed_at)
 
     def _newer_in_flight(self, key: tuple[str, int]) -> bool:
         """Whether a generation of the worker newer than any the record or the stream shows is in flight
