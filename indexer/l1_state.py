@@ -421,8 +421,11 @@ class L1State(TierIndex):
             start = msg["next_seq"]
             if journal and start < journal[0]["seq"]:  # it starts before what was applied: rebuild from there
                 self._clear(key)
-                for m in journal:
-                    cur.early.setdefault((m["seq"], m.get("part", 0)), m)
+                for m in journal:  # of two from one seq (a run and a batch), the one reaching further
+                    pos = (m["seq"], m.get("part", 0))
+                    other = cur.early.get(pos)
+                    if other is None or last_seq(m) > last_seq(other):
+                        cur.early[pos] = m
                 cur.next_seq, cur.next_part = start, 0
                 self._wait_from(key, cur, cur.early_since or self._now)
                 self._apply_early(key, cur)

@@ -493,6 +493,23 @@ def test_a_generations_batch_stored_before_its_reset_does_not_drop_the_earlier_o
     assert s.stats.duplicates == 0
 
 
+def test_a_late_reset_rebuilds_from_the_message_reaching_further_of_two_from_one_seq():
+    """Issue 36's sequencing model: a pod back from a flap resumed from the stream's last message and
+    published its engine's buffer again as runs, while the single batches of the first try were still in
+    flight. Batch 4 and the run 4-7 were both journaled before the generation's late reset; the rebuild
+    kept batch 4 alone, and batch 7 (its single copy dropped as applied by the run) never came again:
+    the worker waited, then lost the gap."""
+    t = 10**18
+    s = L1State()
+    s.apply(batch(4, [stored(4)], gen=5), t)
+    s.apply(batch(7, [stored(7)], gen=5), t)  # early, then applied by the run: dropped
+    s.apply(run(4, [[stored(4)], [stored(5)], [stored(6)], [stored(7)]], gen=5), t)
+    s.apply(reset(0, gen=5), t)  # late: rebuilt from seq 0, the journal going back to the early ones
+    s.apply(run(0, [[stored(0)], [stored(1)], [stored(2)], [stored(3)]], gen=5), t)
+    s.apply(batch(8, [stored(8)], gen=5), t)
+    assert held(s) == set(range(9)) and s.cursors[("127.0.1.1", 0)].next_seq == 9
+
+
 def test_a_reset_later_than_the_hold_timeout_is_not_waited_for_and_benchmarks_keep_no_journal():
     from indexer.l1_state import EARLY_TIMEOUT_NS
 
