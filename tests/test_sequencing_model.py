@@ -35,8 +35,8 @@ last removal's mark only); a pod away within its grace whose messages were lost 
 one was stored (the indexers declare the hole lost after EARLY_TIMEOUT_NS and clear the worker; back,
 the pod resumes that generation and what the clear took is not published again).
 
-A failure prints its steps and a ``@reproduce_failure`` blob that replays it exactly;
-``pytest --hypothesis-seed=N`` replays a whole run.
+A failure prints its steps and a ``@reproduce_failure`` blob that replays it exactly; each run prints its
+seed, and ``SEQUENCING_SEED=N`` replays a whole run.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from collections import Counter, deque
 from types import SimpleNamespace
 
 import msgpack
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from nats.js.errors import KeyNotFoundError, NotFoundError
@@ -201,7 +201,9 @@ class Bridge:
             await seq.catch_up()
 
     async def quiet(self) -> None:
-        """What the subscriber's loop does between bursts: refusals handled, runs published."""
+        """What the subscriber's loop does between bursts: refusals handled, runs published; and the
+        publisher's own task: a removal that a retired message was stored after, published again."""
+        await self.l1.republish_owed()
         for seq in self.seqs.values():
             if seq.refused_upto is not None:
                 await seq.after_refusal()
@@ -370,10 +372,6 @@ class Sequencing(RuleBasedStateMachine):
         """Gone longer than the grace: ``pod_removed`` (its record deleted first)."""
         pod = sorted(self.away)[p % len(self.away)]
         self.away.discard(pod)
-        # Open (the module's doc): an earlier removal of the pod re-sent after this one is the pod's last
-        # lifecycle message; a bridge without this one's mark in memory may then resume a generation this
-        # one retired. The model stores the earlier one first.
-        self._store_now(lambda e: e[2]["Kv-Type"] == "pod_removed" and e[2]["Kv-Pod"] == pod)
         self.run(self.bridge.l1.pod_removed(pod, "discovery"))
 
     @precondition(lambda self: len(self.present) < len(PODS))
@@ -402,10 +400,6 @@ class Sequencing(RuleBasedStateMachine):
         pod, rank = candidates[i % len(candidates)]
         self.listed[pod].discard(rank)
         self.bridge.unsubscribe((pod, rank))
-        # Open (the module's doc): a batch of the rank stored after its rank_removed (a retry) is the
-        # subject's last message; a later bridge resumes that retired generation when the rank is listed
-        # again. The model stores the rank's own messages in flight before its removal.
-        self._store_now(lambda e: _worker(e[2]) == (pod, rank))
         self.run(self.bridge.l1.rank_removed(pod, rank, "discovery"))
 
     @precondition(lambda self: self._ranks(False))
@@ -492,16 +486,18 @@ class Sequencing(RuleBasedStateMachine):
             # is in flight and a later batch of it was stored (out of order) leaves that generation
             # without its reset; the next bridge resumes it from the stream. The model kills bridges
             # outside it: a generation not yet recorded has its messages in flight stored first.
-            # Open too (the module's doc): a pod away within its grace has no subscription to publish
+            # Open too (the module's doc): (D) a pod away within its grace has no subscription to publish
             # again a message lost with the bridge; past EARLY_TIMEOUT_NS the indexers declare the hole
             # lost (the worker cleared, the same generation going on), and the pod back within the grace
-            # resumes that generation: what the clear took is not published again. And a rank_removed
+            # resumes that generation: what the clear took is not published again. (C) A rank_removed
             # lost with the bridge is not published again (the next bridge does not know the rank was
-            # listed). The model stores both first.
+            # listed), nor is a removal the bridge was publishing again after a retired message stored
+            # late (the next bridge does not know of either). The model stores those first.
             resume = self.bridge.resume
             new = {key for key, seq in self.bridge.seqs.items()
                    if seq.gen is not None and key[1] not in self._recorded_ranks(key[0])}
             self._store_now(lambda e: _worker(e[2]) in new or e[2]["Kv-Type"] == "rank_removed"
+                            or ":removed:after:" in e[2]["Nats-Msg-Id"]
                             or e[2]["Kv-Pod"] not in self.present and _worker(e[2]) is not None)
             new_pods = {pod for pod, _ in new}
             later, resume._dirty = resume._dirty - new_pods, resume._dirty & new_pods
@@ -595,18 +591,7 @@ class Sequencing(RuleBasedStateMachine):
         if not self.applied:
             return
         self.snapshot = (encode_l1(self.state, self.applied), self.applied)
-        # Open (the module's doc): a batch of a removed pod's generation that the stream stored after
-        # the pod_removed (a retry), kept by a purge that took the removal: a bridge without a record of the
-        # pod resumes that retired generation from it when the pod comes back. The model's purges keep such
-        # a removal.
-        cut, last = self.applied + 1 - keep, None
-        while cut != last:
-            last = cut
-            for m in [m for m in self.stream.msgs.values() if m.seq < cut and m.headers["Kv-Type"] == "pod_removed"]:
-                if any(k.headers["Kv-Pod"] == m.headers["Kv-Pod"] and k.headers["Kv-Type"] in ("batch", "reset")
-                       and int(k.headers["Kv-Gen"]) < int(m.headers["Kv-Gen"]) for k in self.stream.msgs.values()
-                       if k.seq >= cut):
-                    cut = m.seq
+        cut = self.applied + 1 - keep
         floor = self.state.spill_floor()  # as the service purges: never past what is to be read back
         self.stream.purge(min(cut, floor) if floor else cut)
 
@@ -670,12 +655,34 @@ class Sequencing(RuleBasedStateMachine):
             assert resets["subscribed"] <= self.fresh_starts, "a bridge started over where it could resume"
 
 
-#: runs of 40 steps each, 16,000 a class (``SEQUENCING_EXAMPLES=2000 pytest --timeout=0 ...`` for a longer
-#: hunt; ``--hypothesis-seed=N`` for another one)
+#: runs of STEPS steps each, EXAMPLES runs a class (``SEQUENCING_EXAMPLES=2000 pytest --timeout=0 ...`` for a
+#: longer hunt). The seed is random per session and printed; ``SEQUENCING_SEED=N`` replays a whole run.
 EXAMPLES = int(os.environ.get("SEQUENCING_EXAMPLES", "400"))
-Sequencing.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None, print_blob=True,
-                                        suppress_health_check=list(HealthCheck))
-test_the_sequencing_keeps_the_index_equal_to_the_engines = Sequencing.TestCase
+STEPS = 40
+SEED = int(os.environ.get("SEQUENCING_SEED") or random.SystemRandom().randrange(1 << 32))
+
+
+def _settings() -> settings:
+    return settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, print_blob=True,
+                    suppress_health_check=list(HealthCheck))
+
+
+def _seeded(machine: type[RuleBasedStateMachine]):
+    """The machine's test case, run from SEED (printed, so a failure in CI can be replayed)."""
+    seed(SEED)(machine)
+    case = machine.TestCase
+    case.settings = _settings()
+    run = case.runTest
+
+    def runTest(self):
+        print(f"SEQUENCING_SEED={SEED} ({machine.__name__}: {EXAMPLES} runs of up to {STEPS} steps)")
+        run(self)
+    runTest.__dict__.update(run.__dict__)  # what marks it a Hypothesis test
+    case.runTest = runTest
+    return case
+
+
+test_the_sequencing_keeps_the_index_equal_to_the_engines = _seeded(Sequencing)
 
 
 class LossySequencing(Sequencing):
@@ -684,9 +691,7 @@ class LossySequencing(Sequencing):
     refusals = True
 
 
-LossySequencing.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None, print_blob=True,
-                                             suppress_health_check=list(HealthCheck))
-test_with_history_lost_the_index_never_holds_what_the_engine_does_not = LossySequencing.TestCase
+test_with_history_lost_the_index_never_holds_what_the_engine_does_not = _seeded(LossySequencing)
 
 
 class SpillingSequencing(Sequencing):
@@ -700,9 +705,7 @@ class SpillingSequencing(Sequencing):
         assert not self.state.stats.lost_gaps, "a gap declared lost while the stream holds every batch"
 
 
-SpillingSequencing.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
-                                                print_blob=True, suppress_health_check=list(HealthCheck))
-test_an_indexer_that_spills_early_batches_keeps_the_index_equal_to_the_engines = SpillingSequencing.TestCase
+test_an_indexer_that_spills_early_batches_keeps_the_index_equal_to_the_engines = _seeded(SpillingSequencing)
 
 
 def test_the_usual_path_declines_what_only_on_message_judges():
@@ -800,6 +803,60 @@ def test_a_pod_back_before_its_new_generation_is_stored_does_not_resume_the_olde
         m.pod_returns(0, "quiet")  # a first contact: a new generation, in flight with the first one
         m.stored_late(1, False)  # the first generation's batch 0: the stream's last message of the worker
         m.pod_leaves(0)
+        m.pod_returns(0, "quiet")
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def _removal_entry(e) -> bool:
+    return e[2]["Kv-Type"] in ("pod_removed", "rank_removed")
+
+
+def test_a_batch_of_a_removed_rank_stored_after_its_removal_is_never_resumed():
+    """Issue 36 (E): a batch of a DP rank in flight when the rank was unlisted, stored after its
+    ``rank_removed`` (a retry), was the rank's last message; the next bridge, with no record of the rank,
+    resumed that retired generation when the rank was listed again, and the indexers dropped all it sent
+    as stale (the rank blind). The bridge that removed the rank sees the late ack and publishes the removal
+    again, after it."""
+    m = Sequencing()
+    try:
+        pod, rank = key = WORKERS[2]
+        m.engine_bursts(2, 2)
+        m.store_all()
+        m.records_written()
+        m.engine_publishes(2, "store", 1, True, False)  # in flight when the rank goes
+        m.listed[pod].discard(rank)
+        m.bridge.unsubscribe(key)
+        m.run(m.bridge.l1.rank_removed(pod, rank, "discovery"))
+        m._store_now(_removal_entry)
+        m.store_all()  # the rank's last batch, after its removal
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=False)
+        m.rank_returns(0, "quiet")
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_a_batch_of_a_removed_pod_stored_after_its_purged_removal_is_never_resumed():
+    """Issue 36 (F): the same for a pod: its batch stored after its ``pod_removed``, and a purge behind a
+    snapshot that took the removal but kept the batch; the next bridge found no removal on the stream and
+    resumed the retired generation from the batch."""
+    m = Sequencing()
+    try:
+        m.engine_bursts(0, 2)
+        m.store_all()
+        m.records_written()
+        m.engine_publishes(0, "store", 1, True, False)  # in flight when the pod's grace ends
+        m.pod_leaves(0)
+        m.grace_ends(0)
+        m._store_now(_removal_entry)
+        removal = m.stream.last_seq
+        m.store_all()  # the pod's last batch, after its removal
+        m.apply_stored()
+        m.snapshot = (encode_l1(m.state, m.applied), m.applied)
+        m.stream.purge(removal + 1)
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=False)
         m.pod_returns(0, "quiet")
         m.at_a_quiet_point_the_index_is_the_engines_truth()
     finally:
