@@ -410,7 +410,7 @@ class L1Publisher:
         mark = self._retire(pod, rank, reason)
         self._in_flight.pop((pod, rank), None)
         if self.resume is not None:
-            await self.resume.forget_rank(pod, rank)
+            await self.resume.forget_rank(pod, rank, mark)
         await self._publish_removal((pod, rank), mark, reason, mark if after is None else f"after:{after}")
 
     async def pod_removed(self, pod: str, reason: str, after: int | None = None) -> None:
@@ -420,7 +420,7 @@ class L1Publisher:
         for key in [k for k in self._in_flight if k[0] == pod]:
             del self._in_flight[key]
         if self.resume is not None:
-            await self.resume.forget(pod)
+            await self.resume.forget(pod, mark)
         await self._publish_removal((pod, None), mark, reason, mark if after is None else f"after:{after}")
 
     async def _publish_removal(self, key: tuple[str, int | None], mark: int, reason: str, tail) -> None:
