@@ -288,6 +288,9 @@ class L1State(TierIndex):
         self._apply_events(key, msg["events"][skip:] if skip else msg["events"], _batches(msg))
         if cur.early or cur.spilled:
             self._apply_early(key, cur)
+        elif cur.early_since:  # the last one read back: caught up, a later gap waits from its own time
+            cur.early_since = 0
+            self._waiting.pop(key, None)
 
     def _spill(self, key: tuple[str, int], cur: _Cursor, pos: tuple[int, int], msg: dict) -> None:
         """``max_early`` messages of the worker are held: this one stays in the stream alone; the cursor

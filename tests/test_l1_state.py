@@ -662,6 +662,25 @@ def test_a_gap_that_never_comes_is_lost_by_stream_time_and_the_spilled_batches_f
     assert s.stats.lost_gaps == 1 and held(s) == {102, 103, 104, 105, 106}
 
 
+def test_a_later_gap_waits_its_own_time_after_a_gap_filled_from_the_stream():
+    """The sequencing model (SpillingSequencing, SEQUENCING_SEED=12): a gap filled, the batches after it
+    read back from the stream, the worker caught up; 30 s of stream time later another gap opened, and was
+    declared lost at once (the worker cleared): the read-back that emptied the cursor left it waiting
+    since the first gap. A worker that caught up waits no more; the next gap gets its own time."""
+    from indexer.l1_state import EARLY_TIMEOUT_NS
+
+    t0 = 10**18
+    stream, s = ModelStream(), L1State(max_early=1)
+    stream.feed(s, batch(0, [stored(100)]), t0)
+    for seq in (2, 3, 1):  # 1 late: 2 held, 3 spilled, both applied once it comes (3 read back)
+        stream.feed(s, batch(seq, [stored(100 + seq)]), t0)
+    assert held(s) == {100, 101, 102, 103} and s.stats.read_back == 1
+    later = t0 + EARLY_TIMEOUT_NS + 1
+    stream.feed(s, batch(5, [stored(105)]), later)  # 4 is late, not lost
+    stream.feed(s, batch(4, [stored(104)]), later + 1)
+    assert s.stats.lost_gaps == 0 and held(s) == {100 + i for i in range(6)}
+
+
 def test_without_stream_sequences_too_many_held_batches_still_declare_the_gap_lost():
     s = L1State(max_early=2)
     s.apply(batch(0, [stored(100)]), 10**18)
