@@ -486,7 +486,10 @@ class Sequencing(RuleBasedStateMachine):
             # The one window left open (docs/operations.md, recovery): a bridge killed while a new generation's reset
             # is in flight and a later batch of it was stored (out of order) leaves that generation
             # without its reset; the next bridge resumes it from the stream. The model kills bridges
-            # outside it: a generation not yet recorded has its messages in flight stored first.
+            # outside it: a generation not yet recorded has its messages in flight stored first. Those of
+            # an older generation of the worker (superseded after a refusal) are lost with the bridge:
+            # stored after the newer one's, they would be the open window above, which a bridge with no
+            # record of the worker (killed before its first write) reaches as an upgrade does.
             # Open too (the module's doc): (D) a pod away within its grace has no subscription to publish
             # again a message lost with the bridge; past EARLY_TIMEOUT_NS the indexers declare the hole
             # lost (the worker cleared, the same generation going on), and the pod back within the grace
@@ -495,9 +498,10 @@ class Sequencing(RuleBasedStateMachine):
             # listed), nor is a removal the bridge was publishing again after a retired message stored
             # late (the next bridge does not know of either). The model stores those first.
             resume = self.bridge.resume
-            new = {key for key, seq in self.bridge.seqs.items()
+            new = {key: seq.gen for key, seq in self.bridge.seqs.items()
                    if seq.gen is not None and key[1] not in self._recorded_ranks(key[0])}
-            self._store_now(lambda e: _worker(e[2]) in new or e[2]["Kv-Type"] == "rank_removed"
+            self._store_now(lambda e: _worker(e[2]) in new and int(e[2]["Kv-Gen"]) >= new[_worker(e[2])]
+                            or e[2]["Kv-Type"] == "rank_removed"
                             or ":removed:after:" in e[2]["Nats-Msg-Id"]
                             or e[2]["Kv-Pod"] not in self.present and _worker(e[2]) is not None)
             new_pods = {pod for pod, _ in new}
