@@ -162,6 +162,8 @@ class L1Publisher:
         #: would drop what follows as stale once it is)
         self._retired: dict[tuple[str, int | None], _Retired] = {}
         self._republishing: set[asyncio.Task] = set()
+        #: told when one of this bridge's removals is stored (the targets record keeps it until then)
+        self.on_removal_stored: Callable[[], None] | None = None
 
     async def last_position(self, pod: str, rank: int) -> Position | None:
         """Where a bridge resumes (pod, rank): the resume record (within a generation, what followed it comes
@@ -373,8 +375,15 @@ class L1Publisher:
         if mark < r.mark:  # an older removal of the same pod (or rank), stored late
             self._retired_message(key[0], key[1], mark, stream_seq)
             return
+        first = not r.stored_at
         r.stored_at = max(r.stored_at, stream_seq)
         self._owe(key, r)
+        if first and self.on_removal_stored is not None:
+            self.on_removal_stored()
+
+    def unstored_removals(self) -> set[tuple[str, int | None]]:
+        """(pod, None) and (pod, rank) of this bridge's removals the stream has not stored yet."""
+        return {key for key, r in self._retired.items() if not r.stored_at}
 
     def _owe(self, key: tuple[str, int | None], r: _Retired) -> None:
         if r.owed or not r.stored_at or r.stray_at <= r.stored_at:

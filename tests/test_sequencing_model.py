@@ -26,15 +26,14 @@ stands; with small buffers (history truly lost), the index never holds a block t
 (ratios may be low, never too high). A pod away within its grace holds a state its engine went through
 (lossy: only blocks it held once); a pod or rank removed holds nothing.
 
-Windows left open, which the model steers around (each says where, README recovery lists them): (C) a
-rank_removed lost with a killed bridge (the next one does not know the rank was listed, and never removes
-it), and likewise a removal being published again after a retired message stored late (E, F: fixed, but
-what is in flight dies with the bridge); (D) a pod away within its grace whose messages were lost with a
-killed bridge after a later one was stored (the indexers declare the hole lost after EARLY_TIMEOUT_NS and
-clear the worker; back, the pod resumes that generation and what the clear took is not published again).
-A pod_removed lost with a killed bridge is modelled as the bridge does it when killed before it saved the
-targets record (the pod inherited as leaving, removed again when the new grace ends); killed after that
-save, it is (C) for the pod, which the model does not draw either (the record is not modelled).
+The window left open, which the model steers around (where it says; README recovery lists it): (D) a pod
+away within its grace whose messages were lost with a killed bridge after a later one was stored (the
+indexers declare the hole lost after EARLY_TIMEOUT_NS and clear the worker; back, the pod resumes that
+generation and what the clear took is not published again). A removal lost with a killed bridge (C) is
+published again by the next one from the targets record (bridge/service.py; tests/test_l1_end_to_end.py),
+which the model does not model: a pod_removed lost is modelled as that (the pod inherited as leaving,
+removed when the new grace ends), a rank_removed, or a removal being published again after a retired
+message stored late (E, F), is stored before the kill.
 
 A failure prints its steps and a ``@reproduce_failure`` blob that replays it exactly; each run prints its
 seed, and ``SEQUENCING_SEED=N`` replays a whole run.
@@ -493,10 +492,9 @@ class Sequencing(RuleBasedStateMachine):
             # Open too (the module's doc): (D) a pod away within its grace has no subscription to publish
             # again a message lost with the bridge; past EARLY_TIMEOUT_NS the indexers declare the hole
             # lost (the worker cleared, the same generation going on), and the pod back within the grace
-            # resumes that generation: what the clear took is not published again. (C) A rank_removed
-            # lost with the bridge is not published again (the next bridge does not know the rank was
-            # listed), nor is a removal the bridge was publishing again after a retired message stored
-            # late (the next bridge does not know of either). The model stores those first.
+            # resumes that generation: what the clear took is not published again. The model stores
+            # those first; and a rank_removed, or a removal being published again after a retired
+            # message stored late, which the next bridge publishes from the targets record (not modelled).
             resume = self.bridge.resume
             new = {key: seq.gen for key, seq in self.bridge.seqs.items()
                    if seq.gen is not None and key[1] not in self._recorded_ranks(key[0])}
