@@ -135,6 +135,40 @@ async def held(session: aiohttp.ClientSession, port: int, docs: list[list[int]])
         return None
 
 
+async def _shard_owners(url: str, bucket: str) -> tuple[int, dict[str, bytes]]:
+    """(the sharded bridges that are members, shard -> its lease holder)."""
+    nc = await nats.connect(url)
+    members, owners = 0, {}
+    try:
+        kv = await nc.jetstream().key_value(bucket)
+        for k in await kv.keys():
+            members += k.startswith("member.")
+            if k.startswith("own."):
+                try:
+                    owners[k] = (await kv.get(k)).value
+                except Exception:  # released meanwhile
+                    continue
+    except Exception:  # no bucket or no keys yet
+        pass
+    finally:
+        await nc.close()
+    return members, owners
+
+
+async def _shared(url: str, bucket: str, bridges: int, targets: int) -> None:
+    """Wait until every bridge is a member and holds a share of the targets, and who holds what stays put
+    over a lease round (a shard moving later moves through a resume, as any fault's does)."""
+    last = None
+    for _ in range(120):
+        members, owners = await _shard_owners(url, bucket)
+        settled = members == bridges and len(owners) == targets and len(set(owners.values())) == bridges
+        if settled and owners == last:
+            return
+        last = owners if settled else None
+        await asyncio.sleep(0.6)
+    raise AssertionError(f"the {bridges} sharded bridges never settled their shares of {targets} targets")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("bridges", [1, 2], ids=["one-bridge", "sharded"])
 async def test_chaos_soak_kill_9_of_bridge_indexer_and_nats_loses_nothing(stream_prefix, tmp_path, bridges):
@@ -208,6 +242,10 @@ async def test_chaos_soak_kill_9_of_bridge_indexer_and_nats_loses_nothing(stream
     nc = None
     tasks: list[asyncio.Task] = []
     try:
+        if bridges > 1:
+            # a shard moving while the idle engine publishes its history (600 batches in well under a second)
+            # is a gap beyond its 100-batch buffer: a loss the README lists, not one of this test's faults
+            await _shared(server.url, cfg.nats.lease.bucket, bridges, len(PODS) + 1)
         for e in engines:
             await e.pub.wait_subscribed(60)
         # the idle engine: a long history first (its buffer keeps the last 100), then nothing for the run
