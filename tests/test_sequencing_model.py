@@ -883,3 +883,32 @@ def test_a_rank_removed_before_its_first_ack_is_not_taken_back_into_the_record()
         m.at_a_quiet_point_the_index_is_the_engines_truth()
     finally:
         m.loop.close()
+
+
+def test_a_pod_that_flaps_before_its_first_record_write_resumes_its_newest_generation():
+    """The sequencing model (SEQUENCING_SEED=13): a pod back twice in a row (a first contact each time: a
+    new generation each), the older generation's batch stored after the newer one's messages (a retry).
+    Back once more before any resume record was written (the first write is asynchronous), the bridge
+    resumed from the stream's last message, the older generation's, whose batches the indexers drop as
+    stale. The bridge's own acked positions (not written yet) count as its record does."""
+    m = Sequencing()
+    quiet = m.at_a_quiet_point_the_index_is_the_engines_truth
+    try:
+        m.pod_leaves(0)  # both pods away (quiet points number the order things are stored in: kept)
+        for _ in range(8):
+            quiet()
+        m.pod_leaves(0)
+        quiet()
+        quiet()
+        m.engine_publishes(0, "store", 1, False, False)
+        m.pod_returns(0, "quiet")  # a first contact: a generation
+        m.pod_leaves(0)
+        m.pod_returns(0, "quiet")  # another (the first not stored yet)
+        m.pod_returns(0, "quiet")
+        m.stored_late(0, False)
+        quiet()  # the older generation's batch stored after the newer one's
+        m.pod_leaves(0)
+        m.pod_returns(0, "quiet")  # no record written yet
+        quiet()
+    finally:
+        m.loop.close()
