@@ -511,6 +511,10 @@ class Sequencing(RuleBasedStateMachine):
             self.store_all()
             self.records_written()
         lost = [e[2] for e in self.bridge.flight.pending if _worker(e[2]) is None]
+        # The same open window without a refusal (SEQUENCING_SEED=13): a pod back with a new generation
+        # (its position named no vLLM timestamp) while the older one's batch was in flight, stored after
+        # the newer one's messages. An upgrade then is a plain replacement (the records kept).
+        upgrade = upgrade and not self._older_generation_last()
         if upgrade:
             self.kv.data = {k: v for k, v in self.kv.data.items() if not k.startswith(KEY_PREFIX)}
             self.recorded.clear()
@@ -563,6 +567,19 @@ class Sequencing(RuleBasedStateMachine):
         row = msgpack.unpackb(record, strict_map_key=False)["ranks"].get(key[1]) if record else None
         shown = max(row[0] if row else -1, int(last.headers.get("Kv-Gen", -1)) if last is not None else -1)
         return max(gens) > shown
+
+    def _older_generation_last(self) -> bool:
+        """Whether some worker's last message on the stream is of an older generation than one stored
+        before it on its subject."""
+        newest: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for seq in sorted(self.stream.msgs):
+            m = self.stream.msgs[seq]
+            if _worker(m.headers) is not None:
+                gen = int(m.headers["Kv-Gen"])
+                newest[m.subject] = max(newest.get(m.subject, gen), gen)
+                last[m.subject] = gen
+        return any(last[s] < newest[s] for s in last)
 
     def _last(self, subject: str):
         return max((m for m in self.stream.msgs.values() if m.subject == subject), key=lambda m: m.seq, default=None)
