@@ -280,7 +280,9 @@ class L1State(TierIndex):
                 self._spill(key, cur, pos, msg)
                 return
             self._keep_early(key, cur, pos, msg)
-            if len(cur.early) > self.max_early:
+            # without stream sequences nothing can be read back: past max_early the gap is lost. With them,
+            # only a journal rebuilt at a late reset holds more (within max_journal): not a loss
+            if len(cur.early) > self.max_early and not self._seq:
                 self._lose_gap(key, cur)
             return
         self._journal(cur, msg)

@@ -681,6 +681,25 @@ def test_a_later_gap_waits_its_own_time_after_a_gap_filled_from_the_stream():
     assert s.stats.lost_gaps == 0 and held(s) == {100 + i for i in range(6)}
 
 
+def test_a_generation_rebuilt_from_its_journal_past_max_early_loses_no_gap():
+    """The sequencing model (SpillingSequencing, SEQUENCING_SEED=13): a pod back from a flap published its
+    buffer again while its first batches were still in flight; the generation's reset was stored after
+    a dozen of its batches. Rebuilt from the journal, those batches were all held early, more than
+    ``max_early``, and the next copy of one of them (a duplicate) declared the gap before them lost,
+    clearing the worker, although the stream held every batch. With stream sequences the journal's
+    messages are within their own bound (``max_journal``): only spilling, never a loss, keeps ``max_early``."""
+    stream, s = ModelStream(), L1State(max_early=1, max_journal=1024)
+    stream.feed(s, batch(0, [stored(9)], pod="127.0.1.2"))  # the stream's time known
+    for seq in (2, 3, 4):  # first sight: applied provisionally, journaled
+        stream.feed(s, batch(seq, [stored(100 + seq)], gen=5))
+    stream.feed(s, {"v": 1, "type": "reset", "pod": "127.0.1.1", "rank": 0, "gen": 5, "next_seq": 0,
+                    "reason": "subscribed"})
+    stream.feed(s, batch(3, [stored(103)], gen=5))  # a copy of one held (a retry, or a run overlapping it)
+    for seq in (0, 1):
+        stream.feed(s, batch(seq, [stored(100 + seq)], gen=5))
+    assert s.stats.lost_gaps == 0 and held(s) == {100, 101, 102, 103, 104}
+
+
 def test_without_stream_sequences_too_many_held_batches_still_declare_the_gap_lost():
     s = L1State(max_early=2)
     s.apply(batch(0, [stored(100)]), 10**18)
