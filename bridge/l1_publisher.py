@@ -183,6 +183,11 @@ class L1Publisher:
             return None
         if from_stream is not None and best is None:
             best = from_stream  # no record of the worker (the first start after an upgrade)
+        own = self.resume.own(pod, rank) if self.resume is not None else None
+        if own is not None and best is not None and own.gen > best.gen:
+            # this bridge saw a newer generation acked than the record (not written yet) or the stream's last
+            # message shows (an older generation's, stored late: a pod back twice before the first write)
+            best = own
         elif from_stream is not None and best is not None and from_stream.gen > best.gen:
             # a generation younger than the record's last write (a second): the stream's last message may lie
             # past one that never made it, the record never does. Starting anew loses nothing so young

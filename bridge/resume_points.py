@@ -116,24 +116,22 @@ class ResumePoints:
         return [p.gen for r, p in self._positions.get(pod, {}).items() if rank in (None, r)]
 
     async def load(self, pod: str) -> dict[int, Position] | None:
-        """The positions of the pod's ranks: the record's on this stream, or this bridge's own where it has
-        a newer one (acked since, not written yet: a pod that flaps within the write interval would
-        otherwise resume from the stream's last message, which may be an older generation's stored late);
-        a rank without one is absent. None when neither knows the pod."""
+        """The positions last recorded for the pod's ranks on this stream (a rank without one is absent);
+        None when the pod has no record here, or it cannot be read."""
         try:
             entry = await (await self._store()).get(record_key(pod))
             record = msgpack.unpackb(entry.value, strict_map_key=False) if entry.value else {}
         except (KeyNotFoundError, NotFoundError):
-            return self._own(pod)
-        except Exception as exc:  # unreadable: this bridge's own, else the stream's last message decides
+            return None
+        except Exception as exc:  # unreadable: the stream's last message alone decides, as before records
             self._warn("resume record of %s unreadable (%s)", pod, exc)
-            return self._own(pod)
+            return None
         if not isinstance(record, dict) or record.get("pod") != pod:
-            return self._own(pod)
+            return None
         if record.get("stream") != self.stream_id:
             log.info("resume record of %s is of another incarnation of the stream (%s, not %s): not used", pod,
                      record.get("stream"), self.stream_id)
-            return self._own(pod)
+            return None
         positions = {}
         for rank, row in (record.get("ranks") or {}).items():
             try:
@@ -143,11 +141,11 @@ class ResumePoints:
             except (TypeError, ValueError):
                 continue
         self._adopt(pod, positions)
-        return self._own(pod) or {}
+        return positions
 
-    def _own(self, pod: str) -> dict[int, Position] | None:
-        ranks = self._positions.get(pod)
-        return dict(ranks) if ranks else None
+    def own(self, pod: str, rank: int) -> Position | None:
+        """The last position of the worker this bridge saw acked (or adopted from the record), written or not."""
+        return self._positions.get(pod, {}).get(rank)
 
     def _adopt(self, pod: str, positions: dict[int, Position]) -> None:
         """The recorded ranks become this bridge's own: the record is rewritten whole from what this process
