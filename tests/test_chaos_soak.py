@@ -156,15 +156,18 @@ async def _shard_owners(url: str, bucket: str) -> tuple[int, dict[str, bytes]]:
 
 
 async def _shared(url: str, bucket: str, bridges: int, targets: int) -> None:
-    """Wait until every bridge is a member and holds a share of the targets, and who holds what stays put
-    over a lease round (a shard moving later moves through a resume, as any fault's does)."""
-    last = None
+    """Wait until every bridge is a member, every target's lease is held, and who holds what stays put over
+    a lease round (a bridge may hold none: the shares are drawn by hash; a shard moving later moves
+    through a resume, as any fault's does)."""
+    stable, last = 0, None
     for _ in range(120):
         members, owners = await _shard_owners(url, bucket)
-        settled = members == bridges and len(owners) == targets and len(set(owners.values())) == bridges
-        if settled and owners == last:
+        if members == bridges and len(owners) == targets:
+            stable, last = (stable + 1 if owners == last else 1), owners
+        else:
+            stable, last = 0, None
+        if stable == 3:  # the same over two lease rounds
             return
-        last = owners if settled else None
         await asyncio.sleep(0.6)
     raise AssertionError(f"the {bridges} sharded bridges never settled their shares of {targets} targets")
 
