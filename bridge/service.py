@@ -360,8 +360,9 @@ class Bridge:
                 else:
                     self._leaving.setdefault(pod, time.monotonic() + grace)
                     log.info("%s left discovery: removed in %.0fs unless it comes back", pod, grace, extra={"pod": pod})
+            pending = self.removals.names("pod") if self.removals is not None else set()
             self._ranks = {pod: ranks.get(pod) or self._ranks.get(pod, set())
-                           for pod in live | self._leaving.keys() | self._inherited_pods}
+                           for pod in live | self._leaving.keys() | self._inherited_pods | pending}
             self._want_shards()
             if whole:
                 await self._save_pods()
@@ -392,13 +393,14 @@ class Bridge:
 
     async def _remove_pod(self, pod: str, reason: str) -> None:
         """``pod_removed`` (where sharded, pending until it is on the stream: bridge/removals.py), and what
-        the bridge kept for the pod goes."""
+        the bridge kept for the pod goes; where pending, its ranks stay until then (back before it, with
+        fewer ranks, the ones gone are removed: the pod's removal is cancelled)."""
         self._leaving.pop(pod, None)
-        self._ranks.pop(pod, None)
         if self.removals is not None:
             self.removals.add("pod", pod, reason=reason)
             self._settle_now.set()
         else:
+            self._ranks.pop(pod, None)
             await self.l1.pod_removed(pod, reason)
         if self.block_key_check is not None:
             self.block_key_check.forget(pod)

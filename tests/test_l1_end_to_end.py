@@ -511,6 +511,37 @@ async def test_a_removal_lost_with_a_killed_bridge_is_published_by_the_next_one(
     assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0}
 
 
+async def test_a_pod_back_with_fewer_ranks_before_its_sharded_removal_was_stored_loses_the_others(nats_url,
+                                                                                                 stream_prefix):
+    """The chaos soak (sharded, CHAOS_SEED=127): the DP pod's grace ended (its pod_removed pending, the
+    shard's holder not publishing it yet), then it was listed again with one rank of two. The removal was
+    cancelled, but the bridge had dropped what ranks the pod had when its grace ended, so the rank gone was
+    never removed: indexed for ever. A sharded bridge keeps a pod's ranks while its removal is pending."""
+    cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"},
+                      ingest={"sharded": True, "l1": {"removalGrace": 0.3}})
+    stack = await L1Stack(cfg).start()
+    try:
+        r0, r1 = stack.engine(POD, dp_rank=0), stack.engine(POD, dp_rank=1)
+        await stack.connect((r0, POD, 0), (r1, POD, 1))
+        await r0.publish([stored(CHAIN[:2])])
+        await r1.publish([stored(CHAIN[:6])])
+        await until_ratio(stack, POD, 0.75, timeout=20)
+        removals = stack.bridge.removals
+        publish = removals._publish
+
+        async def held_back(r, after):  # the shard's holder not publishing it (yet)
+            pass
+        removals._publish = held_back
+        await stack.bridge.set_endpoints([])
+        await wait_for(lambda: ("pod", POD, -1) in removals.pending, 10, "the pod's removal pending")
+        await stack.bridge.set_endpoints([r0.endpoint(POD, 0)])  # back, with one rank of two
+        removals._publish = publish
+        await until_ratio(stack, POD, 0.25, what="the rank gone removed", timeout=20)
+        assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0}
+    finally:
+        await stack.stop()
+
+
 async def test_nats_restart_mid_stream_loses_and_duplicates_nothing(restartable_nats, stream_prefix):
     cfg = make_config(restartable_nats.url, stream_prefix, blockKey={"pythonHashSeed": "0"})
     stack = await L1Stack(cfg).start()
