@@ -247,7 +247,7 @@ async def test_chaos_soak_kill_9_of_bridge_indexer_and_nats_loses_nothing(stream
     try:
         if bridges > 1:
             # a shard moving while the idle engine publishes its history (600 batches in well under a second)
-            # is a gap beyond its 100-batch buffer: a loss the README lists, not one of this test's faults
+            # is a gap beyond its 100-batch buffer: a loss docs/operations.md lists, not one of this test's faults
             await _shared(server.url, cfg.nats.lease.bucket, bridges, len(PODS) + 1)
         for e in engines:
             await e.pub.wait_subscribed(60)

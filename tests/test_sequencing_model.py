@@ -26,7 +26,7 @@ stands; with small buffers (history truly lost), the index never holds a block t
 (ratios may be low, never too high). A pod away within its grace holds a state its engine went through
 (lossy: only blocks it held once); a pod or rank removed holds nothing.
 
-The window left open, which the model steers around (where it says; README recovery lists it): (D) a pod
+The window left open, which the model steers around (where it says; docs/operations.md, recovery, lists it): (D) a pod
 away within its grace whose messages were lost with a killed bridge after a later one was stored (the
 indexers declare the hole lost after EARLY_TIMEOUT_NS and clear the worker; back, the pod resumes that
 generation and what the clear took is not published again). A removal lost with a killed bridge (C) is
