@@ -14,10 +14,18 @@ prefix of its messages that is stored whole, in publish order: a message not ack
 holds it back, so a bridge that resumes never skips a batch the stream does not have. A message the
 stream refuses for good is told to the worker's subscriber, which starts a new generation after it
 rather than leave the indexers waiting for it.
+
+A removal (``pod_removed``, ``rank_removed``) retires the generations before its mark. A message of a
+retired generation that the stream stores after the removal (a retry still in flight) would otherwise be
+the worker's last message: once a purge takes the removal (or, for a rank, at once, as the rank's subject
+shows the batch) a later bridge with no record resumes that retired generation, and the indexers drop
+all it sends as stale. The bridge that published the removal sees that message's ack (or an older
+removal's, re-sent late) come after its removal's, and publishes the removal again, after it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -108,6 +116,17 @@ def run_message(pod: str, rank: int, gen: int, batches: list[tuple[int, float | 
 
 
 @dataclass(slots=True)
+class _Retired:
+    """A removal this bridge published: its mark, where the stream stored it (0: not acked yet), and the
+    furthest stream sequence of a message it retired (or of an older removal) stored after it was sent."""
+    mark: int
+    reason: str
+    stored_at: int = 0
+    stray_at: int = 0
+    owed: bool = False  # a publish again is due (or under way)
+
+
+@dataclass(slots=True)
 class _Sent:
     """A message of a worker in flight: the position it completes once stored (and all before it)."""
     gen: int
@@ -141,7 +160,10 @@ class L1Publisher:
         #: (pod, None) for a pod, (pod, rank) for one rank -> the generation its removal by this bridge
         #: retired everything before: never resumed, even while the removal is not stored yet (the indexers
         #: would drop what follows as stale once it is)
-        self._retired: dict[tuple[str, int | None], int] = {}
+        self._retired: dict[tuple[str, int | None], _Retired] = {}
+        self._republishing: set[asyncio.Task] = set()
+        #: told when one of this bridge's removals is stored (the targets record keeps it until then)
+        self.on_removal_stored: Callable[[], None] | None = None
 
     async def last_position(self, pod: str, rank: int) -> Position | None:
         """Where a bridge resumes (pod, rank): the resume record (within a generation, what followed it comes
@@ -161,11 +183,16 @@ class L1Publisher:
             return None
         if from_stream is not None and best is None:
             best = from_stream  # no record of the worker (the first start after an upgrade)
+        own = self.resume.own(pod, rank) if self.resume is not None else None
+        if own is not None and best is not None and own.gen > best.gen:
+            # this bridge saw a newer generation acked than the record (not written yet) or the stream's last
+            # message shows (an older generation's, stored late: a pod back twice before the first write)
+            best = own
         elif from_stream is not None and best is not None and from_stream.gen > best.gen:
             # a generation younger than the record's last write (a second): the stream's last message may lie
             # past one that never made it, the record never does. Starting anew loses nothing so young
             return None
-        retired = max(self._retired.get((pod, None), -1), self._retired.get((pod, rank), -1))
+        retired = max(self._mark(pod, None), self._mark(pod, rank))
         if best is not None and best.gen < retired:
             log.info("%s rank %d: removed by this bridge after generation %d: a new generation", pod, rank, best.gen,
                      extra={"pod": pod, "rank": rank})
@@ -188,9 +215,11 @@ class L1Publisher:
             removed = None
         if removed is not None:
             # the removal retired the generations before its mark, even one whose batch the stream stored
-            # after it (a retry); an older bridge's removal, without a mark, all before it in the stream
+            # after it (a retry). One stored after the position may be an older removal re-sent late, and a
+            # newer one before it in the stream may have retired the position's generation: it is not
+            # resumed either (an older bridge's removal, without a mark, retired all before it)
             mark = (removed.headers or {}).get("Kv-Gen", "")
-            if (best.gen < int(mark)) if mark.isdigit() else (removed.seq > best.stream_seq):
+            if removed.seq > best.stream_seq or (mark.isdigit() and best.gen < int(mark)):
                 log.info("%s rank %d: the pod was removed after its last batch: a new generation", pod, rank,
                          extra={"pod": pod, "rank": rank})
                 return None  # the pod left discovery after that batch: indexers retired its generation
@@ -251,8 +280,9 @@ class L1Publisher:
                     pos = done
             if pos is not None and self.resume is not None:
                 self.resume.update(pod, rank, Position(pos.gen, pos.last, pos.epoch, pos.ts, pos.stored_seq))
-            if not queue:
+            if not queue and self._in_flight.get(key) is queue:  # not a newer generation's, since a removal
                 self._in_flight.pop(key, None)
+            self._retired_message(pod, rank, sent.gen, stream_seq)
 
         def refused() -> None:  # stays in the queue: the position never passes it
             watcher = self._refusal_watchers.get(key)
@@ -316,7 +346,7 @@ class L1Publisher:
         stored, refused = self._track(pod, rank, _Sent(gen, next_seq - 1, next_seq - 1, epoch or "-", None, True))
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers, stored, refused)
 
-    def _retire(self, pod: str, rank: int | None) -> int:
+    def _retire(self, pod: str, rank: int | None, reason: str) -> int:
         """The mark of a removal of the pod (or one rank of it): a generation after every one this bridge
         published or resumed for it, and before any it starts later (a pod back, a rank listed again)."""
         known = [sent.gen for (p, r), queue in self._in_flight.items() if p == pod and rank in (None, r)
@@ -327,8 +357,63 @@ class L1Publisher:
         if len(self._retired) >= _RETIRED_KEPT:  # the oldest first (a pod's removal long stored is on the stream)
             del self._retired[next(iter(self._retired))]
         self._retired.pop((pod, rank), None)
-        self._retired[(pod, rank)] = mark
+        self._retired[(pod, rank)] = _Retired(mark, reason)
         return mark
+
+    def _mark(self, pod: str, rank: int | None) -> int:
+        r = self._retired.get((pod, rank))
+        return -1 if r is None else r.mark
+
+    def _retired_message(self, pod: str, rank: int | None, gen: int, stream_seq: int) -> None:
+        """An ack of a message of a generation before a removal's mark (a batch, a reset, or an older
+        removal): stored after the removal, the removal goes out again."""
+        for key in ((pod, None), (pod, rank)) if rank is not None else ((pod, None),):
+            r = self._retired.get(key)
+            if r is not None and gen < r.mark:
+                r.stray_at = max(r.stray_at, stream_seq)
+                self._owe(key, r)
+
+    def _removal_stored(self, key: tuple[str, int | None], mark: int, stream_seq: int) -> None:
+        r = self._retired.get(key)
+        if r is None:
+            return
+        if mark < r.mark:  # an older removal of the same pod (or rank), stored late
+            self._retired_message(key[0], key[1], mark, stream_seq)
+            return
+        first = not r.stored_at
+        r.stored_at = max(r.stored_at, stream_seq)
+        self._owe(key, r)
+        if first and self.on_removal_stored is not None:
+            self.on_removal_stored()
+
+    def unstored_removals(self) -> set[tuple[str, int | None]]:
+        """(pod, None) and (pod, rank) of this bridge's removals the stream has not stored yet."""
+        return {key for key, r in self._retired.items() if not r.stored_at}
+
+    def _owe(self, key: tuple[str, int | None], r: _Retired) -> None:
+        if r.owed or not r.stored_at or r.stray_at <= r.stored_at:
+            return
+        r.owed = True
+        log.info("%s%s: a message of a retired generation was stored after its removal: published again",
+                 key[0], "" if key[1] is None else f" rank {key[1]}", extra={"pod": key[0]})
+        try:
+            task = asyncio.get_running_loop().create_task(self.republish_owed())
+        except RuntimeError:  # no loop (a caller that drives the publisher itself calls republish_owed)
+            return
+        self._republishing.add(task)
+        task.add_done_callback(self._republished)
+
+    def _republished(self, task: asyncio.Task) -> None:
+        self._republishing.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # never silently
+            log.error("publishing a removal again failed", exc_info=task.exception())
+
+    async def republish_owed(self) -> None:
+        """Each removal that a retired message was stored after goes out again, with the same mark."""
+        for key, r in list(self._retired.items()):
+            if r.owed:
+                r.owed = False
+                await self._publish_removal(key, r.mark, r.reason, f"after:{r.stray_at}")
 
     async def rank_removed(self, pod: str, rank: int, reason: str, after: int | None = None) -> None:
         """One rank of the pod left while the pod stays (unregistered alone, ``dpRanks`` shrunk): its resume
@@ -336,29 +421,37 @@ class L1Publisher:
         rank's own subject (so a bridge that finds it there starts the rank anew). ``after``: the stream
         sequence of the last message it follows, which names the message (sharded bridges publish a
         removal again until they see it: bridge/removals.py); None: named by its mark."""
-        mark = self._retire(pod, rank)
+        mark = self._retire(pod, rank, reason)
         self._in_flight.pop((pod, rank), None)
         if self.resume is not None:
-            await self.resume.forget_rank(pod, rank)
-        payload = self._codec.encode({"v": SCHEMA_VERSION, "type": "rank_removed", "pod": pod, "rank": rank,
-                                 "reason": reason, "gen": mark})
-        tail = mark if after is None else f"after:{after}"
-        headers = _headers(self._content_type, pod, f"{pod}:{rank}:removed:{tail}", "rank_removed",
-                           **{"Kv-Dp-Rank": str(rank), "Kv-Gen": str(mark), "Kv-Reason": reason,
-                              "Kv-Bridge": self._bridge})
-        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers)
+            await self.resume.forget_rank(pod, rank, mark)
+        await self._publish_removal((pod, rank), mark, reason, mark if after is None else f"after:{after}")
 
     async def pod_removed(self, pod: str, reason: str, after: int | None = None) -> None:
         """The pod left: its resume record goes first (so no bridge resumes the retired generation), then
         the message that retires it in every indexer. ``after``: as for ``rank_removed``."""
-        mark = self._retire(pod, None)
+        mark = self._retire(pod, None, reason)
         for key in [k for k in self._in_flight if k[0] == pod]:
             del self._in_flight[key]
         if self.resume is not None:
-            await self.resume.forget(pod)
-        payload = self._codec.encode({"v": SCHEMA_VERSION, "type": "pod_removed", "pod": pod, "reason": reason,
-                                 "gen": mark})
-        tail = mark if after is None else f"after:{after}"
-        headers = _headers(self._content_type, pod, f"{pod}:removed:{tail}", "pod_removed",
-                           **{"Kv-Gen": str(mark), "Kv-Reason": reason, "Kv-Bridge": self._bridge})
-        await self._pub.publish(l1_lifecycle_subject(self._prefix, pod), payload, headers)
+            await self.resume.forget(pod, mark)
+        await self._publish_removal((pod, None), mark, reason, mark if after is None else f"after:{after}")
+
+    async def _publish_removal(self, key: tuple[str, int | None], mark: int, reason: str, tail) -> None:
+        """``pod_removed`` on the pod's lifecycle subject (rank None), else ``rank_removed`` on the rank's."""
+        pod, rank = key
+        def stored(stream_seq: int) -> None:
+            self._removal_stored(key, mark, stream_seq)
+        if rank is None:
+            payload = self._codec.encode({"v": SCHEMA_VERSION, "type": "pod_removed", "pod": pod,
+                                          "reason": reason, "gen": mark})
+            headers = _headers(self._content_type, pod, f"{pod}:removed:{tail}", "pod_removed",
+                               **{"Kv-Gen": str(mark), "Kv-Reason": reason, "Kv-Bridge": self._bridge})
+            await self._pub.publish(l1_lifecycle_subject(self._prefix, pod), payload, headers, stored)
+            return
+        payload = self._codec.encode({"v": SCHEMA_VERSION, "type": "rank_removed", "pod": pod, "rank": rank,
+                                      "reason": reason, "gen": mark})
+        headers = _headers(self._content_type, pod, f"{pod}:{rank}:removed:{tail}", "rank_removed",
+                           **{"Kv-Dp-Rank": str(rank), "Kv-Gen": str(mark), "Kv-Reason": reason,
+                              "Kv-Bridge": self._bridge})
+        await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers, stored)

@@ -17,8 +17,9 @@ publisher of a pod at a time, so a removal can never follow a newer generation o
 one releases it), the next owner among the bridges still renewing theirs takes it, finds the removal
 not on the stream and publishes it. The holder publishes it again while the stream does not show it
 (its publish went with a connection that broke), at most once per ``nats.lease.ttl``; the message id
-names the stream sequence of the last message it follows (``<pod>:removed:after:<seq>``), so repeats
-of one removal are one message for JetStream, and a repeat that lands anyway (a late batch of the
+names the stream sequence of the last message it follows (``<pod>:removed:after:<seq>``; with nothing
+of the target left on the stream, the last one purged), so repeats of one removal are one message for
+JetStream, and a repeat that lands anyway (a late batch of the
 retired generation stored in between) retires what is already retired. A target listed again cancels
 its pending removal (a pod back after its removal was published starts a new generation:
 bridge/l1_publisher.py, ``last_position``).
@@ -129,14 +130,21 @@ class PendingRemovals:
         l1, l3 = self._nats.l1Stream, self._nats.l3Stream
         if r.kind == "master":
             msg = await self._last_msg(l3.name, l3_subject(l3.subjectPrefix, r.name))
-            return (0, False) if msg is None else (msg.seq, _empty_full_state(msg))
+            return (await self._purged(l3.name), False) if msg is None else (msg.seq, _empty_full_state(msg))
         pod = await self._last_msg(l1.name, l1_pod_subjects(l1.subjectPrefix, r.name))
         if r.kind == "pod":
-            return (0, False) if pod is None else (pod.seq, _kind(pod) == "pod_removed")
+            return (await self._purged(l1.name), False) if pod is None else (pod.seq, _kind(pod) == "pod_removed")
         if pod is not None and _kind(pod) == "pod_removed":
             return pod.seq, True
         msg = await self._last_msg(l1.name, l1_subject(l1.subjectPrefix, r.name, r.rank))
-        return (0, False) if msg is None else (msg.seq, _kind(msg) == "rank_removed")
+        return (await self._purged(l1.name), False) if msg is None else (msg.seq, _kind(msg) == "rank_removed")
+
+    async def _purged(self, stream: str) -> int:
+        """With nothing of the target on the stream, the last message the removal follows is the last one
+        purged: an earlier removal of the same target, since purged too, followed an earlier one (0 for
+        both would make them one message id, and JetStream would drop the later one as a duplicate)."""
+        info = await self._js.stream_info(stream)
+        return max(0, info.state.first_seq - 1)
 
     async def _last_msg(self, stream: str, subject: str):
         try:

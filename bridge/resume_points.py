@@ -143,6 +143,10 @@ class ResumePoints:
         self._adopt(pod, positions)
         return positions
 
+    def own(self, pod: str, rank: int) -> Position | None:
+        """The last position of the worker this bridge saw acked (or adopted from the record), written or not."""
+        return self._positions.get(pod, {}).get(rank)
+
     def _adopt(self, pod: str, positions: dict[int, Position]) -> None:
         """The recorded ranks become this bridge's own: the record is rewritten whole from what this process
         knows, and a rank that stays idle (no ack since the start) would otherwise drop out of it at the
@@ -156,13 +160,14 @@ class ResumePoints:
             if old is None or pos.stream_seq > old.stream_seq:
                 ranks[rank] = pos
 
-    async def forget_rank(self, pod: str, rank: int) -> None:
+    async def forget_rank(self, pod: str, rank: int, before: int = -1) -> None:
         """One rank of the pod left: it goes from the record (rewritten at once), and acks still in flight
-        for it are ignored."""
+        for it are ignored: those of a generation before ``before`` (the removal's mark) too, also one not
+        acked once yet (the record would otherwise take it back, and the next bridge resume it)."""
         ranks = self._positions.get(pod, {})
         pos = ranks.pop(rank, None)
         self._recorded.discard((pod, rank))
-        gen = pos.gen if pos is not None else -1
+        gen = max(pos.gen if pos is not None else -1, before - 1)
         self._forgotten_ranks[(pod, rank)] = max(gen, self._forgotten_ranks.get((pod, rank), -1))
         if ranks:
             self._dirty.add(pod)
@@ -174,12 +179,12 @@ class ResumePoints:
         except Exception as exc:
             self._warn("resume record of %s not deleted (%s)", pod, exc)
 
-    async def forget(self, pod: str) -> None:
-        """The pod left: its record goes, and acks still in flight for it are ignored."""
+    async def forget(self, pod: str, before: int = -1) -> None:
+        """The pod left: its record goes, and acks still in flight for it are ignored (as ``forget_rank``)."""
         ranks = self._positions.pop(pod, {})
         self._dirty.discard(pod)
         self._recorded = {key for key in self._recorded if key[0] != pod}
-        self._forgotten[pod] = max([p.gen for p in ranks.values()] + [self._forgotten.get(pod, -1)])
+        self._forgotten[pod] = max([p.gen for p in ranks.values()] + [self._forgotten.get(pod, -1), before - 1])
         try:
             await (await self._store()).delete(record_key(pod))
         except Exception as exc:

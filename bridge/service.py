@@ -42,7 +42,7 @@ from bridge.removals import MASTER, POD, PendingRemovals
 from bridge.resume_points import ResumePoints
 from bridge.shard_leases import ShardLeases
 from bridge.static_targets import StaticTargets
-from infra.targets_record import TargetsRecord, read_endpoints
+from infra.targets_record import TargetsRecord, read_ranks
 from bridge.endpoint import Endpoint
 from bridge.vllm_subscriber import VllmSubscriber
 from infra.event_codec import codec
@@ -106,6 +106,8 @@ class Bridge:
         #: sharded: the removals not on the stream yet (bridge/removals.py); None: published at once
         self.removals: PendingRemovals | None = None
         self._settle_now = asyncio.Event()
+        #: a removal was stored: the targets record, which kept its pod or rank until then, is written again
+        self._record_stale = False
         #: discovery and shard changes both reconcile subscriptions and pollers: one at a time, or two
         #: could each start a subscriber for the same endpoint while the other awaits
         self._reconciling = asyncio.Lock()
@@ -143,6 +145,7 @@ class Bridge:
         self.l1 = L1Publisher(self.publisher, nats.l1Stream.subjectPrefix, js, nats.l1Stream.name,
                               lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM, holder,
                               self.resume_points, codec(nats.l1Stream.encoding))
+        self.l1.on_removal_stored = self._removal_stored
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
                               lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics,
                               on_refused=self._l3_refused, codec=codec(nats.l3Stream.encoding))
@@ -289,7 +292,7 @@ class Bridge:
         """The ranks each pod was listed with when the record was last written: a rank gone meanwhile (while
         no bridge watched, or before this one read discovery) is removed like one that leaves now."""
         try:
-            rows = await read_endpoints(self.targets_record.store) or ()
+            rows = await read_ranks(self.targets_record.store) or ()
         except Exception as exc:  # unreadable: only what leaves from now on is seen, as before the record
             log.warning("bridge targets record unreadable (%s): DP ranks gone meanwhile stay indexed", exc)
             return {}
@@ -357,30 +360,47 @@ class Bridge:
                 else:
                     self._leaving.setdefault(pod, time.monotonic() + grace)
                     log.info("%s left discovery: removed in %.0fs unless it comes back", pod, grace, extra={"pod": pod})
+            pending = self.removals.names("pod") if self.removals is not None else set()
             self._ranks = {pod: ranks.get(pod) or self._ranks.get(pod, set())
-                           for pod in live | self._leaving.keys() | self._inherited_pods}
+                           for pod in live | self._leaving.keys() | self._inherited_pods | pending}
             self._want_shards()
             if whole:
                 await self._save_pods()
 
     def _pods_known(self) -> set[str]:
-        """The pods listed, leaving, or whose removal is pending: the record's (what a bridge that starts
-        removes if it is gone)."""
+        """The pods listed, leaving, or whose removal is pending or not stored yet: the record's (what a
+        bridge that starts removes if it is gone)."""
         pending = self.removals.names("pod") if self.removals is not None else set()
-        return self._discovered_pods | self._leaving.keys() | pending
+        unstored = {pod for pod, rank in self.l1.unstored_removals() if rank is None}
+        return self._discovered_pods | self._leaving.keys() | pending | unstored
+
+    def _ranks_removing(self) -> set[tuple[str, int]]:
+        """DP ranks whose removal is pending or not stored yet: kept in the record (a bridge killed now
+        would otherwise take the only knowledge of them along)."""
+        ranks = {(pod, rank) for pod, rank in self.l1.unstored_removals() if rank is not None}
+        if self.removals is not None:
+            ranks |= {(r.name, r.rank) for r in self.removals.pending.values() if r.kind == "rank"}
+        return ranks
 
     async def _save_pods(self) -> None:
-        await self.targets_record.save(pods=self._pods_known(), endpoints=self._endpoints)
+        self._record_stale = False
+        await self.targets_record.save(pods=self._pods_known(), endpoints=self._endpoints,
+                                       removing=self._ranks_removing())
+
+    def _removal_stored(self) -> None:
+        self._record_stale = True
+        self._settle_now.set()
 
     async def _remove_pod(self, pod: str, reason: str) -> None:
         """``pod_removed`` (where sharded, pending until it is on the stream: bridge/removals.py), and what
-        the bridge kept for the pod goes."""
+        the bridge kept for the pod goes; where pending, its ranks stay until then (back before it, with
+        fewer ranks, the ones gone are removed: the pod's removal is cancelled)."""
         self._leaving.pop(pod, None)
-        self._ranks.pop(pod, None)
         if self.removals is not None:
             self.removals.add("pod", pod, reason=reason)
             self._settle_now.set()
         else:
+            self._ranks.pop(pod, None)
             await self.l1.pod_removed(pod, reason)
         if self.block_key_check is not None:
             self.block_key_check.forget(pod)
@@ -397,7 +417,7 @@ class Bridge:
             self._settle_now.clear()
             now = time.monotonic()
             due = [pod for pod, until in self._leaving.items() if until <= now]
-            if not due and not (self.removals is not None and self.removals.due()):
+            if not due and not (self.removals is not None and self.removals.due()) and not self._record_stale:
                 continue
             try:
                 async with self._targets_lock:

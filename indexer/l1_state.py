@@ -280,7 +280,9 @@ class L1State(TierIndex):
                 self._spill(key, cur, pos, msg)
                 return
             self._keep_early(key, cur, pos, msg)
-            if len(cur.early) > self.max_early:
+            # without stream sequences nothing can be read back: past max_early the gap is lost. With them,
+            # only a journal rebuilt at a late reset holds more (within max_journal): not a loss
+            if len(cur.early) > self.max_early and not self._seq:
                 self._lose_gap(key, cur)
             return
         self._journal(cur, msg)
@@ -288,6 +290,9 @@ class L1State(TierIndex):
         self._apply_events(key, msg["events"][skip:] if skip else msg["events"], _batches(msg))
         if cur.early or cur.spilled:
             self._apply_early(key, cur)
+        elif cur.early_since:  # the last one read back: caught up, a later gap waits from its own time
+            cur.early_since = 0
+            self._waiting.pop(key, None)
 
     def _spill(self, key: tuple[str, int], cur: _Cursor, pos: tuple[int, int], msg: dict) -> None:
         """``max_early`` messages of the worker are held: this one stays in the stream alone; the cursor
@@ -421,8 +426,11 @@ class L1State(TierIndex):
             start = msg["next_seq"]
             if journal and start < journal[0]["seq"]:  # it starts before what was applied: rebuild from there
                 self._clear(key)
-                for m in journal:
-                    cur.early.setdefault((m["seq"], m.get("part", 0)), m)
+                for m in journal:  # of two from one seq (a run and a batch), the one reaching further
+                    pos = (m["seq"], m.get("part", 0))
+                    other = cur.early.get(pos)
+                    if other is None or last_seq(m) > last_seq(other):
+                        cur.early[pos] = m
                 cur.next_seq, cur.next_part = start, 0
                 self._wait_from(key, cur, cur.early_since or self._now)
                 self._apply_early(key, cur)

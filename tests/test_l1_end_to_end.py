@@ -479,6 +479,69 @@ async def test_a_dp_rank_dropped_while_no_bridge_ran_is_removed_by_the_next_brid
     assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0}
 
 
+async def test_a_removal_lost_with_a_killed_bridge_is_published_by_the_next_one(stack):
+    """Issue 36 (C): a DP rank unlisted, its ``rank_removed`` still in flight when the bridge was killed
+    (lost), the targets record already written without the rank: the next bridge did not know the rank had
+    been listed and never removed it; its blocks stayed indexed for ever. The record keeps a rank (or pod)
+    whose removal the stream has not stored yet: the next bridge removes it again."""
+    from bridge.service import Bridge
+
+    r0, r1 = stack.engine(POD, dp_rank=0), stack.engine(POD, dp_rank=1)
+    await stack.connect((r0, POD, 0), (r1, POD, 1))
+    await r0.publish([stored(CHAIN[:2])])
+    await r1.publish([stored(CHAIN[:6])])
+    await until_ratio(stack, POD, 0.75)
+    await wait_for(lambda: stack.bridge.targets_record._endpoints and len(stack.bridge.targets_record._endpoints) == 2,
+                   10, "both ranks recorded")
+    publish = stack.bridge.publisher.publish
+
+    async def removals_lost(subject, data, headers, on_stored=None, on_refused=None):
+        if headers.get("Kv-Type") not in ("rank_removed", "pod_removed"):  # in flight at the kill: never stored
+            await publish(subject, data, headers, on_stored, on_refused)
+    stack.bridge.publisher.publish = removals_lost
+    await stack.bridge.set_endpoints([r0.endpoint(POD, 0)])
+    await wait_for(lambda: len(stack.bridge.targets_record._endpoints) == 1, 10, "the record written without rank 1")
+    await stack.bridge.stop()
+    assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0, 1}, "the removal was lost"
+    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
+    await stack.bridge.start()
+    await wait_for(lambda: stack.bridge._inherited_pods == {POD}, 10, "the new bridge to lead and read the record")
+    await stack.bridge.set_endpoints([r0.endpoint(POD, 0)])
+    await until_ratio(stack, POD, 0.25, what="the rank whose removal was lost removed")
+    assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0}
+
+
+async def test_a_pod_back_with_fewer_ranks_before_its_sharded_removal_was_stored_loses_the_others(nats_url,
+                                                                                                 stream_prefix):
+    """The chaos soak (sharded, CHAOS_SEED=127): the DP pod's grace ended (its pod_removed pending, the
+    shard's holder not publishing it yet), then it was listed again with one rank of two. The removal was
+    cancelled, but the bridge had dropped what ranks the pod had when its grace ended, so the rank gone was
+    never removed: indexed for ever. A sharded bridge keeps a pod's ranks while its removal is pending."""
+    cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"},
+                      ingest={"sharded": True, "l1": {"removalGrace": 0.3}})
+    stack = await L1Stack(cfg).start()
+    try:
+        r0, r1 = stack.engine(POD, dp_rank=0), stack.engine(POD, dp_rank=1)
+        await stack.connect((r0, POD, 0), (r1, POD, 1))
+        await r0.publish([stored(CHAIN[:2])])
+        await r1.publish([stored(CHAIN[:6])])
+        await until_ratio(stack, POD, 0.75, timeout=20)
+        removals = stack.bridge.removals
+        publish = removals._publish
+
+        async def held_back(r, after):  # the shard's holder not publishing it (yet)
+            pass
+        removals._publish = held_back
+        await stack.bridge.set_endpoints([])
+        await wait_for(lambda: ("pod", POD, -1) in removals.pending, 10, "the pod's removal pending")
+        await stack.bridge.set_endpoints([r0.endpoint(POD, 0)])  # back, with one rank of two
+        removals._publish = publish
+        await until_ratio(stack, POD, 0.25, what="the rank gone removed", timeout=20)
+        assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0}
+    finally:
+        await stack.stop()
+
+
 async def test_nats_restart_mid_stream_loses_and_duplicates_nothing(restartable_nats, stream_prefix):
     cfg = make_config(restartable_nats.url, stream_prefix, blockKey={"pythonHashSeed": "0"})
     stack = await L1Stack(cfg).start()

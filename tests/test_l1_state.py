@@ -493,6 +493,23 @@ def test_a_generations_batch_stored_before_its_reset_does_not_drop_the_earlier_o
     assert s.stats.duplicates == 0
 
 
+def test_a_late_reset_rebuilds_from_the_message_reaching_further_of_two_from_one_seq():
+    """Issue 36's sequencing model: a pod back from a flap resumed from the stream's last message and
+    published its engine's buffer again as runs, while the single batches of the first try were still in
+    flight. Batch 4 and the run 4-7 were both journaled before the generation's late reset; the rebuild
+    kept batch 4 alone, and batch 7 (its single copy dropped as applied by the run) never came again:
+    the worker waited, then lost the gap."""
+    t = 10**18
+    s = L1State()
+    s.apply(batch(4, [stored(4)], gen=5), t)
+    s.apply(batch(7, [stored(7)], gen=5), t)  # early, then applied by the run: dropped
+    s.apply(run(4, [[stored(4)], [stored(5)], [stored(6)], [stored(7)]], gen=5), t)
+    s.apply(reset(0, gen=5), t)  # late: rebuilt from seq 0, the journal going back to the early ones
+    s.apply(run(0, [[stored(0)], [stored(1)], [stored(2)], [stored(3)]], gen=5), t)
+    s.apply(batch(8, [stored(8)], gen=5), t)
+    assert held(s) == set(range(9)) and s.cursors[("127.0.1.1", 0)].next_seq == 9
+
+
 def test_a_reset_later_than_the_hold_timeout_is_not_waited_for_and_benchmarks_keep_no_journal():
     from indexer.l1_state import EARLY_TIMEOUT_NS
 
@@ -643,6 +660,44 @@ def test_a_gap_that_never_comes_is_lost_by_stream_time_and_the_spilled_batches_f
     assert s.stats.lost_gaps == 0
     stream.feed(s, batch(0, [stored(7)], pod="127.0.1.2"), t0 + EARLY_TIMEOUT_NS + 10)
     assert s.stats.lost_gaps == 1 and held(s) == {102, 103, 104, 105, 106}
+
+
+def test_a_later_gap_waits_its_own_time_after_a_gap_filled_from_the_stream():
+    """The sequencing model (SpillingSequencing, SEQUENCING_SEED=12): a gap filled, the batches after it
+    read back from the stream, the worker caught up; 30 s of stream time later another gap opened, and was
+    declared lost at once (the worker cleared): the read-back that emptied the cursor left it waiting
+    since the first gap. A worker that caught up waits no more; the next gap gets its own time."""
+    from indexer.l1_state import EARLY_TIMEOUT_NS
+
+    t0 = 10**18
+    stream, s = ModelStream(), L1State(max_early=1)
+    stream.feed(s, batch(0, [stored(100)]), t0)
+    for seq in (2, 3, 1):  # 1 late: 2 held, 3 spilled, both applied once it comes (3 read back)
+        stream.feed(s, batch(seq, [stored(100 + seq)]), t0)
+    assert held(s) == {100, 101, 102, 103} and s.stats.read_back == 1
+    later = t0 + EARLY_TIMEOUT_NS + 1
+    stream.feed(s, batch(5, [stored(105)]), later)  # 4 is late, not lost
+    stream.feed(s, batch(4, [stored(104)]), later + 1)
+    assert s.stats.lost_gaps == 0 and held(s) == {100 + i for i in range(6)}
+
+
+def test_a_generation_rebuilt_from_its_journal_past_max_early_loses_no_gap():
+    """The sequencing model (SpillingSequencing, SEQUENCING_SEED=13): a pod back from a flap published its
+    buffer again while its first batches were still in flight; the generation's reset was stored after
+    a dozen of its batches. Rebuilt from the journal, those batches were all held early, more than
+    ``max_early``, and the next copy of one of them (a duplicate) declared the gap before them lost,
+    clearing the worker, although the stream held every batch. With stream sequences the journal's
+    messages are within their own bound (``max_journal``): only spilling, never a loss, keeps ``max_early``."""
+    stream, s = ModelStream(), L1State(max_early=1, max_journal=1024)
+    stream.feed(s, batch(0, [stored(9)], pod="127.0.1.2"))  # the stream's time known
+    for seq in (2, 3, 4):  # first sight: applied provisionally, journaled
+        stream.feed(s, batch(seq, [stored(100 + seq)], gen=5))
+    stream.feed(s, {"v": 1, "type": "reset", "pod": "127.0.1.1", "rank": 0, "gen": 5, "next_seq": 0,
+                    "reason": "subscribed"})
+    stream.feed(s, batch(3, [stored(103)], gen=5))  # a copy of one held (a retry, or a run overlapping it)
+    for seq in (0, 1):
+        stream.feed(s, batch(seq, [stored(100 + seq)], gen=5))
+    assert s.stats.lost_gaps == 0 and held(s) == {100, 101, 102, 103, 104}
 
 
 def test_without_stream_sequences_too_many_held_batches_still_declare_the_gap_lost():

@@ -205,3 +205,47 @@ async def test_a_rank_gone_while_a_dead_bridge_holds_its_pod_is_removed_by_the_n
         assert time.monotonic() - t0 >= cfg.nats.lease.ttl * 0.9
     finally:
         await bridge.stop()
+
+
+async def test_a_pod_removed_again_with_nothing_of_it_left_on_the_stream_is_stored_again(nats_url, stream_prefix):
+    """The chaos soak (sharded, CHAOS_SEED=102): a pod removed, back, and removed again for good, each
+    time after the snapshot writer had purged all its messages. Both removals followed "stream message 0"
+    and so had one message id (``<pod>:removed:after:0``): JetStream dropped the second as a duplicate of
+    the first (within ``duplicateWindow``), the bridges found it never on the stream and published it again
+    and again, in vain, and the pod was answered for 2 minutes after it left. With nothing of the pod on
+    the stream a removal follows the last message purged (the stream's first sequence less one)."""
+    from bridge.jetstream_publisher import JetStreamPublisher
+    from bridge.l1_publisher import L1Publisher
+    from bridge.removals import PendingRemovals
+    from infra.metrics import Metrics
+    from infra.streams import ensure_l1_stream, l1_pod_subjects
+
+    cfg = make_config(nats_url, stream_prefix)
+    l1cfg = cfg.nats.l1Stream
+    nc = await nats.connect(nats_url)
+    pub = JetStreamPublisher(nc, Metrics())
+    try:
+        js = nc.jetstream()
+        await ensure_l1_stream(js, cfg.nats)
+        await pub.start()
+        l1 = L1Publisher(pub, l1cfg.subjectPrefix, js, l1cfg.name)
+        removals = PendingRemovals(js, cfg.nats, l1, None, lambda shard: True, check_every=0, publish_every=0)
+        pod = PODS[0]
+
+        async def removed() -> int:
+            """The pod's removal published until the stream shows it; its stream sequence."""
+            removals.add("pod", pod)
+            for _ in range(50):
+                if await removals.settle():
+                    msg = await js.get_last_msg(l1cfg.name, l1_pod_subjects(l1cfg.subjectPrefix, pod))
+                    return msg.seq
+                await pub.flush(5)
+            raise AssertionError("the pod's removal never reached the stream")
+
+        first = await removed()
+        await js.purge_stream(l1cfg.name, seq=first + 1)  # behind a snapshot: nothing of the pod is left
+        removals.clear()
+        assert await removed() > first
+    finally:
+        await pub.close()
+        await nc.close()
