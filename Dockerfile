@@ -1,6 +1,7 @@
 # cache-indexer image: the indexer (default CMD) and the bridge (args: bridge ...) share it.
 # Build stage compiles the optional C accelerators (block hasher, native index and query threads, bulk ZMQ
-# receive) into a wheel.
+# receive) into a wheel. The wheel installs one top-level package, cache_indexer (the folders copied below
+# become cache_indexer.schemas, cache_indexer.infra, ...: pyproject.toml's package-dir).
 FROM python:3.11.11-slim-bookworm AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -20,7 +21,7 @@ ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl \
  && rm -rf /wheels \
- && python -c "import schemas._blockhash, indexer._prefix_walk, indexer._native_index, bridge._zmq_drain" \
+ && python -c "import cache_indexer.schemas._blockhash, cache_indexer.indexer._prefix_walk, cache_indexer.indexer._native_index, cache_indexer.bridge._zmq_drain, cache_indexer.bridge._vllm_decode" \
  && groupadd --system --gid 10001 cache-indexer \
  && useradd --system --uid 10001 --gid 10001 --no-create-home cache-indexer
 USER 10001:10001
