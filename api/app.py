@@ -19,21 +19,21 @@ from collections.abc import Callable, Sequence
 import msgspec
 from aiohttp import web
 
-from api.explain import Explainer
-from api.hit_rate_request import HitRateQuery, decode_hit_rate_request, decode_split_request
-from api.json_request import RequestError
-from api.ops import add_ops_routes
-from api.request_body import BodyRefused, read_body
-from api.request_body import within as _within
-from api.registration_api import REGISTER_PATH, UNREGISTER_PATH, WORKERS_PATH
-from api.tiered_query import QUERY_BY_HASH_PATH, QUERY_PATH, TieredQueryApi
-from infra.registrations import RegistrationStore
-from infra.streams import RecordsKv
-from infra.metrics import Metrics
-from schemas.block_hash import BlockHasher, find_token_ids
-from indexer.hit_rate import NativeQuery, ScoreResult, Tier, configure_native_query, score
-from indexer.query_threads import QueryThreads
-from schemas.config import HttpConfig
+from cache_indexer.api.explain import Explainer
+from cache_indexer.api.hit_rate_request import HitRateQuery, decode_hit_rate_request, decode_split_request
+from cache_indexer.api.json_request import RequestError
+from cache_indexer.api.ops import add_ops_routes
+from cache_indexer.api.request_body import BodyRefused, read_body
+from cache_indexer.api.request_body import within as _within
+from cache_indexer.api.registration_api import REGISTER_PATH, UNREGISTER_PATH, WORKERS_PATH
+from cache_indexer.api.tiered_query import QUERY_BY_HASH_PATH, QUERY_PATH, TieredQueryApi
+from cache_indexer.infra.registrations import RegistrationStore
+from cache_indexer.infra.streams import RecordsKv
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.block_hash import BlockHasher, find_token_ids
+from cache_indexer.indexer.hit_rate import NativeQuery, ScoreResult, Tier, configure_native_query, score
+from cache_indexer.indexer.query_threads import QueryThreads
+from cache_indexer.schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
 

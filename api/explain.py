@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from api.hit_rate_request import HitRateQuery
-from indexer.hit_rate import ScoreResult, Tier
-from infra.block_key_verdicts import read_verdict
-from infra.streams import RecordsKv
-from infra.targets_record import read_endpoints
-from schemas.block_hash import HASH_ALGOS, BlockHasher
+from cache_indexer.api.hit_rate_request import HitRateQuery
+from cache_indexer.indexer.hit_rate import ScoreResult, Tier
+from cache_indexer.infra.block_key_verdicts import read_verdict
+from cache_indexer.infra.streams import RecordsKv
+from cache_indexer.infra.targets_record import read_endpoints
+from cache_indexer.schemas.block_hash import HASH_ALGOS, BlockHasher
 
 #: The settings engines usually run with: PYTHONHASHSEED 0 (the documented deployment's) or unset
 _USUAL_SEEDS = ("0", None)

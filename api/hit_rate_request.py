@@ -24,9 +24,9 @@ from typing import Annotated
 
 import msgspec
 
-from schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
-from api.json_request import RequestError, cut_token_array, decode_json, token_array
-from schemas.block_hash import LoRAKey, MultiModalKey
+from cache_indexer.schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
+from cache_indexer.api.json_request import RequestError, cut_token_array, decode_json, token_array
+from cache_indexer.schemas.block_hash import LoRAKey, MultiModalKey
 
 
 _Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]

@@ -8,7 +8,7 @@ from array import array
 
 import msgspec
 
-from schemas.block_hash import parse_token_array
+from cache_indexer.schemas.block_hash import parse_token_array
 
 _U64_LIMIT = 1 << 64
 

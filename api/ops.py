@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from infra.metrics import Metrics
+from cache_indexer.infra.metrics import Metrics
 
 
 def add_ops_routes(app: web.Application, metrics: Metrics, ready: Callable[[], bool],

@@ -24,14 +24,14 @@ from typing import Annotated
 import msgspec
 from aiohttp import web
 
-from api.json_request import RequestError, UnprocessableRequest, decode_json
-from api.request_body import BodyRefused, read_body
-from infra.registrations import Registration, RegistrationStore
-from infra.streams import RecordsKv
-from infra.targets_record import read_endpoints
-from infra.throttled_log import ThrottledWarning
-from schemas.api import MAX_NAME_CHARS
-from schemas.config import HttpConfig
+from cache_indexer.api.json_request import RequestError, UnprocessableRequest, decode_json
+from cache_indexer.api.request_body import BodyRefused, read_body
+from cache_indexer.infra.registrations import Registration, RegistrationStore
+from cache_indexer.infra.streams import RecordsKv
+from cache_indexer.infra.targets_record import read_endpoints
+from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.schemas.api import MAX_NAME_CHARS
+from cache_indexer.schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
 

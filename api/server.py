@@ -6,9 +6,9 @@ import logging
 
 from aiohttp import web
 
-from api.header_guard import HeaderGuard
-from infra.loop_lag import LoopLagMonitor
-from schemas.config import HttpConfig
+from cache_indexer.api.header_guard import HeaderGuard
+from cache_indexer.infra.loop_lag import LoopLagMonitor
+from cache_indexer.schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
 

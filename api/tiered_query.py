@@ -20,15 +20,15 @@ from typing import Annotated
 import msgspec
 from aiohttp import web
 
-from api.json_request import RequestError, UnprocessableRequest, cut_token_array, decode_json, token_array
-from api.request_body import BodyRefused, read_body
-from indexer.hit_rate import Tier
-from indexer.hit_rate import NativeQuery
-from indexer.tier_match import KeyWalk, NativeTierQuery, TierMatch, chain_keys
-from infra.registrations import RegistrationStore
-from schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
-from schemas.block_hash import U64_MASK, BlockHasher, LoRAKey, MultiModalKey, find_token_ids
-from schemas.config import HttpConfig
+from cache_indexer.api.json_request import RequestError, UnprocessableRequest, cut_token_array, decode_json, token_array
+from cache_indexer.api.request_body import BodyRefused, read_body
+from cache_indexer.indexer.hit_rate import Tier
+from cache_indexer.indexer.hit_rate import NativeQuery
+from cache_indexer.indexer.tier_match import KeyWalk, NativeTierQuery, TierMatch, chain_keys
+from cache_indexer.infra.registrations import RegistrationStore
+from cache_indexer.schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
+from cache_indexer.schemas.block_hash import U64_MASK, BlockHasher, LoRAKey, MultiModalKey, find_token_ids
+from cache_indexer.schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import sys
 from bench.common import summary, timeit
 from bench.engine_proc import payloads
 from bench.ingest import _run
-from bridge.l1_publisher import run_message
-from bridge.vllm_events import decode_batch
-from infra.event_codec import JSON, MSGPACK, decode
+from cache_indexer.bridge.l1_publisher import run_message
+from cache_indexer.bridge.vllm_events import decode_batch
+from cache_indexer.infra.event_codec import JSON, MSGPACK, decode
 
 GEN = 1_764_900_000_000_000_000
 

@@ -27,7 +27,7 @@ from aiohttp import web
 from bench.common import percentile
 from bench.query_server import partition_of
 from bench.shapes import SHAPES, pods, tokens_for
-from schemas.block_hash import find_token_ids
+from cache_indexer.schemas.block_hash import find_token_ids
 
 PARTITIONS = 2
 

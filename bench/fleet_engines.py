@@ -26,7 +26,7 @@ import yaml
 import zmq.asyncio
 
 from cache_indexer.simulate.vllm_engine import VllmPublisher, stored
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 
 BLOCK = 16
 PROMPT_BLOCKS = 32  # the shared system prompt every rank holds (what the benchmark's probe asks about)

@@ -10,7 +10,7 @@ import hashlib
 import random
 
 from bench.common import summary, timeit
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 
 
 def _inputs(h: BlockHasher, tokens: list[int], bs: int) -> list[bytes]:

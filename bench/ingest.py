@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 from bench.engine_proc import block_events, payloads
-from bridge.vllm_events import decode_batch
-from infra.config_loader import load_config
+from cache_indexer.bridge.vllm_events import decode_batch
+from cache_indexer.infra.config_loader import load_config
 from cache_indexer.nats_server import NatsServer
-from indexer.l1_state import L1State
-from indexer.service import Indexer
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.service import Indexer
 
 ROOT = Path(__file__).resolve().parents[1]
 

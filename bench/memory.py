@@ -13,7 +13,7 @@ import gc
 import random
 import tracemalloc
 
-from indexer.block_index import BlockIndex, NativeBlockIndex, _native_index
+from cache_indexer.indexer.block_index import BlockIndex, NativeBlockIndex, _native_index
 
 
 def _measure(build) -> tuple[int, int, int]:

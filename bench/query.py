@@ -18,7 +18,7 @@ import aiohttp
 
 from bench.common import percentile, timeit
 from bench.shapes import SHAPES, pods, tokens_for
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 
 
 def _body(shape: dict) -> bytes:

@@ -13,13 +13,13 @@ import asyncio
 import random
 import zlib
 
-from api.app import HitRateApi
-from api.server import HttpServer
+from cache_indexer.api.app import HitRateApi
+from cache_indexer.api.server import HttpServer
 from bench.shapes import SHAPES, pods, tokens_for
-from infra.metrics import Metrics
-from schemas.block_hash import BlockHasher
-from indexer.l1_state import L1State
-from schemas.config import HttpConfig
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.schemas.config import HttpConfig
 
 
 def partition_of(pod: str, partitions: int) -> int:

@@ -19,7 +19,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from indexer.block_index import BlockIndex
+from cache_indexer.indexer.block_index import BlockIndex
 
 BASELINE_COMMIT = "548a78e"
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,12 +15,12 @@ import time
 
 import msgpack
 
-from infra.config_loader import load_config
+from cache_indexer.infra.config_loader import load_config
 from cache_indexer.nats_server import NatsServer
-from infra.streams import connect, ensure_l1_stream, l1_subject
-from indexer.l1_state import L1State
-from indexer.service import Indexer
-from indexer.snapshot import SnapshotStore, decode_l1, encode_l1
+from cache_indexer.infra.streams import connect, ensure_l1_stream, l1_subject
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.service import Indexer
+from cache_indexer.indexer.snapshot import SnapshotStore, decode_l1, encode_l1
 
 
 def _messages(n_msgs: int, per_msg: int, pods: int = 16, seed: int = 1) -> list[tuple[str, bytes]]:

@@ -19,7 +19,7 @@ import time
 import zmq.asyncio
 
 from cache_indexer.simulate.vllm_engine import VllmPublisher, batch_payload, stored
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 
 BLOCK = 16
 HASHER = BlockHasher("sha256_cbor", "0")

@@ -502,8 +502,8 @@ class Replay:
         """The index against the engines' truth: a replica of our own from the stream, entry by entry; the
         answers of the running systems for a sample of the prompts."""
         out: dict = {}
-        from indexer.service import Indexer
-        from infra.config_loader import load_config
+        from cache_indexer.indexer.service import Indexer
+        from cache_indexer.infra.config_loader import load_config
 
         cfg = load_config(env={}, overrides=[f"nats.url={ours.nats.url}", "snapshot.enabled=false"])
         idx = Indexer(cfg)

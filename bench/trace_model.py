@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache_indexer.simulate.vllm_engine import stored
-from schemas.block_hash import BlockHasher, LoRAKey
+from cache_indexer.schemas.block_hash import BlockHasher, LoRAKey
 
 HASHER = BlockHasher("sha256_cbor", "0")
 MOONCAKE_BLOCK_TOKENS = 512

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bridge.l1_publisher import HASH_BYTES
+from cache_indexer.bridge.l1_publisher import HASH_BYTES
 
 #: an allowance for an event's fields besides its hashes
 EVENT_BYTES = 48

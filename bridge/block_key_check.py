@@ -18,9 +18,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from bridge.vllm_events import HashProbe
-from infra.metrics import Metrics
-from schemas.block_hash import HASH_ALGOS, BlockHasher
+from cache_indexer.bridge.vllm_events import HashProbe
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.block_hash import HASH_ALGOS, BlockHasher
 
 log = logging.getLogger(__name__)
 

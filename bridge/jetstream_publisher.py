@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from itertools import count
 
-from infra.metrics import Metrics
-from infra.streams import unsubscribe_quietly
-from infra.tasks import cancel_and_wait
-from infra.throttled_log import ThrottledWarning
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.streams import unsubscribe_quietly
+from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 

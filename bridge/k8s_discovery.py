@@ -26,10 +26,10 @@ from types import SimpleNamespace
 import aiohttp
 from kubernetes_asyncio import client, config
 
-from bridge.mooncake_poller import MasterTarget
-from bridge.endpoint import Endpoint
-from infra.tasks import cancel_and_wait
-from schemas.config import DiscoveryConfig, MooncakeDiscoveryConfig, VllmDiscoveryConfig
+from cache_indexer.bridge.mooncake_poller import MasterTarget
+from cache_indexer.bridge.endpoint import Endpoint
+from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.schemas.config import DiscoveryConfig, MooncakeDiscoveryConfig, VllmDiscoveryConfig
 
 log = logging.getLogger(__name__)
 

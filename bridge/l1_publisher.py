@@ -33,11 +33,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bridge.jetstream_publisher import JetStreamPublisher
-from bridge.resume_points import Position, ResumePoints
-from infra.event_codec import MSGPACK, Codec, decode
-from infra.streams import l1_lifecycle_subject, l1_subject
-from schemas.events import CONTENT_TYPE_L1, SCHEMA_VERSION
+from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+from cache_indexer.bridge.resume_points import Position, ResumePoints
+from cache_indexer.infra.event_codec import MSGPACK, Codec, decode
+from cache_indexer.infra.streams import l1_lifecycle_subject, l1_subject
+from cache_indexer.schemas.events import CONTENT_TYPE_L1, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 

@@ -29,16 +29,16 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from bridge.batch_run import BatchRun, events_size
-from bridge.block_key_check import BlockKeyCheck
-from bridge.endpoint import Endpoint
-from bridge.l1_publisher import L1Publisher, new_generation
-from bridge.receive_budget import ReceiveBudget
-from bridge.resume_points import Position
-from bridge.vllm_events import MalformedPayload, decode_batch, decode_current
-from infra.metrics import Metrics
-from infra.throttled_log import ThrottledWarning
-from schemas.events import MAX_SEQ
+from cache_indexer.bridge.batch_run import BatchRun, events_size
+from cache_indexer.bridge.block_key_check import BlockKeyCheck
+from cache_indexer.bridge.endpoint import Endpoint
+from cache_indexer.bridge.l1_publisher import L1Publisher, new_generation
+from cache_indexer.bridge.receive_budget import ReceiveBudget
+from cache_indexer.bridge.resume_points import Position
+from cache_indexer.bridge.vllm_events import MalformedPayload, decode_batch, decode_current
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.schemas.events import MAX_SEQ
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from bridge.jetstream_publisher import JetStreamPublisher
-from bridge.l1_publisher import new_generation
-from infra.event_codec import MSGPACK, Codec
-from infra.metrics import Metrics
-from infra.streams import l3_subject
-from schemas.events import CONTENT_TYPE_L3, SCHEMA_VERSION
+from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+from cache_indexer.bridge.l1_publisher import new_generation
+from cache_indexer.infra.event_codec import MSGPACK, Codec
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.streams import l3_subject
+from cache_indexer.schemas.events import CONTENT_TYPE_L3, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 

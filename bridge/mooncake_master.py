@@ -31,7 +31,7 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
-from infra.pauser import REST_SECONDS, Pauser
+from cache_indexer.infra.pauser import REST_SECONDS, Pauser
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from itertools import islice
 
 import aiohttp
 
-from bridge.mooncake_keys import KeyParser
-from bridge.mooncake_master import MasterClient, MasterError, endpoint_host
-from infra.pauser import Pauser
-from infra.metrics import Metrics
-from infra.tasks import cancel_and_wait
-from schemas.config import L3IngestConfig
+from cache_indexer.bridge.mooncake_keys import KeyParser
+from cache_indexer.bridge.mooncake_master import MasterClient, MasterError, endpoint_host
+from cache_indexer.infra.pauser import Pauser
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.schemas.config import L3IngestConfig
 
 log = logging.getLogger(__name__)
 

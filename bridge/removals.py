@@ -40,12 +40,12 @@ from dataclasses import dataclass
 
 from nats.js.errors import NotFoundError
 
-from bridge.l1_publisher import L1Publisher
-from bridge.l3_publisher import L3Publisher
-from infra.event_codec import decode
-from infra.streams import l1_pod_subjects, l1_subject, l3_subject
-from infra.throttled_log import ThrottledWarning
-from schemas.config import NatsConfig
+from cache_indexer.bridge.l1_publisher import L1Publisher
+from cache_indexer.bridge.l3_publisher import L3Publisher
+from cache_indexer.infra.event_codec import decode
+from cache_indexer.infra.streams import l1_pod_subjects, l1_subject, l3_subject
+from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.schemas.config import NatsConfig
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import msgpack
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from infra.streams import RecordsKv, subject_token
-from infra.tasks import cancel_and_wait
-from infra.throttled_log import ThrottledWarning
+from cache_indexer.infra.streams import RecordsKv, subject_token
+from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 

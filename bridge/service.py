@@ -31,29 +31,29 @@ import uuid
 import aiohttp
 import zmq.asyncio
 
-from bridge.block_key_check import BlockKeyCheck
-from bridge.jetstream_publisher import JetStreamPublisher
-from bridge.k8s_discovery import KubernetesDiscovery, master_targets
-from bridge.l1_publisher import L1Publisher
-from bridge.l3_publisher import L3Publisher
-from bridge.mooncake_poller import MasterTarget, MooncakePoller
-from bridge.receive_budget import ReceiveBudget
-from bridge.removals import MASTER, POD, PendingRemovals
-from bridge.resume_points import ResumePoints
-from bridge.shard_leases import ShardLeases
-from bridge.static_targets import StaticTargets
-from infra.targets_record import TargetsRecord, read_ranks
-from bridge.endpoint import Endpoint
-from bridge.vllm_subscriber import VllmSubscriber
-from infra.event_codec import codec
-from infra.lease import Lease
-from infra.block_key_verdicts import write_verdict
-from infra.metrics import Metrics
-from infra.registrations import Registration, RegistrationStore
-from infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
+from cache_indexer.bridge.block_key_check import BlockKeyCheck
+from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+from cache_indexer.bridge.k8s_discovery import KubernetesDiscovery, master_targets
+from cache_indexer.bridge.l1_publisher import L1Publisher
+from cache_indexer.bridge.l3_publisher import L3Publisher
+from cache_indexer.bridge.mooncake_poller import MasterTarget, MooncakePoller
+from cache_indexer.bridge.receive_budget import ReceiveBudget
+from cache_indexer.bridge.removals import MASTER, POD, PendingRemovals
+from cache_indexer.bridge.resume_points import ResumePoints
+from cache_indexer.bridge.shard_leases import ShardLeases
+from cache_indexer.bridge.static_targets import StaticTargets
+from cache_indexer.infra.targets_record import TargetsRecord, read_ranks
+from cache_indexer.bridge.endpoint import Endpoint
+from cache_indexer.bridge.vllm_subscriber import VllmSubscriber
+from cache_indexer.infra.event_codec import codec
+from cache_indexer.infra.lease import Lease
+from cache_indexer.infra.block_key_verdicts import write_verdict
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.registrations import Registration, RegistrationStore
+from cache_indexer.infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
                            stream_id)
-from infra.tasks import cancel_and_wait
-from schemas.config import Config
+from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.schemas.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from infra.streams import kv_bucket, subject_token
-from infra.tasks import cancel_and_wait
-from infra.throttled_log import ThrottledWarning
+from cache_indexer.infra.streams import kv_bucket, subject_token
+from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 

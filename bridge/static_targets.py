@@ -20,8 +20,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bridge.mooncake_poller import MasterTarget
-from bridge.endpoint import Endpoint
+from cache_indexer.bridge.mooncake_poller import MasterTarget
+from cache_indexer.bridge.endpoint import Endpoint
 
 
 class VllmTarget(BaseModel):

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import msgpack
 import msgspec
 
-from schemas.block_hash import U64_MASK, normalize_event_hash
-from schemas.events import MAX_BLOCK_SIZE, MAX_GROUP_IDX
+from cache_indexer.schemas.block_hash import U64_MASK, normalize_event_hash
+from cache_indexer.schemas.events import MAX_BLOCK_SIZE, MAX_GROUP_IDX
 
 # Positional field order of the array-like (<= 0.23) events, after the tag.
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
@@ -178,7 +178,7 @@ class _Batch(msgspec.Struct, array_like=True):
 _strict = msgspec.msgpack.Decoder(_Batch)
 
 try:
-    from bridge._vllm_decode import decode as _native
+    from cache_indexer.bridge._vllm_decode import decode as _native
 except ImportError:  # not built (no compiler at install): msgspec alone
     _native = None
 

@@ -20,11 +20,11 @@ import time
 import zmq
 import zmq.asyncio
 
-from bridge.endpoint import Endpoint
-from bridge.l1_sequencer import Replayed
-from bridge.receive_budget import BATCH_OVERHEAD, ReceiveBudget
-from infra.metrics import Metrics
-from schemas.config import L1IngestConfig
+from cache_indexer.bridge.endpoint import Endpoint
+from cache_indexer.bridge.l1_sequencer import Replayed
+from cache_indexer.bridge.receive_budget import BATCH_OVERHEAD, ReceiveBudget
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.config import L1IngestConfig
 
 log = logging.getLogger(__name__)
 

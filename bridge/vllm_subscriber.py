@@ -24,19 +24,19 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from bridge.block_key_check import BlockKeyCheck
-from bridge.endpoint import Endpoint
-from bridge.l1_publisher import L1Publisher
-from bridge.l1_sequencer import L1Sequencer, Replayed
-from bridge.read_sweep import read_sweep
-from bridge.receive_budget import BATCH_OVERHEAD, ReceiveBudget
-from bridge.vllm_replay import VllmReplayClient
-from bridge.zmq_drain import drainer
-from infra.metrics import Metrics
-from infra.tasks import cancel_and_wait
-from infra.throttled_log import ThrottledWarning
-from schemas.config import L1IngestConfig
-from schemas.events import MAX_SEQ
+from cache_indexer.bridge.block_key_check import BlockKeyCheck
+from cache_indexer.bridge.endpoint import Endpoint
+from cache_indexer.bridge.l1_publisher import L1Publisher
+from cache_indexer.bridge.l1_sequencer import L1Sequencer, Replayed
+from cache_indexer.bridge.read_sweep import read_sweep
+from cache_indexer.bridge.receive_budget import BATCH_OVERHEAD, ReceiveBudget
+from cache_indexer.bridge.vllm_replay import VllmReplayClient
+from cache_indexer.bridge.zmq_drain import drainer
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.schemas.config import L1IngestConfig
+from cache_indexer.schemas.events import MAX_SEQ
 
 __all__ = ["Endpoint", "Replayed", "VllmSubscriber"]  # Endpoint and Replayed: where they were before
 

@@ -31,7 +31,7 @@ def _bind() -> bool:
     if _bound is None:
         _bound = False
         try:
-            from bridge import _zmq_drain
+            from cache_indexer.bridge import _zmq_drain
         except ImportError:
             log.info("bridge._zmq_drain not built: ZMQ messages are received through pyzmq")
             return False
@@ -50,7 +50,7 @@ def drainer(sock: zmq.Socket) -> Callable[[int], tuple[list[list[bytes]], BaseEx
     None: receive through pyzmq."""
     if not _bind():
         return None
-    from bridge import _zmq_drain
+    from cache_indexer.bridge import _zmq_drain
 
     address = sock.underlying
     return lambda n: _zmq_drain.drain(address, n)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from cache_indexer import __version__
 
 if TYPE_CHECKING:  # imported where used: `events decode` runs once per message and imports none of it
-    from schemas.config import Config
+    from cache_indexer.schemas.config import Config
 
 log = logging.getLogger("cache_indexer")
 #: The configuration file when --config is not given (the chart sets it in its pods, so commands run with
@@ -38,11 +38,11 @@ CONFIG_ENV = "CACHE_INDEXER_CONFIG"
 Step = Callable[[], Awaitable[None]]
 #: The C accelerators setup.py builds (optional: without them the pure-Python paths run)
 NATIVE_MODULES = (
-    "schemas._blockhash", "indexer._prefix_walk", "indexer._native_index", "bridge._zmq_drain", "bridge._vllm_decode")
+    "cache_indexer.schemas._blockhash", "cache_indexer.indexer._prefix_walk", "cache_indexer.indexer._native_index", "cache_indexer.bridge._zmq_drain", "cache_indexer.bridge._vllm_decode")
 
 
 def setup_logging(cfg: Config) -> None:
-    from infra.log_format import configure
+    from cache_indexer.infra.log_format import configure
 
     configure(cfg.log.level, cfg.log.format)
 
@@ -85,7 +85,7 @@ async def serve(start: list[Step], stop: list[Step], shutdown_timeout: float,
         gc.freeze()
         await waiter
     else:
-        from infra.tasks import cancel_and_wait
+        from cache_indexer.infra.tasks import cancel_and_wait
 
         await cancel_and_wait(starting)
     waiter.cancel()
@@ -128,7 +128,7 @@ def process_metrics(component: str | None):
     """The process's registry: its own component's metrics (None: local mode's, all), and its build."""
     from importlib.util import find_spec
 
-    from infra.metrics import Metrics
+    from cache_indexer.infra.metrics import Metrics
 
     metrics = Metrics(component)
     metrics.set_build_info(native=all(find_spec(m) is not None for m in NATIVE_MODULES))
@@ -136,9 +136,9 @@ def process_metrics(component: str | None):
 
 
 async def run_bridge(cfg: Config) -> int:
-    from api.ops import make_ops_app
-    from api.server import HttpServer
-    from bridge.service import Bridge
+    from cache_indexer.api.ops import make_ops_app
+    from cache_indexer.api.server import HttpServer
+    from cache_indexer.bridge.service import Bridge
 
     bridge = Bridge(cfg, process_metrics("bridge"))
     http = HttpServer(make_ops_app(bridge.metrics, bridge.is_ready, bridge.not_ready_reason), cfg.http, bridge.metrics)
@@ -158,7 +158,7 @@ async def run_local(cfg: Config) -> int:
     Shutdown goes in order: stop accepting and drain the API, stop the bridge and the indexer, then the
     server. The server runs in its own session (a terminal's Ctrl-C reaches only this process) and dies
     with this process, so nothing is left behind whichever process gets the signal."""
-    from bridge.service import Bridge
+    from cache_indexer.bridge.service import Bridge
     from cache_indexer import runtime_file
     from cache_indexer.nats_server import NatsServer
     from cache_indexer.replica import Replica
@@ -266,7 +266,7 @@ def local_defaults() -> dict:
 
 def _validate_static_targets(cfg: Config, required: bool) -> str | None:
     """At start-up a targets file that cannot be used is a configuration error, not an empty fleet."""
-    from bridge.static_targets import TargetsError, load_targets
+    from cache_indexer.bridge.static_targets import TargetsError, load_targets
 
     path = Path(cfg.discovery.static.file)
     if not path.exists():
@@ -293,7 +293,7 @@ def _main(argv: list[str] | None) -> int:
         from cache_indexer.decode_event import main as decode_main
 
         return decode_main(argv[2:])
-    from infra.config_loader import ConfigError, load_config, log_renamed
+    from cache_indexer.infra.config_loader import ConfigError, load_config, log_renamed
 
     args = _parser().parse_args(argv)
     if args.cmd == "events" and args.last < 0:
@@ -309,7 +309,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"cache-indexer: {exc}", file=sys.stderr)
         return 2
     if args.cmd != "config":
-        from infra.nats_auth import NatsAuthError, connect_options
+        from cache_indexer.infra.nats_auth import NatsAuthError, connect_options
 
         try:  # the credentials and TLS files are read now: one clear line rather than endless reconnects
             connect_options(cfg.nats)

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from infra.event_codec import MalformedEvent, decode, encoding_of
+from cache_indexer.infra.event_codec import MalformedEvent, decode, encoding_of
 
 #: NATS refuses payloads over 64 MiB whatever its configuration: ``decode`` reads no more.
 MAX_PAYLOAD = 64 << 20

@@ -23,10 +23,10 @@ from nats.js.errors import APIError, NotFoundError
 
 from cache_indexer import runtime_file
 from cache_indexer.decode_event import readable
-from infra.event_codec import MalformedEvent, decode
-from infra.nats_auth import connect_options
-from infra.streams import servers
-from schemas.config import Config, NatsConfig
+from cache_indexer.infra.event_codec import MalformedEvent, decode
+from cache_indexer.infra.nats_auth import connect_options
+from cache_indexer.infra.streams import servers
+from cache_indexer.schemas.config import Config, NatsConfig
 
 #: ``view`` stops with an error when the stream goes quiet this long before it has shown what it found
 #: (the messages it counted were purged meanwhile).

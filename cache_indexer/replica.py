@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from api.app import HitRateApi
-from api.registration_api import RegistrationApi
-from api.server import HttpServer
-from indexer.service import Indexer
-from infra.metrics import Metrics
-from infra.registrations import RegistrationStore
-from infra.streams import RecordsKv, records_bucket
-from schemas.block_hash import BlockHasher
-from schemas.config import Config
+from cache_indexer.api.app import HitRateApi
+from cache_indexer.api.registration_api import RegistrationApi
+from cache_indexer.api.server import HttpServer
+from cache_indexer.indexer.service import Indexer
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.registrations import RegistrationStore
+from cache_indexer.infra.streams import RecordsKv, records_bucket
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.schemas.config import Config
 
 
 class Replica:

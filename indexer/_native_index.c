@@ -536,7 +536,7 @@ static PyMethodDef Table_methods[] = {
 
 static PyTypeObject TableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "indexer._native_index.Table",
+    .tp_name = "cache_indexer.indexer._native_index.Table",
     .tp_basicsize = sizeof(Table),
     .tp_dealloc = (destructor)Table_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -854,7 +854,7 @@ static PyMethodDef QueryPool_methods[] = {
 
 static PyTypeObject QueryPoolType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "indexer._native_index.QueryPool",
+    .tp_name = "cache_indexer.indexer._native_index.QueryPool",
     .tp_basicsize = sizeof(QueryPool),
     .tp_dealloc = (destructor)QueryPool_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,

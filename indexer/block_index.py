@@ -26,10 +26,10 @@ from array import array
 from collections.abc import Iterable
 from contextlib import nullcontext
 
-from schemas.block_hash import U64_MASK
+from cache_indexer.schemas.block_hash import U64_MASK
 
 try:  # the index in native memory (indexer/_native_index.c); without a compiler, BlockIndex alone
-    from indexer import _native_index
+    from cache_indexer.indexer import _native_index
 except ImportError:
     _native_index = None
 

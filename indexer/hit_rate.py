@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from indexer.block_index import BlockIndex, NativeBlockIndex, _native_index
-from schemas.block_hash import PICKLE_ONE_FRAME_TOKENS, BlockHasher, LoRAKey, MultiModalKey, parse_token_array
+from cache_indexer.indexer.block_index import BlockIndex, NativeBlockIndex, _native_index
+from cache_indexer.schemas.block_hash import PICKLE_ONE_FRAME_TOKENS, BlockHasher, LoRAKey, MultiModalKey, parse_token_array
 
 try:  # the C accelerator's fast path of the walk (blocks where no worker drops out)
-    from indexer._prefix_walk import walk as _walk_c
+    from cache_indexer.indexer._prefix_walk import walk as _walk_c
 except (ImportError, AttributeError):
     _walk_c = None
 

@@ -51,9 +51,9 @@ import logging
 from array import array
 from dataclasses import dataclass, field
 
-from infra.throttled_log import ThrottledWarning
-from indexer.block_index import BlockIndex, TierIndex, TooManyWorkers, new_block_index
-from schemas.events import GEN_MAX_AHEAD_NS, MAX_GROUP_IDX, MAX_SEQ, last_seq, run_error
+from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.indexer.block_index import BlockIndex, TierIndex, TooManyWorkers, new_block_index
+from cache_indexer.schemas.events import GEN_MAX_AHEAD_NS, MAX_GROUP_IDX, MAX_SEQ, last_seq, run_error
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import logging
 from array import array
 from dataclasses import dataclass, field
 
-from infra.throttled_log import ThrottledWarning
-from indexer.block_index import TierIndex, TooManyWorkers
+from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.indexer.block_index import TierIndex, TooManyWorkers
 
 log = logging.getLogger(__name__)
 

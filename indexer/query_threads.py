@@ -12,8 +12,8 @@ import asyncio
 import itertools
 import logging
 
-from indexer.block_index import _native_index
-from indexer.hit_rate import NativeQuery
+from cache_indexer.indexer.block_index import _native_index
+from cache_indexer.indexer.hit_rate import NativeQuery
 
 log = logging.getLogger(__name__)
 

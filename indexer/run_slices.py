@@ -11,7 +11,7 @@ after a restore, the overlap rule of runs (indexer/l1_state.py) applies only wha
 
 from __future__ import annotations
 
-from schemas.events import run_error
+from cache_indexer.schemas.events import run_error
 
 #: block events in a slice (a single batch larger than this is one slice of its own)
 SLICE_BLOCKS = 4096

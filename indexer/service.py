@@ -29,18 +29,18 @@ import uuid
 from nats.js import api
 from nats.js.errors import NotFoundError
 
-from infra.event_codec import decode
-from infra.lease import Lease
-from infra.loop_turns import LoopTurns
-from infra.metrics import Metrics
-from infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
+from cache_indexer.infra.event_codec import decode
+from cache_indexer.infra.lease import Lease
+from cache_indexer.infra.loop_turns import LoopTurns
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
                            stream_id, unsubscribe_quietly)
-from infra.tasks import cancel_and_wait
-from indexer.l1_state import ImplausibleMessage, L1State, early_window
-from indexer.l3_state import L3State
-from indexer.run_slices import run_slices
-from indexer.snapshot import L1Snapshot, PartsReader, SnapshotStore
-from schemas.config import Config
+from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.indexer.l1_state import ImplausibleMessage, L1State, early_window
+from cache_indexer.indexer.l3_state import L3State
+from cache_indexer.indexer.run_slices import run_slices
+from cache_indexer.indexer.snapshot import L1Snapshot, PartsReader, SnapshotStore
+from cache_indexer.schemas.config import Config
 
 log = logging.getLogger(__name__)
 

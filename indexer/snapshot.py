@@ -44,10 +44,10 @@ from nats.js import api
 from nats.js.errors import (KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError,
                             ObjectNotFoundError)
 
-from infra.streams import RecordsKv, object_store, unsubscribe_quietly
-from indexer.block_index import BlockIndex, Chunks
-from indexer.l1_state import L1State
-from schemas.block_hash import U64_MASK
+from cache_indexer.infra.streams import RecordsKv, object_store, unsubscribe_quietly
+from cache_indexer.indexer.block_index import BlockIndex, Chunks
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.schemas.block_hash import U64_MASK
 
 log = logging.getLogger(__name__)
 

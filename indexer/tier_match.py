@@ -21,9 +21,9 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from indexer.hit_rate import NativeQuery, Tier, _set_bits
-from indexer.l1_state import OFFLOAD_MEDIA
-from schemas.block_hash import BlockHasher, LoRAKey, MultiModalKey, event_block_hash
+from cache_indexer.indexer.hit_rate import NativeQuery, Tier, _set_bits
+from cache_indexer.indexer.l1_state import OFFLOAD_MEDIA
+from cache_indexer.schemas.block_hash import BlockHasher, LoRAKey, MultiModalKey, event_block_hash
 
 #: A pod's ranks and what each holds, in blocks: (gpu, cpu, disk)
 RankLevels = dict[int, tuple[int, int, int]]

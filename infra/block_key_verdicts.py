@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from infra.streams import RecordsKv, subject_token
+from cache_indexer.infra.streams import RecordsKv, subject_token
 
 log = logging.getLogger(__name__)
 

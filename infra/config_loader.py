@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from schemas.config import Config, NatsConfig, is_text_field
-from schemas.helm_values import Renamed, parent_node, to_config_tree
+from cache_indexer.schemas.config import Config, NatsConfig, is_text_field
+from cache_indexer.schemas.helm_values import Renamed, parent_node, to_config_tree
 
 ENV_PREFIX = "CACHE_INDEXER_"
 

@@ -24,8 +24,8 @@ import time
 
 from nats.js.errors import KeyWrongLastSequenceError
 
-from infra.streams import kv_bucket
-from infra.tasks import cancel_and_wait
+from cache_indexer.infra.streams import kv_bucket
+from cache_indexer.infra.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from infra.throttled_log import ThrottledWarning
+from cache_indexer.infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-from infra.version import VERSION
+from cache_indexer.infra.version import VERSION
 
 Component = Literal["bridge", "indexer"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import ssl
 
-from schemas.config import NatsConfig
+from cache_indexer.schemas.config import NatsConfig
 
 
 class NatsAuthError(ValueError):
@@ -24,7 +24,7 @@ def _readable(setting: str, path: str) -> str:
 
 
 def tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
-    from infra.streams import servers  # (streams builds its connections with this module)
+    from cache_indexer.infra.streams import servers  # (streams builds its connections with this module)
 
     tls = cfg.tls
     if not (tls.on or any(u.startswith("tls://") for u in servers(cfg.url))):

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from infra.streams import RecordsKv
-from infra.tasks import cancel_and_wait
-from infra.throttled_log import ThrottledWarning
+from cache_indexer.infra.streams import RecordsKv
+from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 

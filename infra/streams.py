@@ -16,9 +16,9 @@ import nats
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError, ServiceUnavailableError
 
-from infra.nats_auth import connect_options
-from infra.throttled_log import ThrottledWarning
-from schemas.config import Config, NatsConfig, StreamConfig
+from cache_indexer.infra.nats_auth import connect_options
+from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.schemas.config import Config, NatsConfig, StreamConfig
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import logging
 import msgpack
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from infra.streams import RecordsKv
+from cache_indexer.infra.streams import RecordsKv
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Wire contract of the HTTP API (``POST /kv-cache/hit-rate``), as pydantic models.
 
 ``schemas/openapi.json`` and ``schemas/jsonschema/`` are generated from these models
-(``python -m schemas.generate``); a test fails when the files are stale.
+(``python -m cache_indexer.schemas.generate``); a test fails when the files are stale.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import cbor2
 import xxhash
 
 try:
-    from schemas import _blockhash
+    from cache_indexer.schemas import _blockhash
 except ImportError:  # built optionally (setup.py); the pure-Python path is exact, only slower
     _blockhash = None
 

@@ -1,6 +1,6 @@
 """The Helm chart's values: the product's settings (schemas/config.py) plus the keys that shape the
 Kubernetes objects, each with its description. ``charts/cache-indexer/values.schema.json`` is generated
-from these models (``python -m schemas.generate``): Helm applies it on install, upgrade, template and
+from these models (``python -m cache_indexer.schemas.generate``): Helm applies it on install, upgrade, template and
 lint, so a misspelled key fails there, named, instead of as a crash-looping pod.
 
 Every key the chart owns is closed (``additionalProperties: false``); Kubernetes objects passed through
@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from schemas.config import (BlockKeyConfig, DiscoveryConfig, Duration, HttpConfig, IngestConfig, LogConfig, NatsConfig,
+from cache_indexer.schemas.config import (BlockKeyConfig, DiscoveryConfig, Duration, HttpConfig, IngestConfig, LogConfig, NatsConfig,
                             SnapshotConfig, StreamConfig, setting)
-from schemas.helm_values import NATS_CHART_KEYS
+from cache_indexer.schemas.helm_values import NATS_CHART_KEYS
 
 #: A Kubernetes object (or list) passed into the manifests as it is.
 KubeObject = dict[str, Any]

@@ -11,7 +11,7 @@ from typing import Annotated, ClassVar, Literal, Union, get_args, get_origin
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PrivateAttr, SecretStr,
                       WithJsonSchema, WrapValidator, model_validator)
 
-from schemas.helm_values import LABEL_KEYS, Renamed, to_config_tree
+from cache_indexer.schemas.helm_values import LABEL_KEYS, Renamed, to_config_tree
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|Ki|Mi|Gi|KB|MB|GB|K|M|G)?\s*$")

@@ -1,8 +1,8 @@
 """Generates ``schemas/openapi.json``, ``schemas/jsonschema/*.json``, the chart's ``values.schema.json`` and
 ``docs/configuration.md`` from the pydantic models.
 
-    python -m schemas.generate          # write the files
-    python -m schemas.generate --check  # exit 1 when the files are stale
+    python -m cache_indexer.schemas.generate          # write the files
+    python -m cache_indexer.schemas.generate --check  # exit 1 when the files are stale
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 
 from pydantic.json_schema import models_json_schema
 
-from schemas.api import ErrorResponse, HitRateRequest, HitRateResponse
-from schemas.config import Config
-from schemas.config_reference import configuration_md, values_check_template, values_schema
-from schemas.events import L1Envelope, L3Envelope
-from schemas.tiered_api import (QueryByHashRequest, QueryError, QueryRequest, QueryResponse, RegisterRequest,
+from cache_indexer.schemas.api import ErrorResponse, HitRateRequest, HitRateResponse
+from cache_indexer.schemas.config import Config
+from cache_indexer.schemas.config_reference import configuration_md, values_check_template, values_schema
+from cache_indexer.schemas.events import L1Envelope, L3Envelope
+from cache_indexer.schemas.tiered_api import (QueryByHashRequest, QueryError, QueryRequest, QueryResponse, RegisterRequest,
                                 UnregisterRequest, WorkerInfo)
 
 HERE = Path(__file__).parent
@@ -163,7 +163,7 @@ def main(argv: list[str]) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     if stale:
-        print("stale generated files (run python -m schemas.generate):\n  " + "\n  ".join(stale))
+        print("stale generated files (run python -m cache_indexer.schemas.generate):\n  " + "\n  ".join(stale))
         return 1
     return 0
 

@@ -15,7 +15,7 @@ from typing import Annotated
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS, MultiModalFeature, TokenId
+from cache_indexer.schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS, MultiModalFeature, TokenId
 
 #: An engine block hash as a client may send it: Dynamo's i64, or the uint64 vLLM publishes
 BlockHash = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]

@@ -116,7 +116,7 @@ def stream_prefix() -> str:
 
 
 def make_config(nats_url: str, prefix: str, **sections):
-    from infra.config_loader import load_config
+    from cache_indexer.infra.config_loader import load_config
 
     base = {"nats": {"url": nats_url, "l1Stream": {"name": f"{prefix}_L1", "subjectPrefix": f"t.{prefix}.l1",
                                                   "duplicateWindow": "2m", "maxBytes": "256MiB"},

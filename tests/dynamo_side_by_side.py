@@ -32,7 +32,7 @@ import xxhash
 from bench.dynamo import Dynamo, _until
 from cache_indexer.nats_server import NatsServer
 from cache_indexer.simulate.vllm_engine import VllmPublisher, removed, stored
-from schemas.block_hash import BlockHasher, LoRAKey, MultiModalKey
+from cache_indexer.schemas.block_hash import BlockHasher, LoRAKey, MultiModalKey
 from tests.conftest import make_config
 from tests.l1_stack import L1Stack
 

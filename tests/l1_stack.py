@@ -8,8 +8,8 @@ import json
 import aiohttp
 import zmq.asyncio
 
-from bridge.service import Bridge
-from infra.metrics import Metrics
+from cache_indexer.bridge.service import Bridge
+from cache_indexer.infra.metrics import Metrics
 from cache_indexer.replica import Replica
 from cache_indexer.simulate.vllm_engine import VllmPublisher
 from tests.conftest import wait_for

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import aiohttp
 
-from bridge.service import Bridge
-from infra.config_loader import load_config
+from cache_indexer.bridge.service import Bridge
+from cache_indexer.infra.config_loader import load_config
 from cache_indexer.nats_server import NatsServer
 from cache_indexer.replica import Replica
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 
 BS = 16
 TOKENS = list(range(3000, 3000 + 8 * BS))

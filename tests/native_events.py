@@ -22,11 +22,11 @@ import json
 import random
 from array import array
 
-from indexer.block_index import BlockIndex, WorkerTable
-from indexer.hit_rate import NativeQuery, score
-from indexer.l1_state import OFFLOAD_MEDIA, L1State
-from indexer.l3_state import L3State
-from indexer.tier_match import KeyWalk, NativeTierQuery, chain_keys, match_keys
+from cache_indexer.indexer.block_index import BlockIndex, WorkerTable
+from cache_indexer.indexer.hit_rate import NativeQuery, score
+from cache_indexer.indexer.l1_state import OFFLOAD_MEDIA, L1State
+from cache_indexer.indexer.l3_state import L3State
+from cache_indexer.indexer.tier_match import KeyWalk, NativeTierQuery, chain_keys, match_keys
 from tests.native_fleet import BS, DOCS, HASHER, _score_diff, random_hashes, random_tokens, same_index, spread
 
 STRANGER = "10.255.255.1"

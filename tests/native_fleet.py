@@ -45,9 +45,9 @@ import traceback
 from array import array
 from pathlib import Path
 
-from indexer.block_index import BlockIndex, NativeBlockIndex, WorkerTable
-from indexer.hit_rate import NativeQuery, score
-from schemas.block_hash import BlockHasher
+from cache_indexer.indexer.block_index import BlockIndex, NativeBlockIndex, WorkerTable
+from cache_indexer.indexer.hit_rate import NativeQuery, score
+from cache_indexer.schemas.block_hash import BlockHasher
 
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ = ROOT / "tests" / "data" / "fuzz"
@@ -106,7 +106,7 @@ class Runner:
     its own, for callers without one."""
 
     def __init__(self, threads: int = 2) -> None:
-        from indexer.query_threads import QueryThreads
+        from cache_indexer.indexer.query_threads import QueryThreads
 
         self.loop = asyncio.new_event_loop()
         self.threads = QueryThreads(threads)

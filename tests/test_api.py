@@ -10,20 +10,20 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from api.app import UNKNOWN_POD_MESSAGE, HitRateApi
-from api.server import HttpServer
-from infra.metrics import Metrics
-from schemas.block_hash import BlockHasher
-from indexer.l1_state import L1State
-from schemas.api import HitRateResponse
-from schemas.config import HttpConfig
+from cache_indexer.api.app import UNKNOWN_POD_MESSAGE, HitRateApi
+from cache_indexer.api.server import HttpServer
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.schemas.api import HitRateResponse
+from cache_indexer.schemas.config import HttpConfig
 
 HASHER = BlockHasher("sha256_cbor", "0")
 TOKENS = list(range(1000, 1064))  # 4 blocks of 16
 
 
 class Broken:
-    from indexer.block_index import new_block_index
+    from cache_indexer.indexer.block_index import new_block_index
     index = new_block_index()
 
     def pod_workers(self, pod):
@@ -152,9 +152,9 @@ def test_fast_decoder_rejects_what_the_contract_rejects(name):
     """The msgspec hot path and the pydantic contract agree on every bad request."""
     from pydantic import ValidationError
 
-    from api.hit_rate_request import decode_hit_rate_request
-    from api.json_request import RequestError
-    from schemas.api import HitRateRequest
+    from cache_indexer.api.hit_rate_request import decode_hit_rate_request
+    from cache_indexer.api.json_request import RequestError
+    from cache_indexer.schemas.api import HitRateRequest
 
     with pytest.raises(ValidationError):
         HitRateRequest.model_validate_json(BAD_REQUESTS[name])
@@ -164,9 +164,9 @@ def test_fast_decoder_rejects_what_the_contract_rejects(name):
 
 @pytest.mark.parametrize("accelerated", [True, False])
 def test_fast_decoder_accepts_what_the_contract_accepts(accelerated, monkeypatch):
-    from api import json_request
-    from api.hit_rate_request import decode_hit_rate_request
-    from schemas.api import HitRateRequest
+    from cache_indexer.api import json_request
+    from cache_indexer.api.hit_rate_request import decode_hit_rate_request
+    from cache_indexer.schemas.api import HitRateRequest
 
     if not accelerated:
         monkeypatch.setattr(json_request, "parse_token_array", None)
@@ -189,7 +189,7 @@ def test_fast_decoder_accepts_what_the_contract_accepts(accelerated, monkeypatch
 async def test_hostile_bodies_get_400_not_500(api, accelerated, monkeypatch):
     """Issue 16 #7: token_ids nested 100,000 deep and a body that is not the gzip it claims were 500s
     (30,000 deep here: the fixture's body limit is 64 KiB)."""
-    from api import json_request
+    from cache_indexer.api import json_request
 
     if not accelerated:
         monkeypatch.setattr(json_request, "parse_token_array", None)
@@ -334,7 +334,7 @@ async def test_a_pod_that_cleared_its_cache_is_known_and_holds_nothing(api):
 @pytest.fixture
 def on_the_query_threads(monkeypatch):
     """Every request answered on the query threads (the loop answers bodies up to INLINE_MAX_BYTES)."""
-    from api import app as app_module
+    from cache_indexer.api import app as app_module
 
     monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", -1)
 
@@ -348,7 +348,7 @@ async def test_bad_requests_get_400_on_the_query_threads(api, on_the_query_threa
 
 
 async def test_answers_on_the_query_threads_equal_those_on_the_loop(api, monkeypatch):
-    from api import app as app_module
+    from cache_indexer.api import app as app_module
 
     session, _ = api
     for payload in (req(["127.0.1.2", "127.0.1.9", "127.0.1.1", "127.0.1.3"]), req(["127.0.1.4"], salt="tenant-a"),
@@ -458,7 +458,7 @@ async def test_a_4_mib_body_of_a_million_candidates_gets_its_400_without_holding
     ordinary requests answered meanwhile and after."""
     import re
 
-    from api import app as app_module
+    from cache_indexer.api import app as app_module
 
     if not accelerated:  # the decoder then sees the whole body, token array included
         monkeypatch.setattr(app_module, "find_token_ids", None)
@@ -517,8 +517,8 @@ def test_candidates_counted_before_decoding_never_refuse_a_legal_request():
     (quotes, backslashes, escapes, other scripts). The seed is printed."""
     import random
 
-    from api.hit_rate_request import COUNT_FIRST_BYTES, decode_hit_rate_request, least_candidates
-    from api.json_request import RequestError
+    from cache_indexer.api.hit_rate_request import COUNT_FIRST_BYTES, decode_hit_rate_request, least_candidates
+    from cache_indexer.api.json_request import RequestError
 
     seed = random.SystemRandom().randrange(1 << 32)
     print(f"seed={seed}")

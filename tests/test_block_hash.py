@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.block_hash import (PICKLE_ONE_FRAME_TOKENS, BlockHasher, LoRAKey, MultiModalKey, event_block_hash,
+from cache_indexer.schemas.block_hash import (PICKLE_ONE_FRAME_TOKENS, BlockHasher, LoRAKey, MultiModalKey, event_block_hash,
                                 normalize_event_hash)
 from tests.conftest import DATA, needs_native
 
@@ -106,7 +106,7 @@ def test_fast_paths_equal_reference(tokens, bs, salt, algo, accelerate):
 
 @pytest.mark.parametrize("algo", ["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"])
 def test_accelerator_is_built_and_exact_on_long_chains(algo):
-    from schemas import block_hash
+    from cache_indexer.schemas import block_hash
 
     needs_native(block_hash._blockhash is not None, "the block hasher's C accelerator")
     tokens = [(i * 7919) % 152_000 for i in range(5000)] + [0, 23, 24, 255, 256, 65535, 65536, 2**31, 2**32]
@@ -127,7 +127,7 @@ def test_token_array_and_native_sha256_paths_equal_the_reference(tokens, bs, alg
     sha256 (on Linux) must give exactly the reference bytes, token values at every encoding boundary."""
     from array import array
 
-    from schemas import block_hash
+    from cache_indexer.schemas import block_hash
 
     accel = block_hash._blockhash
     needs_native(accel is not None, "the block hasher's C accelerator")
@@ -144,7 +144,7 @@ def test_token_array_and_native_sha256_paths_equal_the_reference(tokens, bs, alg
 def test_native_sha256_is_active_on_linux():
     import sys
 
-    from schemas import block_hash
+    from cache_indexer.schemas import block_hash
 
     if not sys.platform.startswith("linux") or block_hash._blockhash is None:
         pytest.skip("libcrypto is used directly on Linux only")

@@ -7,11 +7,11 @@ import logging
 
 import pytest
 
-from bridge.block_key_check import BlockKeyCheck, diagnose, matches
-from bridge.vllm_events import HashProbe, decode_batch
-from infra.metrics import Metrics
-from schemas.block_hash import BlockHasher
-from schemas.config import BlockKeyConfig
+from cache_indexer.bridge.block_key_check import BlockKeyCheck, diagnose, matches
+from cache_indexer.bridge.vllm_events import HashProbe, decode_batch
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.schemas.config import BlockKeyConfig
 from tests.conftest import VLLM_EVENTS as EVENTS, make_config, wait_for
 from tests.l1_stack import L1Stack
 from cache_indexer.simulate.vllm_engine import batch_payload, stored

@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from cache_indexer.nats_server import NatsServer
 from cache_indexer.simulate.vllm_engine import VllmPublisher, removed, stored
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import make_config, wait_for
 from tests.test_fleet_shape import _pod_ports
 from tests.test_local_mode import free_port

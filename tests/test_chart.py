@@ -144,7 +144,7 @@ def test_a_nats_cluster_gets_every_server_in_the_url_and_replicas_on_every_asset
     """Issue 16 #3: nats.replicas (formerly jetstream.replicas, still accepted) reaches the streams, the
     KV buckets and the snapshot store, and nats.url lists every server of the StatefulSet (the bundled
     chart does not advertise them)."""
-    from schemas.config import Config
+    from cache_indexer.schemas.config import Config
 
     cluster = {"config": {"cluster": {"enabled": True, "replicas": 3}}}
     objs = render(chart, {**replicas, "nats": {**replicas.get("nats", {}), **cluster}})
@@ -159,7 +159,7 @@ def test_a_nats_cluster_gets_every_server_in_the_url_and_replicas_on_every_asset
 
 @needs_nats_chart
 def test_config_map_is_the_documented_configuration(chart):
-    from schemas.config import Config
+    from cache_indexer.schemas.config import Config
 
     cfg = Config.model_validate(config_of(render(chart)))
     assert cfg.nats.url == "nats://cache-indexer-nats.infer.svc:4222"
@@ -173,7 +173,7 @@ def test_config_map_is_the_documented_configuration(chart):
 @needs_nats_chart
 def test_the_bridges_receive_budget_follows_its_memory_limit(chart):
     """Issue 16 #11: the bytes the bridge may hold received follow the pod's memory limit."""
-    from schemas.config import Config
+    from cache_indexer.schemas.config import Config
 
     def budget(values):
         return Config.model_validate(config_of(render(chart, values))).ingest.l1.maxBufferedBytes
@@ -187,7 +187,7 @@ def test_the_bridges_receive_budget_follows_its_memory_limit(chart):
 # -- the documented product's values.yaml, verbatim ------------------------------------------------
 @needs_nats_chart
 def test_the_documented_values_file_renders_with_its_meaning(chart):
-    from schemas.config import Config
+    from cache_indexer.schemas.config import Config
 
     objs = render(chart, SEED_VALUES, name="cache-indexer", namespace="infer")
     validate_all(objs)
@@ -381,7 +381,7 @@ def test_monitoring_objects_scrape_and_alert_on_metrics_the_product_exports(char
 def _exported_series(component: str | None = None) -> set[str]:
     """The series names a component's processes export (None: any), a counter's _total, a histogram's
     _bucket, _sum and _count."""
-    from infra.metrics import Metrics
+    from cache_indexer.infra.metrics import Metrics
 
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
     return {f.name + sfx for f in Metrics(component).registry.collect() for sfx in suffixes.get(f.type, [""])}
@@ -507,7 +507,7 @@ def _schema_errors(values: dict) -> list[str]:
 def test_the_charts_and_the_documented_values_meet_the_values_schema(values):
     """What Helm applies on install/upgrade/template/lint, checked with jsonschema too (independent of
     the Helm engine's version). A key added to values.yaml without its field in schemas/chart_values.py
-    fails here: add it there and run python -m schemas.generate. Under a second."""
+    fails here: add it there and run python -m cache_indexer.schemas.generate. Under a second."""
     errors = _schema_errors(values or {})
     assert not errors, errors
 
@@ -575,7 +575,7 @@ def test_deprecated_names_are_listed_for_the_release_notes(chart, tmp_path):
 def test_a_text_setting_given_as_a_number_passes_the_schema(chart):
     """`helm install --set blockKey.pythonHashSeed=0` hands Helm the number 0: the schema takes it, as the
     processes do (the seed stays the text "0")."""
-    from schemas.config import Config
+    from cache_indexer.schemas.config import Config
 
     cfg = Config.model_validate(config_of(render(chart, {"blockKey": {"pythonHashSeed": 0}})))
     assert cfg.blockKey.pythonHashSeed == "0"

@@ -16,13 +16,13 @@ import aiohttp
 import pytest
 import zmq.asyncio
 
-from bridge.service import Bridge
-from infra.config_loader import load_config
+from cache_indexer.bridge.service import Bridge
+from cache_indexer.infra.config_loader import load_config
 from cache_indexer.inspect_events import connect_once
 from cache_indexer.nats_server import NatsServer
 from cache_indexer.replica import Replica
 from cache_indexer.simulate.vllm_engine import VllmPublisher, stored
-from schemas.config import NatsConfig
+from cache_indexer.schemas.config import NatsConfig
 from tests.chart_render import (by_kind, chart_with_nats, container_env, nats_conf_of, needs_nats_chart, render,
                                  secrets_of)
 from tests.conftest import wait_for
@@ -142,7 +142,7 @@ def test_the_generated_passwords_are_kept_out_of_config_maps_and_an_existing_sec
 
 
 def test_external_nats_credentials_and_tls_come_from_secrets(tmp_path):
-    from schemas.config import Config
+    from cache_indexer.schemas.config import Config
     from tests.chart_render import config_of
 
     chart = chart_with_nats(tmp_path)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from infra.config_loader import ConfigError, load_config
-from schemas import generate
+from cache_indexer.infra.config_loader import ConfigError, load_config
+from cache_indexer.schemas import generate
 from tests.conftest import DATA, ROOT
 
 SEED_VALUES = DATA / "seed-values.yaml"  # the documented product's values.yaml, exactly as documented
@@ -59,7 +59,7 @@ def test_cli_fails_at_startup_with_the_field_name():
 
 def test_generated_schemas_are_current():
     stale = [str(p) for p, doc in generate.documents().items() if not p.exists() or p.read_text() != generate.render(doc)]
-    assert not stale, f"run python -m schemas.generate; stale: {stale}"
+    assert not stale, f"run python -m cache_indexer.schemas.generate; stale: {stale}"
 
 
 def test_openapi_documents_every_error_code():
@@ -228,8 +228,8 @@ def test_the_generated_files_come_from_the_model():
     with its description."""
     import json
 
-    from schemas.chart_values import CHART_NATS_SETTINGS
-    from schemas.config_reference import settings
+    from cache_indexer.schemas.chart_values import CHART_NATS_SETTINGS
+    from cache_indexer.schemas.config_reference import settings
 
     reference = (ROOT / "docs" / "configuration.md").read_text()
     values_schema = json.loads((ROOT / "charts" / "cache-indexer" / "values.schema.json").read_text())

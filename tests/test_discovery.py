@@ -12,10 +12,10 @@ import msgpack
 import pytest
 from kubernetes_asyncio import client
 
-from bridge.k8s_discovery import KubernetesDiscovery
-from bridge.static_targets import StaticTargets
-from infra.metrics import Metrics
-from schemas.config import DiscoveryConfig
+from cache_indexer.bridge.k8s_discovery import KubernetesDiscovery
+from cache_indexer.bridge.static_targets import StaticTargets
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.config import DiscoveryConfig
 from tests.conftest import make_config, wait_for
 from tests.kube_fake import FakeKubeApi, make_pod
 
@@ -293,7 +293,7 @@ async def test_bookmarks_keep_the_resume_point_past_compaction(kube):
 async def test_bounds_on_what_the_api_server_sends(discovery, monkeypatch, caplog):
     """An event over MAX_EVENT_BYTES is dropped unread (a list has the pod, and the watch goes on past it);
     past MAX_PODS pods are left out, and said so."""
-    import bridge.k8s_discovery as k8s
+    import cache_indexer.bridge.k8s_discovery as k8s
 
     kube, d, seen = discovery
     monkeypatch.setattr(k8s, "MAX_EVENT_BYTES", 16 << 10)
@@ -377,7 +377,7 @@ async def test_steady_watching_at_1000_pods_never_lists_and_a_410_lists_once():
 
 
 async def test_discovery_drives_the_bridge_and_publishes_pod_removal(kube, nats_url, stream_prefix):
-    from bridge.service import Bridge
+    from cache_indexer.bridge.service import Bridge
 
     cfg = make_config(nats_url, stream_prefix, discovery={"mode": "kubernetes", "namespace": "infer"},
                       ingest={"l1": {"removalGrace": "200ms"}})
@@ -424,7 +424,7 @@ async def test_static_targets_file_is_reloaded_on_change(tmp_path):
 
 
 async def test_mooncake_masters_by_label_and_port_name(kube):
-    from bridge.k8s_discovery import master_targets
+    from cache_indexer.bridge.k8s_discovery import master_targets
 
     cfg = DiscoveryConfig(mode="kubernetes", namespace="infer")
     master = make_pod("mooncake-master-0", "127.0.0.56", engine="none")
@@ -449,7 +449,7 @@ async def test_mooncake_masters_by_label_and_port_name(kube):
 
 
 def test_targets_errors_name_the_file_and_line(tmp_path):
-    from bridge.static_targets import TargetsError, load_targets
+    from cache_indexer.bridge.static_targets import TargetsError, load_targets
 
     f = tmp_path / "targets.yaml"
     f.write_text("vllm:\n  - ip: 127.0.0.1\n  - ip: 127.0.0.2\n    dpRanks: zero\n")
@@ -465,7 +465,7 @@ async def test_a_bad_reload_keeps_the_last_good_targets_and_is_counted(tmp_path,
 
     import zmq.asyncio
 
-    from bridge.service import Bridge
+    from cache_indexer.bridge.service import Bridge
     from cache_indexer.simulate.vllm_engine import VllmPublisher
 
     f = tmp_path / "targets.yaml"

@@ -15,17 +15,17 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
-from api.app import HitRateApi
-from api.json_request import RequestError
-from api.tiered_query import decode_query, decode_query_by_hash, query_tokens
+from cache_indexer.api.app import HitRateApi
+from cache_indexer.api.json_request import RequestError
+from cache_indexer.api.tiered_query import decode_query, decode_query_by_hash, query_tokens
 from bench.dynamo import dynamo_python, in_loopback_namespace
-from indexer.hit_rate import NATIVE_QUERY
-from indexer.l1_state import L1State
-from indexer.tier_match import NativeTierQuery, match_keys
-from infra.metrics import Metrics
-from schemas.block_hash import BlockHasher
-from schemas.config import HttpConfig
-from schemas.tiered_api import QueryByHashRequest, QueryRequest
+from cache_indexer.indexer.hit_rate import NATIVE_QUERY
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.tier_match import NativeTierQuery, match_keys
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.schemas.config import HttpConfig
+from cache_indexer.schemas.tiered_api import QueryByHashRequest, QueryRequest
 from tests import dynamo_side_by_side as side
 from tests.test_api import EXTRA_KEY_CASES
 
@@ -141,8 +141,8 @@ def test_the_native_match_equals_the_reference_walk():
 
 async def test_query_answers_on_the_query_threads_equal_the_reference_walks(monkeypatch):
     """Bodies over INLINE_MAX_BYTES go to the native query threads (here every one): the same answers."""
-    from api import app as app_module
-    from api.tiered_query import answer
+    from cache_indexer.api import app as app_module
+    from cache_indexer.api.tiered_query import answer
 
     monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", 0)
     l1 = _state({("a", 0): [(0, 5, "GPU")], ("a", 1): [(0, 7, "GPU")], ("b", 0): [(0, 2, "GPU"), (3, 8, "GPU")]})
@@ -263,7 +263,7 @@ def test_the_by_hash_decoder_and_the_contract_agree(body):
 async def test_a_long_walk_leaves_the_event_loop_between_slices(monkeypatch):
     """/query_by_hash over many matching blocks: the reference walk yields to the loop every WALK_SLICE
     blocks, and still answers the whole run."""
-    from api import tiered_query
+    from cache_indexer.api import tiered_query
 
     monkeypatch.setattr(tiered_query, "WALK_SLICE", 64)
     keys = list(range(1, 20_001))
@@ -285,7 +285,7 @@ async def test_a_long_walk_leaves_the_event_loop_between_slices(monkeypatch):
 
 
 async def test_a_failing_computation_is_a_logged_500_not_a_dropped_connection(monkeypatch, caplog):
-    from api import tiered_query
+    from cache_indexer.api import tiered_query
 
     def broken(*args):
         raise RuntimeError("index unreadable")

@@ -18,13 +18,13 @@ import nats
 import pytest
 import yaml
 
-from bridge.jetstream_publisher import JetStreamPublisher
-from bridge.l1_publisher import L1Publisher
-from bridge.l3_publisher import L3Publisher
-from infra.event_codec import JSON, MSGPACK, codec
-from infra.metrics import Metrics
-from infra.streams import ensure_l1_stream, ensure_l3_stream, l1_subject
-from schemas.events import (AllBlocksCleared, BlocksRemoved, BlocksStored, L1Batch, L1Envelope, L1Reset, L3Diff,
+from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+from cache_indexer.bridge.l1_publisher import L1Publisher
+from cache_indexer.bridge.l3_publisher import L3Publisher
+from cache_indexer.infra.event_codec import JSON, MSGPACK, codec
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.streams import ensure_l1_stream, ensure_l3_stream, l1_subject
+from cache_indexer.schemas.events import (AllBlocksCleared, BlocksRemoved, BlocksStored, L1Batch, L1Envelope, L1Reset, L3Diff,
                             L3Envelope, L3Full, PodRemoved, RankRemoved)
 from tests.chart_render import chart_with_nats, needs_nats_chart, render
 from tests.conftest import ROOT, make_config, wait_for
@@ -170,8 +170,8 @@ async def test_decode_refuses_garbage_and_oversized_input_with_one_line(tmp_path
 async def test_indexers_read_a_stream_holding_both_encodings(nats_url, stream_prefix):
     """A setting changed while the stream holds the other encoding (or two bridges' versions): the
     replica's index is what the same messages give applied in-process."""
-    from indexer.l1_state import L1State
-    from indexer.service import Indexer
+    from cache_indexer.indexer.l1_state import L1State
+    from cache_indexer.indexer.service import Indexer
 
     cfg = make_config(nats_url, stream_prefix)
     nc = await nats.connect(nats_url)
@@ -287,7 +287,7 @@ def test_the_chart_points_its_pods_at_their_mounted_configuration(tmp_path):
 async def test_a_bridge_set_to_json_publishes_text_that_its_indexers_serve(nats_url, stream_prefix):
     """nats.l1Stream.encoding: json through the real bridge (vLLM's frames over ZMQ) to the API."""
     from cache_indexer.simulate.vllm_engine import stored as stored_event
-    from schemas.block_hash import BlockHasher
+    from cache_indexer.schemas.block_hash import BlockHasher
     from tests.l1_stack import L1Stack
 
     cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from cache_indexer.simulate.vllm_engine import stored
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import make_config, wait_for
 from tests.l1_stack import L1Stack
 

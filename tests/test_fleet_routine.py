@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from cache_indexer.simulate.vllm_engine import VllmPublisher, stored
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import http_ready, make_config, metric_value, wait_for
 from tests.test_fleet_shape import _pod_ports
 from tests.test_local_mode import free_port

@@ -49,7 +49,7 @@ import yaml
 import zmq.asyncio
 
 from cache_indexer.simulate.vllm_engine import VllmPublisher, cleared, removed, stored
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import http_ready, make_config, wait_for
 from tests.test_local_mode import free_port
 from tests.test_recovery import write_config

@@ -26,12 +26,12 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from bridge.vllm_events import MalformedPayload, decode_batch, decode_reference
-from indexer import hit_rate
-from indexer.block_index import BlockIndex
-from indexer.l1_state import L1State
-from schemas import block_hash
-from schemas.block_hash import BlockHasher
+from cache_indexer.bridge.vllm_events import MalformedPayload, decode_batch, decode_reference
+from cache_indexer.indexer import hit_rate
+from cache_indexer.indexer.block_index import BlockIndex
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.schemas import block_hash
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import needs_native
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -140,7 +140,7 @@ def test_the_token_array_parser_at_every_offset_of_its_64_byte_blocks(rng):
 
 def _decoded(decode, *args):
     """What a decoded request asks, or None where it is refused."""
-    from api.json_request import RequestError
+    from cache_indexer.api.json_request import RequestError
 
     try:
         req = decode(*args)
@@ -152,7 +152,7 @@ def _decoded(decode, *args):
 def test_the_request_split_equals_the_whole_decode(rng):
     """``find_token_ids`` finds the token array with one scan and the rest is decoded alone: the same
     requests accepted, with the same values, as decoding the whole body."""
-    from api.hit_rate_request import decode_hit_rate_request, decode_split_request
+    from cache_indexer.api.hit_rate_request import decode_hit_rate_request, decode_split_request
 
     needs_native(block_hash.find_token_ids is not None, "the request splitter's C accelerator")
     corpus = [p.read_bytes() for p in sorted((DATA / "fuzz" / "requests").glob("*.json"))]
@@ -170,8 +170,8 @@ def test_the_request_split_equals_the_whole_decode(rng):
 
 def _query_decoded(raw: bytes, split: bool):
     """What a /query body asks (its token array parsed), or None where it is refused; whole or split."""
-    from api import tiered_query
-    from api.json_request import RequestError
+    from cache_indexer.api import tiered_query
+    from cache_indexer.api.json_request import RequestError
 
     find = tiered_query.find_token_ids
     if not split:
@@ -380,7 +380,7 @@ def test_the_c_decoder_of_vllm_batches_equals_msgspecs_path(rng):
     takes, so both paths are held equal on real answers, not only on refusals."""
     import msgspec
 
-    from bridge import vllm_events
+    from cache_indexer.bridge import vllm_events
     needs_native(vllm_events._native is not None, "the bridge's C decoder of vLLM batches")
     # the engines' payloads, and batches with what they seldom hold (digests, unknown fields of every kind,
     # removal runs across media and groups, 16-bit lengths): tests/data/fuzz/vllm_batches

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import indexer.hit_rate as hit_rate
-from indexer.l1_state import L1State
-from schemas.block_hash import BlockHasher
+import cache_indexer.indexer.hit_rate as hit_rate
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import needs_native
 
 H = BlockHasher("sha256_cbor", "0")

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from api.app import HitRateApi
-from api.server import HttpServer
-from infra.metrics import Metrics
-from schemas.block_hash import BlockHasher
-from indexer.l1_state import L1State
-from schemas.config import HttpConfig
+from cache_indexer.api.app import HitRateApi
+from cache_indexer.api.server import HttpServer
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.schemas.config import HttpConfig
 
 HEADER_TIMEOUT = 0.5
 BODY = json.dumps({"server_ip": ["127.0.0.1"], "body": {"token_ids": list(range(32)), "block_size": 16}}).encode()

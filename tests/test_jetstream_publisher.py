@@ -6,8 +6,8 @@ from __future__ import annotations
 import nats
 import pytest
 
-from bridge.jetstream_publisher import JetStreamPublisher
-from infra.metrics import Metrics
+from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+from cache_indexer.infra.metrics import Metrics
 
 
 @pytest.fixture
@@ -91,8 +91,8 @@ def test_split_events_cut_a_batch_into_parts_that_fit_and_mean_the_same():
 
     import msgpack
 
-    from bridge.l1_publisher import split_events
-    from indexer.l1_state import L1State
+    from cache_indexer.bridge.l1_publisher import split_events
+    from cache_indexer.indexer.l1_state import L1State
 
     rng = random.Random(5)
     events = [{"kind": "stored", "medium": "GPU", "hashes": [rng.getrandbits(64) for _ in range(n)], "parent": None,

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import VLLM_EVENTS, make_config, wait_for
 from tests.l1_stack import L1Stack
 from cache_indexer.simulate.vllm_engine import cleared, removed, stored
-from schemas.events import last_seq
+from cache_indexer.schemas.events import last_seq
 
 H = BlockHasher("sha256_cbor", "0")
 BS = 16
@@ -60,7 +60,7 @@ async def test_stored_removed_cleared(stack):
 
 async def test_a_pickle_hashed_block_over_64_kib_matches_vllm(nats_url, stream_prefix):
     """algo sha256, seed "0", block_size 13100, tokens [100000] * 13100: vLLM's hash is d1a05c...46fc."""
-    from schemas.block_hash import event_block_hash
+    from cache_indexer.schemas.block_hash import event_block_hash
 
     cfg = make_config(nats_url, stream_prefix, blockKey={"hashAlgo": "sha256", "pythonHashSeed": "0"})
     s = await L1Stack(cfg).start()
@@ -129,7 +129,7 @@ async def test_a_restarted_engine_process_that_reached_exactly_the_next_seq_is_t
 
 async def test_an_idle_engine_is_caught_up_when_a_bridge_resumes_it(stack):
     """Batches published while no bridge listened are fetched at subscription, not at the next batch."""
-    from bridge.service import Bridge
+    from cache_indexer.bridge.service import Bridge
 
     eng = stack.engine(POD)
     await stack.connect((eng, POD, 0))
@@ -346,7 +346,7 @@ async def test_a_run_over_the_servers_max_payload_goes_out_in_halves(stream_pref
     refused or lost."""
     import random
 
-    from bridge.service import Bridge
+    from cache_indexer.bridge.service import Bridge
     from cache_indexer.nats_server import NatsServer
 
     server = NatsServer(max_payload=64 << 10).start()
@@ -424,7 +424,7 @@ async def test_pod_leaving_discovery_is_dropped_through_the_stream(stack):
 async def test_a_pod_back_after_a_readiness_flap_is_indexed_again(stack, bridge_restart):
     """Issue 16 #2: the pod leaves discovery and comes back with the same engine; the indexers retired
     its generation, so the bridge must start a new one rather than resume the retired one."""
-    from bridge.service import Bridge
+    from cache_indexer.bridge.service import Bridge
 
     stack.cfg.ingest.l1.removalGrace = 0.3  # gone for longer than the grace: removed
     a, b = await two_pods_indexed(stack)
@@ -442,7 +442,7 @@ async def test_a_pod_back_after_a_readiness_flap_is_indexed_again(stack, bridge_
 
 
 async def test_pod_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(stack):
-    from bridge.service import Bridge
+    from cache_indexer.bridge.service import Bridge
 
     stack.cfg.ingest.l1.removalGrace = 0.3  # (the new bridge's grace, from its start)
     _, b = await two_pods_indexed(stack)
@@ -461,7 +461,7 @@ async def test_a_dp_rank_dropped_while_no_bridge_ran_is_removed_by_the_next_brid
     bridge restarted; the new bridge never saw it listed, so it never published its rank_removed, and the
     rank's blocks stayed indexed for ever. The targets record keeps each pod's ranks: the next bridge
     removes one gone meanwhile like one that leaves while it watches."""
-    from bridge.service import Bridge
+    from cache_indexer.bridge.service import Bridge
 
     r0, r1 = stack.engine(POD, dp_rank=0), stack.engine(POD, dp_rank=1)
     await stack.connect((r0, POD, 0), (r1, POD, 1))
@@ -484,7 +484,7 @@ async def test_a_removal_lost_with_a_killed_bridge_is_published_by_the_next_one(
     (lost), the targets record already written without the rank: the next bridge did not know the rank had
     been listed and never removed it; its blocks stayed indexed for ever. The record keeps a rank (or pod)
     whose removal the stream has not stored yet: the next bridge removes it again."""
-    from bridge.service import Bridge
+    from cache_indexer.bridge.service import Bridge
 
     r0, r1 = stack.engine(POD, dp_rank=0), stack.engine(POD, dp_rank=1)
     await stack.connect((r0, POD, 0), (r1, POD, 1))
@@ -652,13 +652,13 @@ async def test_an_engine_whose_replay_never_ends_is_asked_a_bounded_number_of_ro
     import zmq
     import zmq.asyncio
 
-    import bridge.vllm_replay as vr
-    from bridge.endpoint import Endpoint
-    from bridge.receive_budget import ReceiveBudget
-    from bridge.vllm_replay import VllmReplayClient
+    import cache_indexer.bridge.vllm_replay as vr
+    from cache_indexer.bridge.endpoint import Endpoint
+    from cache_indexer.bridge.receive_budget import ReceiveBudget
+    from cache_indexer.bridge.vllm_replay import VllmReplayClient
     from cache_indexer.simulate.vllm_engine import batch_payload
-    from infra.metrics import Metrics
-    from schemas.config import L1IngestConfig
+    from cache_indexer.infra.metrics import Metrics
+    from cache_indexer.schemas.config import L1IngestConfig
 
     monkeypatch.setattr(vr, "REPLAY_MAX_ROUNDS", 5)
     ctx = zmq.asyncio.Context()
@@ -692,8 +692,8 @@ async def test_a_backlog_goes_out_in_runs_and_a_lone_batch_at_once(nats_url, str
     """Issue 15: consecutive batches worked off together share a stream message (at most
     ingest.l1.coalesceMaxBatches); a lone batch is not held back; a bridge started after a run resumes
     after its last batch (Kv-Seq-Last), without a reset; every batch is in the stream once."""
-    from bridge.service import Bridge
-    from schemas.events import L1Envelope
+    from cache_indexer.bridge.service import Bridge
+    from cache_indexer.schemas.events import L1Envelope
 
     cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"}, ingest={"l1": {
         "replayCooldown": 0, "replayTimeout": "2s", "backoffInitial": "100ms", "backoffMax": "1s",

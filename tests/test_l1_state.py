@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 import pytest
 
-from indexer.block_index import BlockIndex, _native_index
-from indexer.l1_state import L1State
+from cache_indexer.indexer.block_index import BlockIndex, _native_index
+from cache_indexer.indexer.l1_state import L1State
 from tests.conftest import needs_native
 
 
@@ -71,7 +71,7 @@ def test_offload_media_count_copies_and_clear_on_their_own():
 
 
 def test_offload_media_survive_a_snapshot():
-    from indexer.snapshot import decode_l1, encode_l1
+    from cache_indexer.indexer.snapshot import decode_l1, encode_l1
     s = L1State()
     s.apply(batch(0, [stored(1, 2), stored(1, 2, 3, medium="CPU"), stored(3, medium="CPU"), stored(9, medium="STORAGE")]))
     s.apply(batch(0, [stored(4)], pod="127.0.1.2", rank=1))
@@ -126,7 +126,7 @@ def test_a_removal_with_a_mark_retires_only_the_generations_before_it_in_whateve
     retire that generation too, and every later batch of it was dropped as stale: the pod blind. With its
     mark (the bridge's clock when it removed the pod) it retires only the generations before it, and a
     message of one of those stored after it is stale, on any rank, seen before or not."""
-    from indexer.snapshot import decode_l1, encode_l1
+    from cache_indexer.indexer.snapshot import decode_l1, encode_l1
 
     s = L1State()
     s.apply(batch(0, [stored(1)], rank=0, gen=10))
@@ -156,8 +156,8 @@ def test_a_removal_with_a_mark_retires_only_the_generations_before_it_in_whateve
 def test_a_removal_mark_far_ahead_of_the_streams_clock_is_refused():
     """A mark retires every generation before it: one far ahead (forged, or a broken clock) would blind
     the pod for ever, as a generation that far ahead would."""
-    from indexer.l1_state import ImplausibleMessage
-    from schemas.events import GEN_MAX_AHEAD_NS
+    from cache_indexer.indexer.l1_state import ImplausibleMessage
+    from cache_indexer.schemas.events import GEN_MAX_AHEAD_NS
 
     s = L1State()
     now = 10**18
@@ -269,7 +269,7 @@ def test_hybrid_model_sliding_window_eviction_keeps_the_full_attention_blocks():
 
 def test_a_snapshot_after_a_pod_left_round_trips():
     """A removed pod's cursor must stay encodable: it broke every snapshot after any scale-down."""
-    from indexer.snapshot import decode_l1, encode_l1
+    from cache_indexer.indexer.snapshot import decode_l1, encode_l1
 
     s = L1State()
     s.apply(batch(0, [stored(1)], pod="127.0.1.1"))
@@ -284,7 +284,7 @@ def test_a_snapshot_after_a_pod_left_round_trips():
 
 def test_a_hash_cached_twice_stays_until_both_copies_are_evicted_and_snapshots_keep_the_count():
     """The reported case, in the normalised stream: block 1 of the prompt stored twice, evicted once."""
-    from indexer.snapshot import decode_l1, encode_l1
+    from cache_indexer.indexer.snapshot import decode_l1, encode_l1
 
     s = L1State()
     s.apply(batch(0, [stored(10, 11)]))
@@ -338,7 +338,7 @@ def test_a_batch_with_an_event_outside_the_schema_is_refused_whole_and_the_posit
 def test_the_native_and_python_indexes_refuse_the_same_inputs_before_changing_anything():
     """Issue 35 #5: the same limits in both (worker ids 0..65535, not bools; hashes uint64 ints), each
     refused before any hash of the call is stored."""
-    from indexer.block_index import MAX_WORKERS, NativeBlockIndex
+    from cache_indexer.indexer.block_index import MAX_WORKERS, NativeBlockIndex
 
     needs_native(_native_index is not None, "the native index")
     for make in (BlockIndex, NativeBlockIndex):
@@ -354,7 +354,7 @@ def test_the_native_and_python_indexes_refuse_the_same_inputs_before_changing_an
         assert ix.blocks == {10: 1 << 3, 11: 1 << 3} and ix.entries() == 2, make
         ix.store(MAX_WORKERS - 1, [10])
         assert ix.blocks[10] == 1 << 3 | 1 << (MAX_WORKERS - 1)
-    from indexer.block_index import TooManyWorkers, WorkerTable
+    from cache_indexer.indexer.block_index import TooManyWorkers, WorkerTable
 
     workers = WorkerTable()
     for i in range(MAX_WORKERS):
@@ -386,7 +386,7 @@ def test_a_batch_in_parts_applies_in_order_and_completes_its_seq():
 
 def run(first, batches, pod="127.0.1.1", gen=1):
     """Batches first.. coalesced into one message, as the bridge writes it."""
-    from bridge.l1_publisher import run_message
+    from cache_indexer.bridge.l1_publisher import run_message
 
     return run_message(pod, 0, gen, [(first + i, 0.0, evs) for i, evs in enumerate(batches)])
 
@@ -438,7 +438,7 @@ _event = st.one_of(st.builds(lambda h: stored(h), st.integers(1, 6)), st.builds(
 def test_runs_cut_anyhow_overlapping_repeated_and_reordered_index_as_the_batches_one_by_one(data):
     """What the indexers hold does not depend on how the bridge coalesced the batches, nor on overlaps,
     repeats and arrival order (held early arrivals, including runs that start before the next seq)."""
-    from indexer.snapshot import decode_l1, encode_l1
+    from cache_indexer.indexer.snapshot import decode_l1, encode_l1
 
     batches = data.draw(st.lists(st.lists(_event, max_size=3), min_size=1, max_size=25))
     ref = L1State()
@@ -471,7 +471,7 @@ def test_a_generations_batch_stored_before_its_reset_does_not_drop_the_earlier_o
     """Issue 24 #2: batch 3, then the reset, then batches 0-2 (the reset's publish was lost and re-sent
     after the ack timeout while later batches were stored): every block is indexed, none taken for a
     duplicate; the same for a known worker whose new generation begins that way, and across a snapshot."""
-    from indexer.snapshot import decode_l1, encode_l1
+    from cache_indexer.indexer.snapshot import decode_l1, encode_l1
 
     t = 10**18  # when the stream stored them (a journal is kept only where that is known)
     s = L1State()
@@ -511,7 +511,7 @@ def test_a_late_reset_rebuilds_from_the_message_reaching_further_of_two_from_one
 
 
 def test_a_reset_later_than_the_hold_timeout_is_not_waited_for_and_benchmarks_keep_no_journal():
-    from indexer.l1_state import EARLY_TIMEOUT_NS
+    from cache_indexer.indexer.l1_state import EARLY_TIMEOUT_NS
 
     t = 10**18
     s = L1State()
@@ -535,8 +535,8 @@ def test_a_reset_after_the_batches_it_starts_changes_nothing():
 def test_a_missing_batch_is_declared_lost_after_the_hold_timeout_of_stream_time():
     """Issue 24 #3: one message that never arrives must not freeze a worker: once the first held batch
     waited EARLY_TIMEOUT_NS of stream time (any worker's message tells the time), the gap is lost."""
-    from indexer.l1_state import EARLY_TIMEOUT_NS
-    from indexer.snapshot import decode_l1, encode_l1
+    from cache_indexer.indexer.l1_state import EARLY_TIMEOUT_NS
+    from cache_indexer.indexer.snapshot import decode_l1, encode_l1
 
     t0 = 10**18
     s = L1State()
@@ -556,7 +556,7 @@ def test_a_snapshot_written_before_journals_loads_and_an_older_reader_skips_the_
     """Cursor rows grew (parts, then journal, held_since, journal_since, spilled): both directions still read."""
     import msgpack
 
-    from indexer.snapshot import decode_l1, encode_l1
+    from cache_indexer.indexer.snapshot import decode_l1, encode_l1
 
     s = L1State()
     s.apply(batch(0, [stored(1)]), 10**18)
@@ -632,7 +632,7 @@ def test_a_second_gap_among_the_spilled_batches_is_filled_from_the_stream_too():
 
 
 def test_replicas_that_spill_agree_also_one_restored_from_a_snapshot_while_it_spills():
-    from indexer.snapshot import decode_l1, encode_l1
+    from cache_indexer.indexer.snapshot import decode_l1, encode_l1
 
     stream, a = ModelStream(), L1State(max_early=3)
     msgs = [batch(0, [stored(100)])] + [batch(q, [stored(100 + q)]) for q in range(2, 12)] + [batch(1, [stored(101)])]
@@ -650,7 +650,7 @@ def test_replicas_that_spill_agree_also_one_restored_from_a_snapshot_while_it_sp
 
 
 def test_a_gap_that_never_comes_is_lost_by_stream_time_and_the_spilled_batches_follow():
-    from indexer.l1_state import EARLY_TIMEOUT_NS
+    from cache_indexer.indexer.l1_state import EARLY_TIMEOUT_NS
 
     t0 = 10**18
     stream, s = ModelStream(), L1State(max_early=2)
@@ -667,7 +667,7 @@ def test_a_later_gap_waits_its_own_time_after_a_gap_filled_from_the_stream():
     read back from the stream, the worker caught up; 30 s of stream time later another gap opened, and was
     declared lost at once (the worker cleared): the read-back that emptied the cursor left it waiting
     since the first gap. A worker that caught up waits no more; the next gap gets its own time."""
-    from indexer.l1_state import EARLY_TIMEOUT_NS
+    from cache_indexer.indexer.l1_state import EARLY_TIMEOUT_NS
 
     t0 = 10**18
     stream, s = ModelStream(), L1State(max_early=1)

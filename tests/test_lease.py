@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 
-import infra.lease as lease_module
-from infra.lease import Lease
+import cache_indexer.infra.lease as lease_module
+from cache_indexer.infra.lease import Lease
 from tests.conftest import wait_for
 
 
@@ -124,14 +124,14 @@ async def test_a_key_another_holder_took_gives_the_lease_up_at_once(kv):
 async def test_losing_the_lease_is_a_warning_naming_the_lease_the_holder_and_why(kv, caplog):
     """Issue 38: a bridge that loses the lease stops relaying; that was logged at INFO (the reason at
     DEBUG). Now one WARNING, its lease and holder as fields; acquiring stays INFO."""
-    caplog.set_level(logging.DEBUG, logger="infra.lease")
+    caplog.set_level(logging.DEBUG, logger="cache_indexer.infra.lease")
     lease, seen = await _leading(kv, ttl=1.0)
     try:
         kv.holder, kv.revision = b"someone-else", kv.revision + 1
         await wait_for(lambda: seen == [False], 5, "the lease given up")
     finally:
         await _stop(lease)
-    records = [r for r in caplog.records if r.name == "infra.lease" and r.levelno >= logging.INFO]
+    records = [r for r in caplog.records if r.name == "cache_indexer.infra.lease" and r.levelno >= logging.INFO]
     assert [(r.levelname, r.getMessage()) for r in records] == [
         ("INFO", "k lease acquired by me"), ("WARNING", "k lease lost by me: another holder's write replaced ours")]
     assert (records[1].lease, records[1].holder) == ("k", "me")

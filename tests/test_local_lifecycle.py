@@ -277,7 +277,7 @@ async def test_events_tail_follows_local_and_ctrl_c_ends_it_quietly(tmp_path, ta
 def test_reconnect_warnings_are_throttled(caplog):
     import logging
 
-    from infra.throttled_log import ThrottledWarning
+    from cache_indexer.infra.throttled_log import ThrottledWarning
 
     log = logging.getLogger("throttle-test")
     clock = [1000.0]

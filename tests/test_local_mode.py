@@ -16,7 +16,7 @@ import pytest
 import zmq.asyncio
 
 from cache_indexer.nats_server import find_binary
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import free_port, wait_for
 from cache_indexer.simulate.vllm_engine import VllmPublisher, stored
 

@@ -10,12 +10,12 @@ import time
 
 import aiohttp
 
-from api.ops import make_ops_app
-from api.server import HttpServer
-from infra.loop_lag import LoopLagMonitor, WindowMax
-from infra.loop_turns import LoopTurns
-from infra.metrics import Metrics
-from schemas.config import HttpConfig
+from cache_indexer.api.ops import make_ops_app
+from cache_indexer.api.server import HttpServer
+from cache_indexer.infra.loop_lag import LoopLagMonitor, WindowMax
+from cache_indexer.infra.loop_turns import LoopTurns
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.config import HttpConfig
 from tests.conftest import wait_for
 
 

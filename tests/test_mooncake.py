@@ -17,12 +17,12 @@ import msgpack
 import pytest
 from aiohttp import web
 
-from bridge.mooncake_keys import KeyParser
-from bridge.mooncake_master import MasterError, parse_batch_query, parse_query_key
-from bridge.mooncake_poller import MasterTarget, MooncakePoller
-from infra.metrics import Metrics
-from indexer.l3_state import L3State
-from schemas.config import L3IngestConfig
+from cache_indexer.bridge.mooncake_keys import KeyParser
+from cache_indexer.bridge.mooncake_master import MasterError, parse_batch_query, parse_query_key
+from cache_indexer.bridge.mooncake_poller import MasterTarget, MooncakePoller
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.indexer.l3_state import L3State
+from cache_indexer.schemas.config import L3IngestConfig
 from tests.conftest import DATA, make_config, wait_for
 
 MC = DATA / "mooncake"
@@ -61,7 +61,7 @@ def test_every_captured_key_grammar():
 
 
 def test_key_hash_matches_the_event_form_of_the_vllm_chain():
-    from schemas.block_hash import BlockHasher, event_block_hash
+    from cache_indexer.schemas.block_hash import BlockHasher, event_block_hash
 
     digest = BlockHasher("sha256", "0").block_hashes(list(range(1000, 1128)), 128)[0]
     key = f"Qwen2.5-7B-Instruct@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@cache_role:kv@cache_family:default@{digest.hex()}"
@@ -353,8 +353,8 @@ async def test_a_slow_segment_list_fails_the_poll_at_segments_fetch_timeout():
 
 
 async def test_a_master_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(nats_url, stream_prefix):
-    from bridge.service import Bridge
-    from indexer.service import Indexer
+    from cache_indexer.bridge.service import Bridge
+    from cache_indexer.indexer.service import Indexer
 
     cfg = make_config(nats_url, stream_prefix, ingest={"l3": {"pollInterval": 0.05}})
     master = await FakeMaster().start()
@@ -382,8 +382,8 @@ async def test_a_master_that_left_while_no_bridge_ran_is_dropped_by_the_next_bri
 async def test_states_over_the_message_limit_are_published_in_parts(nats_url, stream_prefix):
     """Issue 13 #3: with the L3 stream's maxMsgSize at 16 KiB, full states and diffs of thousands of pairs
     are split into parts that each fit; live and replaying indexers hold exactly the master's state."""
-    from bridge.service import Bridge
-    from indexer.service import Indexer
+    from cache_indexer.bridge.service import Bridge
+    from cache_indexer.indexer.service import Indexer
 
     cfg = make_config(nats_url, stream_prefix, ingest={"l3": {"pollInterval": 0.05, "fullStateEvery": 1000}})
     cfg.nats.l3Stream.maxMsgSize = 16 << 10
@@ -528,7 +528,7 @@ async def test_one_odd_batch_answer_does_not_switch_to_the_leasing_query_key(pol
 @pytest.mark.parametrize("kind", ["old", "no_decode"])
 async def test_a_master_without_a_usable_batch_endpoint_falls_back_loudly_and_is_probed_again(
         poller, kind, caplog, monkeypatch):
-    import bridge.mooncake_master as mm
+    import cache_indexer.bridge.mooncake_master as mm
 
     master, p, sink, metrics = poller
     master.segments = ["127.0.0.2:12001"]
@@ -632,10 +632,10 @@ async def test_a_late_l3_diff_through_the_stream_is_refused_and_a_refused_one_br
     a diff the stream refuses for good is told to the bridge (which then publishes the full state)."""
     import nats
 
-    from bridge.jetstream_publisher import JetStreamPublisher
-    from bridge.l3_publisher import L3Publisher
-    from infra.streams import l3_subject
-    from indexer.service import Indexer
+    from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+    from cache_indexer.bridge.l3_publisher import L3Publisher
+    from cache_indexer.infra.streams import l3_subject
+    from cache_indexer.indexer.service import Indexer
 
     cfg = make_config(nats_url, stream_prefix)
     indexer = Indexer(cfg)

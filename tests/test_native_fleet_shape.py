@@ -16,13 +16,13 @@ from array import array
 
 import pytest
 
-from indexer import hit_rate
-from indexer.block_index import BlockIndex, NativeBlockIndex, _native_index
-from indexer.hit_rate import NativeQuery
-from indexer.l1_state import L1State
-from indexer.l3_state import L3State
-from indexer.tier_match import KeyWalk, chain_keys
-from schemas.block_hash import BlockHasher
+from cache_indexer.indexer import hit_rate
+from cache_indexer.indexer.block_index import BlockIndex, NativeBlockIndex, _native_index
+from cache_indexer.indexer.hit_rate import NativeQuery
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.l3_state import L3State
+from cache_indexer.indexer.tier_match import KeyWalk, chain_keys
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import needs_native
 
 HASHER = BlockHasher("sha256_cbor")
@@ -65,7 +65,7 @@ def test_a_replica_survives_workers_past_64_whose_first_gpu_event_is_a_removal()
     """The replica's own path: 130 engines, the later ones interned through the CPU medium first, or
     sending a removal of blocks stored before the bridge subscribed, then storing."""
     out = _run("""
-        from indexer.l1_state import L1State
+        from cache_indexer.indexer.l1_state import L1State
         s = L1State()
         def batch(pod, seq, events):
             s.apply({"type": "batch", "pod": pod, "rank": 0, "gen": 1, "seq": seq, "events": events})
@@ -226,7 +226,7 @@ def test_a_process_that_exits_while_the_query_threads_hash_exits_cleanly():
     out = _run("""
         import sys, threading
         from array import array
-        from indexer import _native_index as n
+        from cache_indexer.indexer import _native_index as n
         t = n.Table()
         t.store(0, [1])
         pool = n.QueryPool(2)
@@ -266,7 +266,7 @@ def test_hash_buffers_of_other_formats_are_refused_and_unaligned_ones_copied():
 def test_a_message_past_the_worker_bound_is_refused_whole_in_both_indexes():
     """The native table refused worker ids from 65,536 after half a message was applied; the Python
     index took them. Both tiers now refuse the message that needs one id too many, whole."""
-    from indexer.block_index import MAX_WORKERS, TooManyWorkers
+    from cache_indexer.indexer.block_index import MAX_WORKERS, TooManyWorkers
 
     for native in (True, False):
         s = L1State()

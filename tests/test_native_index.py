@@ -17,13 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer import block_index, hit_rate
-from indexer.block_index import _native_index
-from indexer.block_index import BlockIndex, NativeBlockIndex
-from indexer.hit_rate import NativeQuery, score
-from indexer.l1_state import L1State
-from indexer.snapshot import decode_l1, encode_l1
-from schemas.block_hash import BlockHasher
+from cache_indexer.indexer import block_index, hit_rate
+from cache_indexer.indexer.block_index import _native_index
+from cache_indexer.indexer.block_index import BlockIndex, NativeBlockIndex
+from cache_indexer.indexer.hit_rate import NativeQuery, score
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.snapshot import decode_l1, encode_l1
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import needs_native
 
 
@@ -370,7 +370,7 @@ def test_the_digest_memo_answers_a_repeated_query_exactly():
     """A query thread remembers the digests of the blocks it hashed (keyed by the whole serialised block,
     so a hit is exact): asked again, it hashes nothing and answers the same; other salts, block sizes and
     encodings are other messages, answered as the reference answers them."""
-    from indexer import _native_index
+    from cache_indexer.indexer import _native_index
 
     tokens = list(range(1000, 1000 + 64 * 16))
     answers = {}
@@ -393,8 +393,8 @@ def test_the_digest_memo_answers_a_repeated_query_exactly():
 def test_the_digest_memo_keeps_within_its_bound():
     """http.digestMemoBytes bounds the blocks a thread's memo keeps; past it blocks are hashed, not kept,
     and answers do not change. 0: no memo at all."""
-    from indexer import _native_index
-    from indexer.hit_rate import configure_native_query
+    from cache_indexer.indexer import _native_index
+    from cache_indexer.indexer.hit_rate import configure_native_query
 
     hasher = BlockHasher("sha256_cbor", "0")
     tokens = [random.Random(1).randrange(150000) for _ in range(32768)]
@@ -502,9 +502,9 @@ def test_the_replicas_periodic_gauges_do_not_walk_the_table():
     cost a pass over the chunk and worker headers, never a walk of the table: the distinct count past 64
     workers walks it (0.25 s at 2M entries over 1,000 workers, twice a tier per update before). The
     block count is the distinct count up to 64 workers, past that a hash once per 64-worker chunk."""
-    from indexer.service import Indexer
-    from infra.metrics import Metrics
-    from schemas.config import Config
+    from cache_indexer.indexer.service import Indexer
+    from cache_indexer.infra.metrics import Metrics
+    from cache_indexer.schemas.config import Config
 
     small_ref, small = _states([(f"10.0.0.{w}", 0, [7, 8, w + 100]) for w in range(1, 40)])
     assert small.index.block_count() == len(small_ref.index) == 41

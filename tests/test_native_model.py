@@ -37,10 +37,10 @@ from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from indexer import hit_rate
-from indexer.hit_rate import NativeQuery
-from indexer.l1_state import L1State
-from indexer.l3_state import L3State
+from cache_indexer.indexer import hit_rate
+from cache_indexer.indexer.hit_rate import NativeQuery
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.l3_state import L3State
 from tests import native_fleet
 from tests.conftest import needs_native
 from tests.native_fleet import (BS, CHAINS, DOCS, HASHER, MAX_WID, PERTURB, POOL, ROOT, TIERS, Fleet, Runner, child,
@@ -215,7 +215,7 @@ def test_a_removal_holds_or_clear_of_an_id_past_the_chunks_stays_in_bounds():
     child process (freed memory filled with a pattern, so that a stray read crashes): a segfault is
     reported as one."""
     done = child(["-c", textwrap.dedent("""
-        from indexer import _native_index
+        from cache_indexer.indexer import _native_index
 
         t = _native_index.Table()
         t.store(33, [1])
@@ -247,7 +247,7 @@ def test_an_offloaded_removal_by_a_worker_that_never_offloaded_stays_in_bounds()
     that never stored on the CPU (an id past the CPU table's chunks, below its worker array's end) read
     past its chunk array."""
     done = child(["-c", textwrap.dedent("""
-        from indexer.l1_state import L1State
+        from cache_indexer.indexer.l1_state import L1State
 
         state = L1State()
         seqs = {}
@@ -319,7 +319,7 @@ def test_a_store_that_runs_out_of_memory_part_way_leaves_the_counts_consistent()
         pytest.skip("an address-space limit under a sanitizer's allocator")
     done = child(["-c", textwrap.dedent("""
         import random, resource
-        from indexer import _native_index
+        from cache_indexer.indexer import _native_index
 
         rng = random.Random(7)
         pool = rng.randbytes(8 * 4_000_000)  # the hashes, made before the limit
@@ -366,7 +366,7 @@ def test_an_l3_diff_that_repeats_a_hash_leaves_nothing_behind(native):
     twice (the index keeps a second physical copy), its removal dropped one: the block stayed, held by a
     pod's id after the pod, holding nothing else, was released; the next pod given the id held it. A
     hash repeated in a removed list raised KeyError half-way through the message."""
-    from indexer.block_index import BlockIndex
+    from cache_indexer.indexer.block_index import BlockIndex
 
     l3 = L3State()
     if not native:

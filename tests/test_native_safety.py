@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from schemas import block_hash
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas import block_hash
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import needs_native
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ def accelerated():
 
 @pytest.fixture
 def bulk_receive():
-    from bridge import zmq_drain
+    from cache_indexer.bridge import zmq_drain
     needs_native(zmq_drain.drainer(zmq.Context.instance().socket(zmq.PAIR)) is not None,
                  "the bridge's bulk ZMQ receive")
 
@@ -138,7 +138,7 @@ def test_the_bulk_receive_binds_pyzmqs_libzmq_even_beside_another(tmp_path, bulk
 
 
 def test_a_receive_that_fails_mid_burst_keeps_what_came_and_the_message_boundaries(bulk_receive):
-    from bridge import _zmq_drain
+    from cache_indexer.bridge import _zmq_drain
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     a.bind("inproc://mid-burst")

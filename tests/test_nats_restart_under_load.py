@@ -33,8 +33,8 @@ import pytest
 import zmq.asyncio
 
 from cache_indexer.simulate.vllm_engine import VllmPublisher, removed, stored
-from indexer.service import Indexer
-from schemas.events import last_seq
+from cache_indexer.indexer.service import Indexer
+from cache_indexer.schemas.events import last_seq
 from tests.conftest import make_config, wait_for
 from tests.test_local_mode import free_port
 from tests.test_recovery import spawn, write_config
@@ -197,7 +197,7 @@ async def test_spilled_batches_are_read_back_from_the_stream_and_a_snapshot_purg
     taken meanwhile (purgeKeep 0) purges the stream up to the first spilled one, not past it; a replica
     started from that snapshot and the one that took it read 4..7 back once 1 comes, and both hold
     every batch, with no gap lost."""
-    from infra.streams import l1_subject
+    from cache_indexer.infra.streams import l1_subject
 
     cfg = make_config(nats_url, stream_prefix, snapshot={"everyMessages": 10**9, "interval": "1h", "purgeKeep": 0})
     pod, name = "10.8.0.1", cfg.nats.l1Stream.name
@@ -240,7 +240,7 @@ async def test_spilled_batches_are_read_back_from_the_stream_and_a_snapshot_purg
 async def test_a_spilled_batch_gone_from_the_stream_is_history_lost_not_a_stall(nats_url, stream_prefix):
     """Retention (or an operator's purge) took a spilled batch before its turn came: counted as history
     lost and as a lost gap, the worker goes on from the next one; the replica neither stalls nor loops."""
-    from infra.streams import l1_subject
+    from cache_indexer.infra.streams import l1_subject
 
     cfg = make_config(nats_url, stream_prefix, snapshot={"enabled": False})
     pod, name = "10.8.0.2", cfg.nats.l1Stream.name

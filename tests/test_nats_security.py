@@ -20,8 +20,8 @@ import pytest
 
 from cache_indexer.inspect_events import connect_once
 from cache_indexer.nats_server import NatsServer
-from infra.streams import subject_token
-from schemas.config import NatsConfig
+from cache_indexer.infra.streams import subject_token
+from cache_indexer.schemas.config import NatsConfig
 from tests.conftest import ROOT, make_config, wait_for
 from tests.l1_stack import L1Stack
 from tests.test_l1_end_to_end import BS, CHAIN, POD, TOKENS, until_ratio
@@ -131,7 +131,7 @@ async def test_tls_with_a_private_ca_and_a_client_certificate(tmp_path):
 
 
 def test_a_credentials_file_that_cannot_be_read_is_one_clear_error(tmp_path):
-    from infra.nats_auth import NatsAuthError, connect_options
+    from cache_indexer.infra.nats_auth import NatsAuthError, connect_options
 
     with pytest.raises(NatsAuthError, match="nats.credsFile: cannot read"):
         connect_options(NatsConfig(credsFile=str(tmp_path / "missing.creds")))

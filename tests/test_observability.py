@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import cache_indexer
 from cache_indexer.cli import NATIVE_MODULES
-from infra.log_format import JsonFormatter, TextFormatter
-from infra.metrics import BRIDGE, INDEXER, SHARED, Metrics
+from cache_indexer.infra.log_format import JsonFormatter, TextFormatter
+from cache_indexer.infra.metrics import BRIDGE, INDEXER, SHARED, Metrics
 from tests.conftest import ROOT, free_port, http_ready, make_config, wait_for
 from tests.test_recovery import write_config
 

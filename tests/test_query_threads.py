@@ -11,11 +11,11 @@ from array import array
 
 import pytest
 
-from indexer import hit_rate
-from indexer.hit_rate import NativeQuery
-from indexer.l1_state import L1State
-from indexer.query_threads import QueryThreads
-from schemas.block_hash import BlockHasher
+from cache_indexer.indexer import hit_rate
+from cache_indexer.indexer.hit_rate import NativeQuery
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.query_threads import QueryThreads
+from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import needs_native
 
 HASHER = BlockHasher("sha256_cbor", "0")
@@ -126,8 +126,8 @@ def fleet_under_load(seed: int, seconds: float) -> None:
     import threading
     import time
 
-    from indexer.block_index import BlockIndex, NativeBlockIndex, WorkerTable, _native_index
-    from indexer.hit_rate import score
+    from cache_indexer.indexer.block_index import BlockIndex, NativeBlockIndex, WorkerTable, _native_index
+    from cache_indexer.indexer.hit_rate import score
     from tests.native_fleet import BS, CHAINS, DOCS, HASHER, FleetTier, Runner, random_hashes, same_index, spread
 
     rng = random.Random(seed)

@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from bridge.read_sweep import ReadSweep, read_sweep
+from cache_indexer.bridge.read_sweep import ReadSweep, read_sweep
 from tests.conftest import wait_for
 
 

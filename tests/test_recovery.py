@@ -19,13 +19,13 @@ import nats.js.errors
 import pytest
 import yaml
 
-from schemas.block_hash import BlockHasher
-from indexer.service import Indexer
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.indexer.service import Indexer
 from tests.conftest import make_config, wait_for
 from tests.l1_stack import L1Stack
 from tests.test_local_mode import free_port
 from cache_indexer.simulate.vllm_engine import removed, stored
-from schemas.events import last_seq
+from cache_indexer.schemas.events import last_seq
 
 ROOT = Path(__file__).resolve().parents[1]
 H = BlockHasher("sha256_cbor", "0")
@@ -379,7 +379,7 @@ async def test_a_snapshot_copies_the_tables_off_the_loop_while_queries_are_answe
     snapshot loads to the state it was taken at."""
     import threading
 
-    from indexer import snapshot as snapshot_module
+    from cache_indexer.indexer import snapshot as snapshot_module
 
     s, engines = stack
     rng = random.Random(5)
@@ -421,8 +421,8 @@ async def test_a_writer_paused_past_its_lease_never_deletes_the_snapshot_the_poi
     object name, and A's clean-up after its failed compare-and-set deleted the object the pointer named:
     every later replica start rebuilt from the purged stream (history lost). The pointer's object must
     stand, and a new replica load it."""
-    from infra.streams import l1_subject
-    from infra.tasks import cancel_and_wait
+    from cache_indexer.infra.streams import l1_subject
+    from cache_indexer.infra.tasks import cancel_and_wait
 
     cfg = make_config(nats_url, stream_prefix, snapshot={"everyMessages": 10**9, "interval": "1h", "purgeKeep": 0})
     subject = l1_subject(cfg.nats.l1Stream.subjectPrefix, "10.9.0.1", 0)

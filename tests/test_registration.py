@@ -9,9 +9,9 @@ import asyncio
 import aiohttp
 import pytest
 
-from bridge.service import Bridge
+from cache_indexer.bridge.service import Bridge
 from cache_indexer.replica import Replica
-from schemas.block_hash import BlockHasher
+from cache_indexer.schemas.block_hash import BlockHasher
 from cache_indexer.simulate.vllm_engine import stored
 from tests.conftest import make_config, wait_for
 from tests.l1_stack import L1Stack
@@ -217,7 +217,7 @@ async def test_writes_need_the_token_before_the_body_is_sent(nats_url, stream_pr
 def test_a_value_that_is_not_a_registration_is_refused_when_read(value):
     """What the bucket holds is outside input too (written by hand, by a newer version): refused with a
     ValueError, which the follower counts and logs, and the others stay."""
-    from infra.registrations import Registration
+    from cache_indexer.infra.registrations import Registration
 
     with pytest.raises(ValueError, match="registration|instance_id|endpoint"):
         Registration.decode(value)
@@ -226,8 +226,8 @@ def test_a_value_that_is_not_a_registration_is_refused_when_read(value):
 async def test_the_follower_skips_a_bad_value_and_keeps_the_good_ones(nats_url, stream_prefix):
     import nats
 
-    from infra.registrations import Registration, RegistrationStore
-    from infra.streams import kv_bucket
+    from cache_indexer.infra.registrations import Registration, RegistrationStore
+    from cache_indexer.infra.streams import kv_bucket
 
     nc = await nats.connect(nats_url)
     errors = []

@@ -15,10 +15,10 @@ import signal
 import msgpack
 import pytest
 
-from bridge.resume_points import record_key
+from cache_indexer.bridge.resume_points import record_key
 from cache_indexer.simulate.vllm_engine import batch_payload, stored
-from schemas.block_hash import BlockHasher
-from indexer.service import Indexer
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.indexer.service import Indexer
 from tests.conftest import make_config, wait_for
 from tests.l1_stack import L1Stack
 from tests.test_local_mode import free_port
@@ -157,10 +157,10 @@ async def test_a_bridge_killed_half_way_through_a_batchs_parts_resumes_at_that_b
     """Issue 24 #3: a bridge died after 4 of a large batch's parts (the stream takes 4 KiB messages);
     the next bridge resumed after that seq, the indexers waited for part 5 for ever and held every later
     batch. It must publish that batch again, whole, and the engine's index must converge."""
-    from bridge.jetstream_publisher import JetStreamPublisher
-    from bridge.l1_publisher import L1Publisher
-    from bridge.service import Bridge
-    from bridge.vllm_events import decode_batch
+    from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+    from cache_indexer.bridge.l1_publisher import L1Publisher
+    from cache_indexer.bridge.service import Bridge
+    from cache_indexer.bridge.vllm_events import decode_batch
 
     cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"},
                       nats={"l1Stream": {"name": f"{stream_prefix}_L1", "subjectPrefix": f"t.{stream_prefix}.l1",
@@ -285,7 +285,7 @@ async def test_a_workers_first_position_is_recorded_at_once():
     batches were acked, before the records' one-second write; the snapshot writer then purged those
     messages, and the next bridge, with neither record nor message, started the engine anew. A worker's
     first position is now written at once (later ones wait for the interval, here an hour)."""
-    from bridge.resume_points import Position, ResumePoints
+    from cache_indexer.bridge.resume_points import Position, ResumePoints
     from tests.test_sequencing_model import MemoryKV
 
     kv = MemoryKV()

@@ -12,12 +12,12 @@ import random
 import msgpack
 import pytest
 
-from indexer.block_index import BlockIndex
-from indexer.l1_state import L1State
-from indexer.run_slices import SLICE_BLOCKS, run_slices
-from indexer.service import Indexer
-from infra.streams import l1_subject
-from schemas.events import run_error
+from cache_indexer.indexer.block_index import BlockIndex
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.run_slices import SLICE_BLOCKS, run_slices
+from cache_indexer.indexer.service import Indexer
+from cache_indexer.infra.streams import l1_subject
+from cache_indexer.schemas.events import run_error
 from tests.conftest import make_config, wait_for
 
 

@@ -55,16 +55,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from bridge.endpoint import Endpoint
-from bridge.l1_publisher import L1Publisher
-from bridge.l1_sequencer import L1Sequencer, Replayed
-from bridge.receive_budget import ReceiveBudget
-from bridge.resume_points import KEY_PREFIX, ResumePoints, record_key
-from infra.streams import l1_lifecycle_subject, l1_subject
-from infra.metrics import Metrics
+from cache_indexer.bridge.endpoint import Endpoint
+from cache_indexer.bridge.l1_publisher import L1Publisher
+from cache_indexer.bridge.l1_sequencer import L1Sequencer, Replayed
+from cache_indexer.bridge.receive_budget import ReceiveBudget
+from cache_indexer.bridge.resume_points import KEY_PREFIX, ResumePoints, record_key
+from cache_indexer.infra.streams import l1_lifecycle_subject, l1_subject
+from cache_indexer.infra.metrics import Metrics
 from cache_indexer.simulate.vllm_engine import batch_payload, cleared, removed, stored
-from indexer.l1_state import L1State
-from indexer.snapshot import decode_l1, encode_l1
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.snapshot import decode_l1, encode_l1
 
 STREAM, PREFIX = "KV_L1", "kvcache.l1"
 PODS = ["10.0.0.1", "10.0.0.2"]

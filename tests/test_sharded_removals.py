@@ -24,7 +24,7 @@ import zmq.asyncio
 from nats.js.errors import NotFoundError
 
 from cache_indexer.replica import Replica
-from infra.streams import subject_token
+from cache_indexer.infra.streams import subject_token
 from tests.conftest import free_port, make_config, metric_value, wait_for
 from tests.test_chaos_soak import CHAINS, Engine, answers
 from tests.test_mooncake import FakeMaster, key, l3_held
@@ -168,7 +168,7 @@ async def test_a_rank_gone_while_a_dead_bridge_holds_its_pod_is_removed_by_the_n
     """A dead bridge (keys put in the lease bucket that nobody renews) holds pod X when X's rank 1 goes
     away: nothing is published while its lease stands (it still holds X), and the live bridge publishes
     ``rank_removed`` once the lease has run out and it holds X itself."""
-    from bridge.service import Bridge
+    from cache_indexer.bridge.service import Bridge
 
     pod = "127.0.0.131"
     targets = tmp_path / "targets.yaml"
@@ -214,11 +214,11 @@ async def test_a_pod_removed_again_with_nothing_of_it_left_on_the_stream_is_stor
     the first (within ``duplicateWindow``), the bridges found it never on the stream and published it again
     and again, in vain, and the pod was answered for 2 minutes after it left. With nothing of the pod on
     the stream a removal follows the last message purged (the stream's first sequence less one)."""
-    from bridge.jetstream_publisher import JetStreamPublisher
-    from bridge.l1_publisher import L1Publisher
-    from bridge.removals import PendingRemovals
-    from infra.metrics import Metrics
-    from infra.streams import ensure_l1_stream, l1_pod_subjects
+    from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+    from cache_indexer.bridge.l1_publisher import L1Publisher
+    from cache_indexer.bridge.removals import PendingRemovals
+    from cache_indexer.infra.metrics import Metrics
+    from cache_indexer.infra.streams import ensure_l1_stream, l1_pod_subjects
 
     cfg = make_config(nats_url, stream_prefix)
     l1cfg = cfg.nats.l1Stream

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 from cache_indexer.simulate.workload import DEMO_PROMPT, SimulatedEngine
-from schemas.block_hash import BlockHasher
-from indexer.block_index import BlockIndex
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.indexer.block_index import BlockIndex
 
 
 class _Publisher:

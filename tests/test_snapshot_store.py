@@ -9,8 +9,8 @@ import random
 import nats
 import pytest
 
-from indexer.l1_state import L1State
-from indexer.snapshot import PartsReader, SnapshotStore, encode_l1, object_name
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.snapshot import PartsReader, SnapshotStore, encode_l1, object_name
 from tests.conftest import wait_for
 
 
@@ -125,7 +125,7 @@ async def test_snapshots_of_a_recreated_stream_are_pruned_first(nats_url, stream
 async def test_a_meta_bucket_that_did_not_answer_once_is_asked_again(js, buckets, monkeypatch):
     """The CI run of a three-node cluster losing a node: the object store answered, the meta bucket
     timed out, and every later call failed with AttributeError on the store left None."""
-    import infra.streams as streams
+    import cache_indexer.infra.streams as streams
 
     real, calls = streams.kv_bucket, []
 

@@ -7,10 +7,10 @@ import asyncio
 
 import zmq.asyncio
 
-from bridge.endpoint import Endpoint
-from bridge.vllm_subscriber import VllmSubscriber
-from infra.config_loader import load_config
-from infra.metrics import Metrics
+from cache_indexer.bridge.endpoint import Endpoint
+from cache_indexer.bridge.vllm_subscriber import VllmSubscriber
+from cache_indexer.infra.config_loader import load_config
+from cache_indexer.infra.metrics import Metrics
 from cache_indexer.simulate.vllm_engine import batch_payload, stored
 from tests.conftest import wait_for
 

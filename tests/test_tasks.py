@@ -10,8 +10,8 @@ import time
 
 import nats
 
-from infra.lease import Lease
-from infra.tasks import cancel_and_wait
+from cache_indexer.infra.lease import Lease
+from cache_indexer.infra.tasks import cancel_and_wait
 
 
 async def test_a_task_that_swallows_one_cancellation_is_stopped():

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.vllm_events import MalformedPayload, decode_batch
-from schemas.block_hash import BlockHasher, event_block_hash
+from cache_indexer.bridge.vllm_events import MalformedPayload, decode_batch
+from cache_indexer.schemas.block_hash import BlockHasher, event_block_hash
 from tests.conftest import VLLM_EVENTS as EVENTS
 from tests.conftest import needs_native
 
@@ -67,7 +67,7 @@ def test_decodes_every_shared_payload(path):
 def test_consecutive_removals_of_one_medium_and_group_are_one_event():
     """vLLM publishes a BlockRemoved per evicted block; both decoders give a run of them as one event (the
     same to every index), and keep apart what a store, another medium or another group separates."""
-    from bridge.vllm_events import decode_current, decode_reference
+    from cache_indexer.bridge.vllm_events import decode_current, decode_reference
     from cache_indexer.simulate.vllm_engine import batch_payload, removed, stored
 
     events = [removed([1]), removed([2]), removed([2]), stored([3], block_size=4, token_ids=[0] * 4), removed([4]),
@@ -99,7 +99,7 @@ def test_bytes_hashes_equal_int_hashes_and_our_chain():
 
 
 def test_lora_salt_payload_matches_hasher():
-    from schemas.block_hash import LoRAKey
+    from cache_indexer.schemas.block_hash import LoRAKey
 
     ctx = json.loads((EVENTS / "02_block_stored_lora_salt.json").read_text())["context"]
     batch = decode_batch((EVENTS / "02_block_stored_lora_salt.bin").read_bytes())
@@ -164,7 +164,7 @@ def test_values_outside_the_normalised_schema_make_the_batch_malformed(field, va
 
 
 def test_a_large_block_is_not_probed_on_the_event_loop():
-    from bridge.vllm_events import PROBE_MAX_TOKENS
+    from cache_indexer.bridge.vllm_events import PROBE_MAX_TOKENS
     from cache_indexer.simulate.vllm_engine import batch_payload, stored
 
     big = stored([7], block_size=PROBE_MAX_TOKENS * 2)
@@ -223,7 +223,7 @@ def test_the_fast_path_decodes_as_the_reference_wherever_it_decodes_at_all(batch
     MalformedPayload) is the tolerant reference decoder's, byte for byte of what is published."""
     import msgspec
 
-    from bridge.vllm_events import decode_current, decode_reference
+    from cache_indexer.bridge.vllm_events import decode_current, decode_reference
 
     payload = msgpack.packb(batch, use_bin_type=True)
     try:
@@ -236,7 +236,7 @@ def test_the_fast_path_decodes_as_the_reference_wherever_it_decodes_at_all(batch
 
 
 def _native_or_none(payload):
-    from bridge.vllm_events import DecodedBatch, _native
+    from cache_indexer.bridge.vllm_events import DecodedBatch, _native
     got = _native(payload)
     return None if got is None else _outcome(lambda _: DecodedBatch(ts=got[0], events=got[1], dp_rank=got[2]), payload)
 
@@ -244,7 +244,7 @@ def _native_or_none(payload):
 def _strict_or_error(payload):
     import msgspec
 
-    from bridge.vllm_events import decode_strict
+    from cache_indexer.bridge.vllm_events import decode_strict
     try:
         return _outcome(decode_strict, payload)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -266,7 +266,7 @@ def test_the_c_decoder_equals_msgspec_wherever_it_takes_a_batch(batch, extras, r
     """bridge/_vllm_decode.c (issue 37): what it returns is exactly what msgspec's path returns; what it does
     not take (None) is left to that path. Also with unknown fields of every kind (nested maps, binary,
     text), long runs of removals, truncated and corrupted payloads. It takes every batch of the plain shape."""
-    from bridge import vllm_events
+    from cache_indexer.bridge import vllm_events
     needs_native(vllm_events._native is not None, "the bridge's C decoder of vLLM batches")
     if isinstance(batch[1], list):
         for event, extra in zip(batch[1], extras):
@@ -295,7 +295,7 @@ def test_the_c_decoder_takes_a_real_traces_batch_of_hundreds_of_removals():
     block, as vLLM publishes them) and a store of 700 blocks with their token ids."""
     import random
 
-    from bridge import vllm_events
+    from cache_indexer.bridge import vllm_events
     needs_native(vllm_events._native is not None, "the bridge's C decoder of vLLM batches")
     r = random.Random(3)
     events = [{"type": "BlockRemoved", "block_hashes": [r.getrandbits(64)], "medium": "GPU"} for _ in range(520)]
@@ -310,7 +310,7 @@ def test_the_c_decoder_takes_a_real_traces_batch_of_hundreds_of_removals():
 
 def test_the_fast_path_takes_the_engines_payloads():
     """The shapes vLLM >= 0.24 sends (and the fake engines) do take the fast path."""
-    from bridge.vllm_events import decode_current
+    from cache_indexer.bridge.vllm_events import decode_current
 
     current = [p for p in sorted(EVENTS.glob("*.bin")) if msgpack.unpackb(p.read_bytes())[1]
                and all(isinstance(e, dict) for e in msgpack.unpackb(p.read_bytes())[1])]
@@ -323,7 +323,7 @@ def test_a_due_blockkey_check_puts_only_batches_that_can_hold_a_probe_on_the_ref
     """Issue 37: a check stays due until a parentless GPU store comes; with want_probe every batch went
     through the tolerant reference decoder (per-hash Python), and on a real fleet, where stores have
     parents (a cached system prompt first), every batch of every pod did, for good."""
-    import bridge.vllm_events as ve
+    import cache_indexer.bridge.vllm_events as ve
     from cache_indexer.simulate.vllm_engine import batch_payload, removed, stored
 
     calls = []
@@ -348,7 +348,7 @@ def test_an_unknown_field_nested_too_deep_is_malformed_not_a_recursion_error(dep
     decoder leaves it (nested past 32 levels), and the reference decides: msgpack-python refuses it too."""
     import msgspec
 
-    from bridge import vllm_events
+    from cache_indexer.bridge import vllm_events
     payload = msgpack.packb([1.5, [{"type": "BlockRemoved", "block_hashes": [1], "x": None}], 0])
     payload = payload.replace(b"\xa1x\xc0", b"\xa1x" + b"\x91" * depth + b"\xc0")
     with pytest.raises(MalformedPayload):
@@ -364,7 +364,7 @@ def test_an_unknown_field_nested_too_deep_is_malformed_not_a_recursion_error(dep
 def test_the_c_decoder_takes_unknown_fields_nested_as_deep_as_its_bound():
     """32 levels of containers inside an unknown field are still the plain shape (vLLM's nest 3 deep at
     most); 33 are left to msgspec, which takes them too: the same answer either way."""
-    from bridge import vllm_events
+    from cache_indexer.bridge import vllm_events
     needs_native(vllm_events._native is not None, "the bridge's C decoder of vLLM batches")
     base = msgpack.packb([1.5, [{"type": "BlockRemoved", "block_hashes": [1], "x": None}], 0])
     for depth, taken in ((32, True), (33, False)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from bridge.zmq_drain import drainer
+from cache_indexer.bridge.zmq_drain import drainer
 from tests.conftest import needs_native
 
 
@@ -54,9 +54,9 @@ def test_the_bulk_receive_gives_what_pyzmq_gives_whole_messages_in_order(pair):
 
 async def test_without_the_bulk_receive_the_bridge_receives_through_pyzmq(nats_url, stream_prefix, monkeypatch):
     """The fallback (no compiler at install, a libzmq that cannot be bound): the same batches indexed."""
-    import bridge.vllm_subscriber as subscriber
+    import cache_indexer.bridge.vllm_subscriber as subscriber
     from cache_indexer.simulate.vllm_engine import stored
-    from schemas.block_hash import BlockHasher
+    from cache_indexer.schemas.block_hash import BlockHasher
     from tests.conftest import make_config, wait_for
     from tests.l1_stack import L1Stack
 
@@ -81,7 +81,7 @@ def test_a_message_that_cannot_be_added_loses_itself_not_the_ones_before_it(pair
     push, pull = pair
     drain = drainer(pull)
     needs_native(drain is not None, "the bridge's bulk ZMQ receive")
-    from bridge import _zmq_drain
+    from cache_indexer.bridge import _zmq_drain
 
     sent = [[b"t", i.to_bytes(8, "big"), b"payload %d" % i] for i in range(6)]
     for m in sent:

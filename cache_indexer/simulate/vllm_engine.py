@@ -127,7 +127,7 @@ class VllmPublisher:
             await self.router.send_multipart([client, b"", *end])
 
     def endpoint(self, pod: str | None = None, rank: int = 0):
-        from bridge.endpoint import Endpoint
+        from cache_indexer.bridge.endpoint import Endpoint
 
         return Endpoint(pod=pod or self.host, rank=rank, pub=f"tcp://{self.host}:{self.pub_port}",
                         replay=f"tcp://{self.host}:{self.replay_port}" if self.router is not None else None)

@@ -32,8 +32,8 @@ import yaml
 
 from cache_indexer import runtime_file
 from cache_indexer.simulate.vllm_engine import VllmPublisher, batch_payload, cleared, removed, stored
-from schemas.block_hash import BlockHasher
-from schemas.config import Config
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.schemas.config import Config
 
 log = logging.getLogger(__name__)
 
