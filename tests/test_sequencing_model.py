@@ -343,9 +343,12 @@ class Sequencing(RuleBasedStateMachine):
         e = self.by_key[key]
         checkable = (not fresh and not self._newer_in_flight(key)
                      and (self.checkable_position(key) or key in self.recorded))
-        if not checkable:
+        if not checkable or key in self.restarted:
+            # An engine restarted while unsubscribed is started anew whatever the records say: the catch-up
+            # finds the new process (its batch at the recorded seq is another), a reset of the subscription
+            # (SEQUENCING_SEED=186143725: restarted, bridge killed twice, pod away, purge, back quiet).
             self.fresh_starts += 1
-        elif key not in self.restarted:
+        else:
             self.resumed.add(key)
         seq = self.bridge.subscribe(e)
         self.run(self.bridge.position(key))
