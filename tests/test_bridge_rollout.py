@@ -13,7 +13,7 @@ import time
 import aiohttp
 
 from tests.conftest import ROOT, free_port, http_ready, make_config, metric_value, wait_for
-from tests.test_recovery import write_config
+from tests.test_recovery import stop_all, write_config
 
 
 async def test_a_new_bridge_is_ready_as_standby_and_takes_over_when_the_active_one_stops(nats_url, stream_prefix,
@@ -46,10 +46,7 @@ async def test_a_new_bridge_is_ready_as_standby_and_takes_over_when_the_active_o
             assert procs[0].wait(15) == 0
             print(f"handover after SIGTERM: {took:.2f}s")
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(30)
+        await stop_all(procs, 30)
 
 
 async def _is(value, expected) -> bool:

@@ -135,8 +135,8 @@ async def held(session: aiohttp.ClientSession, port: int, docs: list[list[int]])
         return None
 
 
-async def _shard_owners(url: str, bucket: str) -> tuple[int, dict[str, bytes]]:
-    """(the sharded bridges that are members, shard -> its lease holder)."""
+async def shard_leases(url: str, bucket: str) -> tuple[int, dict[str, str]]:
+    """(the sharded bridges that are members, shard -> the bridge holding its lease, ``host-pid-suffix``)."""
     nc = await nats.connect(url)
     members, owners = 0, {}
     try:
@@ -145,7 +145,7 @@ async def _shard_owners(url: str, bucket: str) -> tuple[int, dict[str, bytes]]:
             members += k.startswith("member.")
             if k.startswith("own."):
                 try:
-                    owners[k] = (await kv.get(k)).value
+                    owners[k[len("own."):]] = (await kv.get(k)).value.decode()
                 except Exception:  # released meanwhile
                     continue
     except Exception:  # no bucket or no keys yet
@@ -161,7 +161,7 @@ async def _shared(url: str, bucket: str, bridges: int, targets: int) -> None:
     through a resume, as any fault's does)."""
     stable, last = 0, None
     for _ in range(120):
-        members, owners = await _shard_owners(url, bucket)
+        members, owners = await shard_leases(url, bucket)
         if members == bridges and len(owners) == targets:
             stable, last = (stable + 1 if owners == last else 1), owners
         else:

@@ -37,6 +37,16 @@ async def until_ratio(stack, pod, expected, tokens=TOKENS, what="", bs=BS, timeo
     async def check():
         return (await stack.ratios([pod], tokens, bs))[0] == expected
     await wait_for(check, timeout, what or f"{pod} ratio {expected}")
+
+
+async def _two_ranks_indexed(stack, timeout=10.0):
+    """POD's DP ranks 0 and 1 subscribed, holding 2 and 6 blocks of CHAIN, both indexed (ratio 0.75)."""
+    r0, r1 = stack.engine(POD, dp_rank=0), stack.engine(POD, dp_rank=1)
+    await stack.connect((r0, POD, 0), (r1, POD, 1))
+    await r0.publish([stored(CHAIN[:2])])
+    await r1.publish([stored(CHAIN[:6])])
+    await until_ratio(stack, POD, 0.75, timeout=timeout)
+    return r0, r1
     return True
 
 
@@ -463,11 +473,7 @@ async def test_a_dp_rank_dropped_while_no_bridge_ran_is_removed_by_the_next_brid
     removes one gone meanwhile like one that leaves while it watches."""
     from cache_indexer.bridge.service import Bridge
 
-    r0, r1 = stack.engine(POD, dp_rank=0), stack.engine(POD, dp_rank=1)
-    await stack.connect((r0, POD, 0), (r1, POD, 1))
-    await r0.publish([stored(CHAIN[:2])])
-    await r1.publish([stored(CHAIN[:6])])
-    await until_ratio(stack, POD, 0.75)
+    r0, _ = await _two_ranks_indexed(stack)
     await wait_for(lambda: stack.bridge.targets_record._endpoints and len(stack.bridge.targets_record._endpoints) == 2,
                    10, "both ranks recorded")
     await stack.bridge.stop()  # no bridge runs while rank 1 is dropped
@@ -486,11 +492,7 @@ async def test_a_removal_lost_with_a_killed_bridge_is_published_by_the_next_one(
     whose removal the stream has not stored yet: the next bridge removes it again."""
     from cache_indexer.bridge.service import Bridge
 
-    r0, r1 = stack.engine(POD, dp_rank=0), stack.engine(POD, dp_rank=1)
-    await stack.connect((r0, POD, 0), (r1, POD, 1))
-    await r0.publish([stored(CHAIN[:2])])
-    await r1.publish([stored(CHAIN[:6])])
-    await until_ratio(stack, POD, 0.75)
+    r0, _ = await _two_ranks_indexed(stack)
     await wait_for(lambda: stack.bridge.targets_record._endpoints and len(stack.bridge.targets_record._endpoints) == 2,
                    10, "both ranks recorded")
     publish = stack.bridge.publisher.publish
@@ -521,11 +523,7 @@ async def test_a_pod_back_with_fewer_ranks_before_its_sharded_removal_was_stored
                       ingest={"sharded": True, "l1": {"removalGrace": 0.3}})
     stack = await L1Stack(cfg).start()
     try:
-        r0, r1 = stack.engine(POD, dp_rank=0), stack.engine(POD, dp_rank=1)
-        await stack.connect((r0, POD, 0), (r1, POD, 1))
-        await r0.publish([stored(CHAIN[:2])])
-        await r1.publish([stored(CHAIN[:6])])
-        await until_ratio(stack, POD, 0.75, timeout=20)
+        r0, _ = await _two_ranks_indexed(stack, timeout=20)
         removals = stack.bridge.removals
         publish = removals._publish
 

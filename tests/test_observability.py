@@ -10,7 +10,6 @@ import logging
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tomllib
@@ -26,7 +25,7 @@ from cache_indexer.cli import NATIVE_MODULES
 from cache_indexer.infra.log_format import JsonFormatter, TextFormatter
 from cache_indexer.infra.metrics import BRIDGE, INDEXER, SHARED, Metrics
 from tests.conftest import ROOT, free_port, http_ready, make_config, wait_for
-from tests.test_recovery import write_config
+from tests.test_recovery import stop_all, write_config
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}(Z|[+-]\d\d:\d\d)$")
@@ -128,10 +127,7 @@ async def test_a_bridge_and_an_indexer_export_only_their_own_series_and_log_json
         out = subprocess.run([sys.executable, "-c", script, url, "16"], capture_output=True, text=True, timeout=90)
         assert out.returncode == 0 and f"POST {url}: 200" in out.stdout, out
     finally:
-        for proc in procs.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            proc.wait(30)
+        await stop_all(procs.values(), 30)
     for name in ports:
         lines = [json.loads(line) for line in logs[name].read_text().splitlines()]
         assert lines and all(RFC3339_MS.match(line["ts"]) for line in lines), name

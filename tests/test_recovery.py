@@ -55,6 +55,16 @@ def spawn(*args: str) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+async def stop_all(procs, timeout: float = 20) -> None:
+    """SIGTERM every spawned process still running, then wait for each (off the loop; a process that
+    does not stop within ``timeout`` fails the test)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        await asyncio.to_thread(p.wait, timeout)
+
+
 async def answers(session: aiohttp.ClientSession) -> list:
     out = []
     for doc in DOCS:

@@ -21,7 +21,7 @@ import nats
 from cache_indexer.replica import Replica
 from tests.conftest import free_port, make_config, metric_value, wait_for
 from tests.test_chaos_soak import CHAINS, Engine, answers
-from tests.test_recovery import spawn, write_config
+from tests.test_recovery import spawn, stop_all, write_config
 
 PODS = [f"127.0.0.{91 + i}" for i in range(12)]
 
@@ -103,11 +103,7 @@ async def test_three_sharded_bridges_share_12_engines_and_survive_a_sigkill_mid_
             assert len(seq) == len(set(seq)), f"{pod} was published by a bridge that had handed it over: {seq}"
         assert len({b for seq in runs.values() for b in seq}) == 3, "every bridge published for its share"
     finally:
-        for b in bridges:
-            if b.poll() is None:
-                b.send_signal(signal.SIGTERM)
-        for b in bridges:
-            await asyncio.to_thread(b.wait, 20)
+        await stop_all(bridges)
         for r in replicas:
             await r.stop()
         for e in engines:

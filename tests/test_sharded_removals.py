@@ -26,9 +26,9 @@ from nats.js.errors import NotFoundError
 from cache_indexer.replica import Replica
 from cache_indexer.infra.streams import subject_token
 from tests.conftest import free_port, make_config, metric_value, wait_for
-from tests.test_chaos_soak import CHAINS, Engine, answers
+from tests.test_chaos_soak import CHAINS, Engine, answers, shard_leases
 from tests.test_mooncake import FakeMaster, key, l3_held
-from tests.test_recovery import spawn, write_config
+from tests.test_recovery import spawn, stop_all, write_config
 
 PODS = [f"127.0.0.{111 + i}" for i in range(8)]
 MASTERS = [f"m{i}" for i in range(8)]
@@ -46,25 +46,9 @@ def _targets(engines: list[Engine], masters: dict[str, FakeMaster]) -> str:
 
 
 async def _leases(nats_url: str, bucket: str) -> tuple[int, dict[str, int]]:
-    """(the bridges that are members, shard lease -> the pid of the bridge holding it); holders are
-    ``host-pid-suffix``."""
-    nc = await nats.connect(nats_url)
-    members, owners = 0, {}
-    try:
-        kv = await nc.jetstream().key_value(bucket)
-        for k in await kv.keys():
-            members += k.startswith("member.")
-            if k.startswith("own."):
-                try:
-                    entry = await kv.get(k)
-                except Exception:  # released meanwhile
-                    continue
-                owners[k[len("own."):]] = int(entry.value.decode().rsplit("-", 2)[1])
-    except Exception:  # no keys yet
-        pass
-    finally:
-        await nc.close()
-    return members, owners
+    """(the bridges that are members, shard lease -> the pid of the bridge holding it)."""
+    members, holders = await shard_leases(nats_url, bucket)
+    return members, {shard: int(holder.rsplit("-", 2)[1]) for shard, holder in holders.items()}
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
@@ -150,11 +134,7 @@ async def test_a_pod_and_a_master_removed_while_their_bridge_dies_are_still_remo
                             for i, m in enumerate(MASTERS) if m != master))
         await wait_for(intact, 30, "the other pods and masters exactly as their engines and masters hold")
     finally:
-        for b in bridges:
-            if b.poll() is None:
-                b.send_signal(signal.SIGTERM)
-        for b in bridges:
-            await asyncio.to_thread(b.wait, 20)
+        await stop_all(bridges)
         await replica.stop()
         for e in engines:
             await e.pub.close()
