@@ -47,6 +47,26 @@ async def _two_ranks_indexed(stack, timeout=10.0):
     await r1.publish([stored(CHAIN[:6])])
     await until_ratio(stack, POD, 0.75, timeout=timeout)
     return r0, r1
+
+
+async def _two_ranks_recorded(stack):
+    """``_two_ranks_indexed``, and both ranks in the bridge's targets record; rank 0's engine."""
+    r0, _ = await _two_ranks_indexed(stack)
+    await wait_for(lambda: stack.bridge.targets_record._endpoints and len(stack.bridge.targets_record._endpoints) == 2,
+                   10, "both ranks recorded")
+    return r0
+
+
+async def _next_bridge_keeps_rank_0(stack, r0, what: str) -> None:
+    """A new bridge reads the record and is given POD's rank 0 alone: rank 1 is removed (``what``)."""
+    from cache_indexer.bridge.service import Bridge
+
+    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
+    await stack.bridge.start()
+    await wait_for(lambda: stack.bridge._inherited_pods == {POD}, 10, "the new bridge to lead and read the record")
+    await stack.bridge.set_endpoints([r0.endpoint(POD, 0)])
+    await until_ratio(stack, POD, 0.25, what=what)
+    assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0}
     return True
 
 
@@ -471,18 +491,9 @@ async def test_a_dp_rank_dropped_while_no_bridge_ran_is_removed_by_the_next_brid
     bridge restarted; the new bridge never saw it listed, so it never published its rank_removed, and the
     rank's blocks stayed indexed for ever. The targets record keeps each pod's ranks: the next bridge
     removes one gone meanwhile like one that leaves while it watches."""
-    from cache_indexer.bridge.service import Bridge
-
-    r0, _ = await _two_ranks_indexed(stack)
-    await wait_for(lambda: stack.bridge.targets_record._endpoints and len(stack.bridge.targets_record._endpoints) == 2,
-                   10, "both ranks recorded")
+    r0 = await _two_ranks_recorded(stack)
     await stack.bridge.stop()  # no bridge runs while rank 1 is dropped
-    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
-    await stack.bridge.start()
-    await wait_for(lambda: stack.bridge._inherited_pods == {POD}, 10, "the new bridge to lead and read the record")
-    await stack.bridge.set_endpoints([r0.endpoint(POD, 0)])
-    await until_ratio(stack, POD, 0.25, what="the rank dropped meanwhile removed")
-    assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0}
+    await _next_bridge_keeps_rank_0(stack, r0, "the rank dropped meanwhile removed")
 
 
 async def test_a_removal_lost_with_a_killed_bridge_is_published_by_the_next_one(stack):
@@ -490,11 +501,7 @@ async def test_a_removal_lost_with_a_killed_bridge_is_published_by_the_next_one(
     (lost), the targets record already written without the rank: the next bridge did not know the rank had
     been listed and never removed it; its blocks stayed indexed for ever. The record keeps a rank (or pod)
     whose removal the stream has not stored yet: the next bridge removes it again."""
-    from cache_indexer.bridge.service import Bridge
-
-    r0, _ = await _two_ranks_indexed(stack)
-    await wait_for(lambda: stack.bridge.targets_record._endpoints and len(stack.bridge.targets_record._endpoints) == 2,
-                   10, "both ranks recorded")
+    r0 = await _two_ranks_recorded(stack)
     publish = stack.bridge.publisher.publish
 
     async def removals_lost(subject, data, headers, on_stored=None, on_refused=None):
@@ -505,12 +512,7 @@ async def test_a_removal_lost_with_a_killed_bridge_is_published_by_the_next_one(
     await wait_for(lambda: len(stack.bridge.targets_record._endpoints) == 1, 10, "the record written without rank 1")
     await stack.bridge.stop()
     assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0, 1}, "the removal was lost"
-    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
-    await stack.bridge.start()
-    await wait_for(lambda: stack.bridge._inherited_pods == {POD}, 10, "the new bridge to lead and read the record")
-    await stack.bridge.set_endpoints([r0.endpoint(POD, 0)])
-    await until_ratio(stack, POD, 0.25, what="the rank whose removal was lost removed")
-    assert set(stack.replica.indexer.l1.pod_workers(POD)) == {0}
+    await _next_bridge_keeps_rank_0(stack, r0, "the rank whose removal was lost removed")
 
 
 async def test_a_pod_back_with_fewer_ranks_before_its_sharded_removal_was_stored_loses_the_others(nats_url,
