@@ -52,21 +52,18 @@ def ms(x: float) -> str:
 
 _PORTS_LOW, _PORTS_HIGH = 20000, 32768  # below Linux's ephemeral range (32768-60999): no outgoing connection takes one
 _handed_out: set[int] = set()
-_next_port = [0]
 
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a subprocess that must be told its port: never one handed out
-    before by this process (the kernel's ``bind(0)`` may give the same port twice in a row) and outside the
-    ephemeral range (a client's connection may take one of those before the subprocess binds it)."""
-    import os
+    before by this process (the kernel's ``bind(0)`` may give the same port twice in a row), outside the
+    ephemeral range (a client's connection may take one of those before the subprocess binds it), and drawn
+    at random (another test process on the machine draws from the same range)."""
+    import random
 
-    span = _PORTS_HIGH - _PORTS_LOW
-    if not _next_port[0]:
-        _next_port[0] = _PORTS_LOW + (os.getpid() * 7919) % span
-    for _ in range(span):
-        port = _next_port[0]
-        _next_port[0] = _PORTS_LOW + (port + 1 - _PORTS_LOW) % span
+    draw = random.SystemRandom()
+    for _ in range(1000):
+        port = draw.randrange(_PORTS_LOW, _PORTS_HIGH)
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -76,4 +73,4 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
-    raise RuntimeError(f"no free TCP port left in {_PORTS_LOW}-{_PORTS_HIGH - 1} on 127.0.0.1")
+    raise RuntimeError(f"no free TCP port found in {_PORTS_LOW}-{_PORTS_HIGH - 1} on 127.0.0.1")
