@@ -192,6 +192,10 @@ class L1Publisher:
             # a generation younger than the record's last write (a second): the stream's last message may lie
             # past one that never made it, the record never does. Starting anew loses nothing so young
             return None
+        if best is not None and self.resume is not None and best.gen <= self.resume.retired(pod, rank):
+            log.info("%s rank %d: a removal recorded after generation %d: a new generation", pod, rank, best.gen,
+                     extra={"pod": pod, "rank": rank})
+            return None
         retired = max(self._mark(pod, None), self._mark(pod, rank))
         if best is not None and best.gen < retired:
             log.info("%s rank %d: removed by this bridge after generation %d: a new generation", pod, rank, best.gen,

@@ -23,8 +23,11 @@ start after an upgrade, or a bridge killed before its first write), the stream's
 position, and the engine's buffer up to it is published again (bridge/l1_sequencer.py): a message
 before it may never have been stored, and the acks of the republished ones record the position (an
 idle engine's would otherwise never be written, and the next bridge after a purge would start it anew).
-A record of another incarnation of the stream (one recreated since) is ignored, and a pod's record is
-deleted when its ``pod_removed`` is published.
+A record of another incarnation of the stream (one recreated since) is ignored. A pod's ``pod_removed``
+(or a rank's ``rank_removed``) turns its record into the removal's mark, not a deletion: the generations
+up to it are retired, and a later bridge resumes none of them, also where the stream's last message on
+the worker's subject is one of theirs stored after the removal (a retry) and the removal itself was
+purged since (a snapshot), which the stream alone can no longer tell.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class ResumePoints:
         #: pods whose record was deleted -> the newest generation then: later acks of those are ignored
         self._forgotten: dict[str, int] = {}
         #: likewise per (pod, rank) removed alone (bridge: a rank unregistered, dpRanks shrunk)
-        self._forgotten_ranks: dict[tuple[str, int], int] = {}
+        self._forgotten_ranks: dict[str, dict[int, int]] = {}
         self._task: asyncio.Task | None = None
         #: workers this bridge has recorded at least once: a worker's first position is written at once
         #: (a bridge killed within the interval would otherwise leave it with no record at all, and a purge
@@ -98,7 +101,7 @@ class ResumePoints:
 
     def update(self, pod: str, rank: int, pos: Position) -> None:
         """A position the stream acknowledged (called from the publisher's ack handler)."""
-        if pos.gen <= self._forgotten.get(pod, -1) or pos.gen <= self._forgotten_ranks.get((pod, rank), -1):
+        if pos.gen <= self.retired(pod, rank):
             return  # a late ack of a pod (or rank) since removed
         ranks = self._positions.setdefault(pod, {})
         old = ranks.get(rank)
@@ -128,6 +131,7 @@ class ResumePoints:
             return None
         if not isinstance(record, dict) or record.get("pod") != pod:
             return None
+        self._adopt_retired(pod, record)
         if record.get("stream") != self.stream_id:
             log.info("resume record of %s is of another incarnation of the stream (%s, not %s): not used", pod,
                      record.get("stream"), self.stream_id)
@@ -143,6 +147,25 @@ class ResumePoints:
         self._adopt(pod, positions)
         return positions
 
+    def _adopt_retired(self, pod: str, record: dict) -> None:
+        """The removal marks a record carries (of any incarnation of the stream: a generation is retired
+        whatever stream its messages are on) become this bridge's own."""
+        try:
+            retired = int(record.get("retired", -1))
+            ranks = {int(rank): int(gen) for rank, gen in (record.get("retiredRanks") or {}).items()}
+        except (TypeError, ValueError, AttributeError):
+            return
+        if retired > self._forgotten.get(pod, -1):
+            self._forgotten[pod] = retired
+        for rank, gen in ranks.items():
+            mine = self._forgotten_ranks.setdefault(pod, {})
+            if gen > mine.get(rank, -1):
+                mine[rank] = gen
+
+    def retired(self, pod: str, rank: int) -> int:
+        """The newest generation of the worker a removal retired (-1: none known): never resumed."""
+        return max(self._forgotten.get(pod, -1), self._forgotten_ranks.get(pod, {}).get(rank, -1))
+
     def own(self, pod: str, rank: int) -> Position | None:
         """The last position of the worker this bridge saw acked (or adopted from the record), written or not."""
         return self._positions.get(pod, {}).get(rank)
@@ -154,7 +177,7 @@ class ResumePoints:
         forgotten = self._forgotten.get(pod, -1)
         ranks = self._positions.setdefault(pod, {})
         for rank, pos in positions.items():
-            if pos.gen <= max(forgotten, self._forgotten_ranks.get((pod, rank), -1)):
+            if pos.gen <= max(forgotten, self._forgotten_ranks.get(pod, {}).get(rank, -1)):
                 continue
             old = ranks.get(rank)
             if old is None or pos.stream_seq > old.stream_seq:
@@ -168,27 +191,21 @@ class ResumePoints:
         pos = ranks.pop(rank, None)
         self._recorded.discard((pod, rank))
         gen = max(pos.gen if pos is not None else -1, before - 1)
-        self._forgotten_ranks[(pod, rank)] = max(gen, self._forgotten_ranks.get((pod, rank), -1))
-        if ranks:
-            self._dirty.add(pod)
-            await self.write()
-            return
-        self._positions.pop(pod, None)
-        try:
-            await (await self._store()).delete(record_key(pod))
-        except Exception as exc:
-            self._warn("resume record of %s not deleted (%s)", pod, exc)
+        mine = self._forgotten_ranks.setdefault(pod, {})
+        mine[rank] = max(gen, mine.get(rank, -1))
+        if not ranks:
+            self._positions.pop(pod, None)
+        self._dirty.add(pod)
+        await self.write()
 
     async def forget(self, pod: str, before: int = -1) -> None:
-        """The pod left: its record goes, and acks still in flight for it are ignored (as ``forget_rank``)."""
+        """The pod left: its record keeps only the removal's mark, and acks still in flight for it are
+        ignored (as ``forget_rank``)."""
         ranks = self._positions.pop(pod, {})
-        self._dirty.discard(pod)
         self._recorded = {key for key in self._recorded if key[0] != pod}
         self._forgotten[pod] = max([p.gen for p in ranks.values()] + [self._forgotten.get(pod, -1), before - 1])
-        try:
-            await (await self._store()).delete(record_key(pod))
-        except Exception as exc:
-            self._warn("resume record of %s not deleted (%s)", pod, exc)
+        self._dirty.add(pod)
+        await self.write()
 
     async def write(self) -> None:
         """Write the records of the pods whose position moved; what fails stays to be written next time."""
@@ -202,11 +219,16 @@ class ResumePoints:
             self._warn("resume records not written (%s)", exc)
             return
         for pod in pods:
-            ranks = self._positions.get(pod)
-            if not ranks:
+            ranks = self._positions.get(pod) or {}
+            record = {"pod": pod, "stream": self.stream_id, "ranks": {
+                rank: [p.gen, p.seq, p.epoch, p.ts, p.stream_seq] for rank, p in ranks.items()}}
+            if pod in self._forgotten:
+                record["retired"] = self._forgotten[pod]
+            if self._forgotten_ranks.get(pod):
+                record["retiredRanks"] = dict(self._forgotten_ranks[pod])
+            if not ranks and len(record) == 3:
                 continue
-            value = msgpack.packb({"pod": pod, "stream": self.stream_id, "ranks": {
-                rank: [p.gen, p.seq, p.epoch, p.ts, p.stream_seq] for rank, p in ranks.items()}})
+            value = msgpack.packb(record)
             try:
                 await kv.put(record_key(pod), value)
             except Exception as exc:

@@ -525,7 +525,8 @@ class Sequencing(RuleBasedStateMachine):
         old = self.bridge
         self.bridge = Bridge(self.stream, self.kv, old.max_batches)
         for key, seq in old.seqs.items():  # judged from the model's own KV and stream, not the code's
-            if seq.gen is not None and not self.checkable_position(key) and key not in self.recorded:
+            if seq.gen is not None and not self.checkable_position(key) and (
+                    key not in self.recorded or self._removal_after_record(key)):
                 self.fresh_starts += 1
         keys = [e.key for e in self.engines if self.subscribed(e.key)]
         self.resumed = {key for key in keys if (self.checkable_position(key) or key in self.recorded)
@@ -546,9 +547,14 @@ class Sequencing(RuleBasedStateMachine):
         buffer), and neither the pod nor the rank was removed after it."""
         pod, rank = key
         last = self._last(l1_subject(PREFIX, pod, rank))
-        record = self.kv.data.get(record_key(pod))
-        row = msgpack.unpackb(record, strict_map_key=False)["ranks"].get(rank) if record else None
+        record = msgpack.unpackb(self.kv.data[record_key(pod)], strict_map_key=False) \
+            if self.kv.data.get(record_key(pod)) else {}
+        row = (record.get("ranks") or {}).get(rank)
+        # a removal's mark the record keeps (bridge/resume_points.py): what it retired is never resumed
+        tomb = max(record.get("retired", -1), (record.get("retiredRanks") or {}).get(rank, -1))
         if last is not None and last.headers["Kv-Type"] == "rank_removed":
+            return False
+        if (row[0] if row is not None else int(last.headers["Kv-Gen"]) if last is not None else -1) <= tomb:
             return False
         removal = self._last(l1_lifecycle_subject(PREFIX, pod))  # it retired generations before its mark
         retired, removed_at = (int(removal.headers["Kv-Gen"]), removal.seq) if removal is not None else (-1, -1)
@@ -558,6 +564,17 @@ class Sequencing(RuleBasedStateMachine):
             return row[3] is not None and row[0] >= retired and row[4] > removed_at
         return (last is not None and last.headers["Kv-Type"] == "batch"
                 and int(last.headers["Kv-Gen"]) >= retired and last.seq > removed_at)
+
+    def _removal_after_record(self, key: tuple[str, int]) -> bool:
+        """Whether the stream stored the pod's last removal after the message the worker's record names: a
+        removal re-sent late, or one that retired a newer generation than its own mark shows, looks the
+        same from the stream, so the bridge starts anew (SEQUENCING_SEED=1843694871: a pod back while its
+        removal was in flight, a batch of its new generation stored before the removal)."""
+        pod, rank = key
+        record = self.kv.data.get(record_key(pod))
+        row = msgpack.unpackb(record, strict_map_key=False)["ranks"].get(rank) if record else None
+        removal = self._last(l1_lifecycle_subject(PREFIX, pod))
+        return row is not None and removal is not None and removal.seq > row[4]
 
     def _newer_in_flight(self, key: tuple[str, int]) -> bool:
         """Whether a generation of the worker newer than any the record or the stream shows is in flight
@@ -930,5 +947,52 @@ def test_a_pod_that_flaps_before_its_first_record_write_resumes_its_newest_gener
         m.pod_leaves(0)
         m.pod_returns(0, "quiet")  # no record written yet
         quiet()
+    finally:
+        m.loop.close()
+
+
+def test_a_late_batch_of_a_removed_pod_is_not_resumed_when_its_bridge_died_and_the_removal_was_purged():
+    """The sequencing model (CI, SEQUENCING_SEED=1843694871): a pod's batch in flight when it left, its
+    removal stored, the batch stored after it (a retry) while the bridge that could have published the
+    removal again (it watches for such late acks) was killed; a snapshot then purged the removal. The next
+    bridge saw only the retired generation's batch as the subject's last message and resumed it, and the
+    indexers dropped every later batch of the pod as stale: its rank stayed empty until the engine
+    restarted. The removal's mark now stays in the pod's resume record instead of a deletion."""
+    m = Sequencing()
+    try:
+        m.engine_publishes(i=1, kind="store", live=True, n=1, twice=False)
+        m.pod_leaves(p=1)
+        m.grace_ends(p=0)
+        m.stored_late(dup=False, k=0)  # the reset; then the removal; the batch when the bridge dies
+        m.stored_late(dup=False, k=1)
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=False)
+        m.snapshot_and_purge(keep=1)
+        m.pod_returns(contact="quiet", p=0)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_a_removal_stored_after_the_recorded_position_is_a_fresh_start_the_model_allows():
+    """The sequencing model (CI, SEQUENCING_SEED=1843694871): a pod back while its removal was in flight,
+    a batch of its new generation stored before the removal, an upgrade resuming from the stream, then a
+    replacement: the record's position lies before the removal on the stream, which is also what a
+    removal re-sent late looks like, so the bridge starts anew. The model counted that as a bridge
+    starting over where it could resume."""
+    m = Sequencing()
+    try:
+        for _ in range(7):
+            m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.pod_leaves(p=1)
+        m.grace_ends(p=0)
+        m.engine_restarts(i=0)
+        m.engine_bursts(count=2, i=1)
+        m.pod_returns(contact="quiet", p=0)
+        m.stored_late(dup=False, k=4)
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=True)
+        m.engine_restarts(i=0)
+        m.engine_bursts(count=2, i=0)
+        m.bridge_replaced(graceful=True, records_first=False, upgrade=False)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
     finally:
         m.loop.close()
