@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 #: seconds between a consumer's idle heartbeats (two missed: the consumer is made again)
 HEARTBEAT = 2.0
+#: seconds between two looks at the streams (two JetStream requests): the lag gauges, a stream deleted
+#: or recreated (every 2 s before: 1 request a second from every replica, idle or not)
+TRACK_EVERY = 5.0
 _UTC = datetime.timezone.utc
 
 
@@ -98,6 +101,10 @@ class Indexer:
         self._l1_stream_id = self._l3_stream_id = ""
         #: the loop's turns while stream messages are applied one after the other (L1 and L3 alike)
         self._turns = LoopTurns()
+        #: set when ``snapshot.everyMessages`` were applied since the last snapshot (the snapshot loop sleeps)
+        self._snapshot_wake = asyncio.Event()
+        self._every_messages = cfg.snapshot.everyMessages
+        self._wake_on_message = False  # the snapshot interval is over: the next message applied is due
         #: the per-message counters' children, looked up once
         self._applied_l1 = self.metrics.ingest_applied.labels(self._stream)
         self._applied_l3 = self.metrics.ingest_applied.labels(cfg.nats.l3Stream.name)
@@ -266,6 +273,8 @@ class Indexer:
             self.metrics.ingest_lost_gaps.inc(state.stats.lost_gaps - lost)
         self.applied_seq = seq
         self._applied_l1.inc()
+        if self._wake_on_message or seq - self._last_snapshot_seq >= self._every_messages:
+            self._snapshot_wake.set()
         if not self.ready.is_set():
             self._check_ready()
         await self._turns.done()  # a backlog is applied in turns: queries are answered between them
@@ -377,21 +386,49 @@ class Indexer:
         self.metrics.snapshot_writes.inc()
         return True
 
-    async def _snapshot_loop(self) -> None:
+    def _snapshot_due(self) -> bool:
         snap = self.cfg.snapshot
+        return self.applied_seq - self._last_snapshot_seq >= snap.everyMessages or (
+            self.applied_seq > self._last_snapshot_seq and time.monotonic() - self._last_snapshot_time >= snap.interval)
+
+    async def _snapshot_loop(self) -> None:
+        """Sleeps until a snapshot may be due: ``snapshot.interval`` after the last one, or as soon as
+        ``everyMessages`` were applied (``_on_msg`` wakes it); a replica without the lease sleeps until the
+        lease changes hands; a try that wrote nothing (a read-back in progress, not ready) is made again a
+        second later. (A poll every second woke every replica, leader or not, for nothing.)"""
+        lease, retry = self.lease, False
         while True:
-            await asyncio.sleep(min(1.0, snap.interval))
-            if not (self.lease and self.lease.is_leader and self.ready.is_set()):
+            if not lease.is_leader:
+                lease.changed.clear()  # (this loop is the only reader of the replica's own lease's changes)
+                if not lease.is_leader:
+                    await lease.changed.wait()
                 continue
-            due = self.applied_seq - self._last_snapshot_seq >= snap.everyMessages or (
-                self.applied_seq > self._last_snapshot_seq and time.monotonic() - self._last_snapshot_time >= snap.interval)
-            if due:
+            if retry:
+                await asyncio.sleep(1.0)
+            elif not self._snapshot_due():
+                left = self.cfg.snapshot.interval - (time.monotonic() - self._last_snapshot_time)
+                if not self.ready.is_set():
+                    timeout = 1.0
+                elif left > 0:
+                    timeout = left
+                else:  # the interval is over and nothing came since the last snapshot: the next message is due
+                    timeout, self._wake_on_message = None, True
+                self._snapshot_wake.clear()
                 try:
-                    await self.snapshot_now()
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("snapshot failed")
+                    await asyncio.wait_for(self._snapshot_wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+                self._wake_on_message = False
+            if not (lease.is_leader and self.ready.is_set() and self._snapshot_due()):
+                retry = lease.is_leader and self._snapshot_due()  # due, not ready: in a second
+                continue
+            try:
+                retry = not await self.snapshot_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                retry = True
+                log.exception("snapshot failed")
 
     # -- observability ------------------------------------------------------------------------------
     async def _track_lag(self) -> None:
@@ -412,7 +449,7 @@ class Indexer:
             except Exception as exc:
                 log.debug("stream info: %s", exc)
             self.update_gauges()
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(TRACK_EVERY)
 
     async def _stream_as_followed(self, tier: str, followed_id: str):
         """The stream's info, or None when it is not the stream this replica follows any more: deleted
