@@ -201,3 +201,19 @@ async def test_an_idle_replica_wakes_up_for_few_timers(nats_url, stream_prefix, 
         assert len(timers) <= 4 * 5, timers
     finally:
         await replica.stop()
+
+
+def test_the_stored_time_is_the_one_nats_py_metadata_gave():
+    """Replicas judge plausibility and stream time by when JetStream stored a message: a replica of this
+    version (the reply subject read here) and one of an older version (nats-py's metadata, through a
+    datetime) must get the same nanoseconds."""
+    from nats.aio.msg import Msg
+
+    from cache_indexer.indexer.service import _stored_ns
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        ts = rng.randrange(1_600_000_000 * 10**9, 1_900_000_000 * 10**9)
+        reply = f"$JS.ACK.S.C.1.5.6.{ts}.0"
+        old = int(Msg(None, subject="x", reply=reply, data=b"").metadata.timestamp.timestamp() * 1e9)
+        assert _stored_ns(ack_fields(reply)[2]) == old
