@@ -151,7 +151,7 @@ class Bridge:
                               on_refused=self._l3_refused, codec=codec(nats.l3Stream.encoding))
         self.targets_record = TargetsRecord(js, records_bucket(self.cfg), self.cfg.nats.replicas)
         self.registrations = RegistrationStore(js, records_bucket(self.cfg), self.cfg.nats.replicas,
-                                               on_error=self.metrics.registration_errors.inc)
+                                               on_error=self.metrics.registration_errors.inc, nc=nc)
         if self.cfg.ingest.sharded:
             ttl = self.cfg.nats.lease.ttl
             self.shards = ShardLeases(js, self.cfg.nats.lease.bucket, holder, ttl, self.cfg.nats.replicas,

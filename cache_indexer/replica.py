@@ -37,7 +37,7 @@ class Replica:
         bucket, replicas = records_bucket(self.cfg), self.cfg.nats.replicas
         self._records = RecordsKv(self.indexer.js, bucket, replicas)
         self.registrations = RegistrationStore(self.indexer.js, bucket, replicas,
-                                               on_error=self.metrics.registration_errors.inc)
+                                               on_error=self.metrics.registration_errors.inc, nc=self.indexer.nc)
         self.registrations.follow()
 
     async def stop(self) -> None:

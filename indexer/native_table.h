@@ -374,26 +374,39 @@ static long long nt_store(nt_table *t, uint32_t wid, const uint64_t *hs, size_t 
     return added;
 }
 
-/* Drops what the worker's array lists but no longer holds, and repeats: each hash held stays once. */
+/* Drops what the worker's array lists but no longer holds, and repeats: each hash held stays once. The
+ * bit of each hash kept goes off at its first sight (so a repeat is dropped) and back on after: through
+ * the slots found the first time (nothing moves meanwhile), not a second lookup of each key, where the
+ * memory for their addresses can be had. */
 static void nt_compact(nt_table *t, uint32_t wid) {
     nt_worker *w = &t->workers[wid];
     nt_chunk *ch = nt_chunk_of(t, wid);
     uint64_t bit = 1ULL << (wid & 63);
+    nt_slot **found = malloc((w->len ? w->len : 1) * sizeof *found); /* NULL: looked up again */
+    int zero = 0;
     size_t j = 0;
     for (size_t i = 0; i < w->len; i++) { /* the bit goes off at its first sight, so a repeat is dropped */
+        if (i + NT_PF_AHEAD < w->len) nt_prefetch_key(ch, w->hashes[i + NT_PF_AHEAD]);
         uint64_t h = w->hashes[i];
         if (!h) {
-            if (ch->has_zero && ch->zero_mask & bit) { w->hashes[j++] = h; ch->zero_mask &= ~bit; }
+            if (ch->has_zero && ch->zero_mask & bit) { w->hashes[j++] = h; ch->zero_mask &= ~bit; zero = 1; }
             continue;
         }
         nt_slot *s = nt_find(nt_seg_of(ch, h), h);
-        if (s && s->mask & bit) { w->hashes[j++] = h; s->mask &= ~bit; } /* the slot stays while its key does */
+        if (s && s->mask & bit) {
+            if (found) found[j] = s;
+            w->hashes[j++] = h;
+            s->mask &= ~bit; /* the slot stays while its key does */
+        }
     }
-    for (size_t i = 0; i < j; i++) { /* and back on */
+    if (zero) ch->zero_mask |= bit; /* and back on */
+    for (size_t i = 0; i < j; i++) {
         uint64_t h = w->hashes[i];
-        if (!h) ch->zero_mask |= bit;
+        if (!h) continue;
+        if (found) found[i]->mask |= bit;
         else nt_find(nt_seg_of(ch, h), h)->mask |= bit;
     }
+    free(found);
     w->len = j;
     if (w->cap > 64 && w->cap > 4 * j) {
         size_t cap = j * 2 > 16 ? j * 2 : 16;

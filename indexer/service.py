@@ -2,7 +2,8 @@
 follows the stream.
 
 - Start: load the snapshot the KV pointer names (if any), then replay from the sequence after it with
-  an ordered push consumer (the fast replay path of nats-py, and no server-side state to clean up).
+  an ordered push consumer (infra/ordered_feed.py: no server-side state to clean up, and no timers
+  but one per stream while idle).
   The replica is ready once it has applied the stream's last sequence as of start.
 - Stream sequences are contiguous (no deletes, no per-subject limits), so any jump means the prefix
   this replica still needed was purged: it reloads from the snapshot. When even the snapshot does not
@@ -20,21 +21,22 @@ follows the stream.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import os
 import socket
 import time
 import uuid
 
-from nats.js import api
 from nats.js.errors import NotFoundError
 
 from cache_indexer.infra.event_codec import decode
 from cache_indexer.infra.lease import Lease
 from cache_indexer.infra.loop_turns import LoopTurns
 from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.ordered_feed import OrderedFeed
 from cache_indexer.infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
-                           stream_id, unsubscribe_quietly)
+                           stream_id)
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.indexer.l1_state import ImplausibleMessage, L1State, early_window
 from cache_indexer.indexer.l3_state import L3State
@@ -45,9 +47,19 @@ from cache_indexer.schemas.config import Config
 log = logging.getLogger(__name__)
 
 
-def _stored_ns(msg) -> int:
-    """When JetStream stored the message (ns), from its reply subject: what plausibility is judged by."""
-    return int(msg.metadata.timestamp.timestamp() * 1e9)
+#: seconds between a consumer's idle heartbeats (two missed: the consumer is made again)
+HEARTBEAT = 2.0
+#: seconds between two looks at the streams (two JetStream requests): the lag gauges, a stream deleted
+#: or recreated (every 2 s before: 1 request a second from every replica, idle or not)
+TRACK_EVERY = 5.0
+_UTC = datetime.timezone.utc
+
+
+def _stored_ns(ts_ns: int) -> int:
+    """When JetStream stored the message (ns), what plausibility and stream time are judged by: the stored
+    time of its reply subject rounded as nats-py's metadata rounded it (to the microsecond, through a
+    datetime), so replicas of this version and of older ones decide alike."""
+    return int(datetime.datetime.fromtimestamp(ts_ns / 1e9, _UTC).timestamp() * 1e9)
 
 
 class Indexer:
@@ -61,10 +73,11 @@ class Indexer:
         self.l3 = L3State()
         self.l3_applied_seq = 0
         self.l3_target_seq = 0
-        self._l3_sub = None
         self.nc = None
         self.js = None
-        self._sub = None
+        #: the ordered consumers of the L1 and L3 streams (made once connected)
+        self._feed: OrderedFeed | None = None
+        self._l3_feed: OrderedFeed | None = None
         self.applied_seq = 0
         self.target_seq = 0
         self.ready = asyncio.Event()
@@ -88,6 +101,13 @@ class Indexer:
         self._l1_stream_id = self._l3_stream_id = ""
         #: the loop's turns while stream messages are applied one after the other (L1 and L3 alike)
         self._turns = LoopTurns()
+        #: set when ``snapshot.everyMessages`` were applied since the last snapshot (the snapshot loop sleeps)
+        self._snapshot_wake = asyncio.Event()
+        self._every_messages = cfg.snapshot.everyMessages
+        self._wake_on_message = False  # the snapshot interval is over: the next message applied is due
+        #: the per-message counters' children, looked up once
+        self._applied_l1 = self.metrics.ingest_applied.labels(self._stream)
+        self._applied_l3 = self.metrics.ingest_applied.labels(cfg.nats.l3Stream.name)
 
     def is_ready(self) -> bool:
         """Caught up with the streams at start-up, and connected to NATS (or not for long: a short
@@ -110,11 +130,22 @@ class Indexer:
         if self._disconnected_since is not None:
             log.warning("NATS connection back after %.1fs", time.monotonic() - self._disconnected_since)
         self._disconnected_since = None
+        for feed in (self._feed, self._l3_feed):
+            if feed is not None:
+                feed.reconnected()
+
+    def _new_feed(self, stream: str, prefix: str, handler) -> OrderedFeed:
+        restarts, errors = self.metrics.ingest_consumer_restarts, self.metrics.ingest_consumer_errors.labels(stream)
+        return OrderedFeed(self.nc, self.js, stream, f"{prefix}.>", handler, heartbeat=HEARTBEAT,
+                           on_restart=lambda reason: restarts.labels(stream, reason).inc(), on_error=errors.inc)
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-indexer", disconnected_cb=self._on_disconnected,
                                 reconnected_cb=self._on_reconnected)
         self.js = self.nc.jetstream()
+        nats = self.cfg.nats
+        self._feed = self._new_feed(self._stream, nats.l1Stream.subjectPrefix, self._on_msg)
+        self._l3_feed = self._new_feed(nats.l3Stream.name, nats.l3Stream.subjectPrefix, self._on_l3)
         await patiently(lambda: ensure_l1_stream(self.js, self.cfg.nats), "stream set-up")
         snap = self.cfg.snapshot
         if snap.enabled:
@@ -133,8 +164,7 @@ class Indexer:
     # -- rebuild and follow ----------------------------------------------------------------------------
     async def _load_and_follow(self) -> None:
         """(Re)build from the snapshot if it is ahead of us, then follow the stream from there."""
-        await unsubscribe_quietly(self._sub)
-        self._sub = None
+        await self._feed.stop()
         self._l1_stream_id = stream_id(await self.js.stream_info(self._stream))
         if self.snapshots is not None:
             t = time.perf_counter()
@@ -159,28 +189,18 @@ class Indexer:
                       self.applied_seq, first)
         self.target_seq = last if info.state.messages else 0
         self._check_ready()
-        start = self.applied_seq + 1
-        cfg = (api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
-               if self.applied_seq else api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
         self._reloading = False
-        self._sub = await self.js.subscribe(
-            f"{self.cfg.nats.l1Stream.subjectPrefix}.>", stream=self._stream, ordered_consumer=True, cb=self._on_msg,
-            idle_heartbeat=2.0, pending_msgs_limit=-1, pending_bytes_limit=-1, config=cfg)
+        await self._feed.start(self.applied_seq + 1)
 
     async def _follow_l3(self) -> None:
         """L3 is replayed whole: its subjects are compacted by the bridge's rollups, not by snapshots."""
-        await unsubscribe_quietly(self._l3_sub)
-        self._l3_sub = None
+        await self._l3_feed.stop()
         info = await ensure_l3_stream(self.js, self.cfg.nats)
         self._l3_stream_id = stream_id(info)
         self.l3_target_seq = info.state.last_seq if info.state.messages else 0
-        self._l3_sub = await self.js.subscribe(
-            f"{self.cfg.nats.l3Stream.subjectPrefix}.>", stream=self.cfg.nats.l3Stream.name, ordered_consumer=True,
-            cb=self._on_l3, idle_heartbeat=2.0, pending_msgs_limit=-1, pending_bytes_limit=-1,
-            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
+        await self._l3_feed.start(1)
 
-    async def _on_l3(self, msg) -> None:
-        seq = msg.metadata.sequence.stream
+    async def _on_l3(self, seq: int, stored_ns: int, pending: int, msg) -> None:
         if seq <= self.l3_applied_seq:
             return
         try:  # rollups leave gaps on purpose: a full state replaces what it rolled up
@@ -194,7 +214,7 @@ class Indexer:
             self.metrics.ingest_errors.labels(self.cfg.nats.l3Stream.name).inc()
             log.warning("stream %s seq %d: cannot apply message: %s", self.cfg.nats.l3Stream.name, seq, exc)
         self.l3_applied_seq = seq
-        self.metrics.ingest_applied.labels(self.cfg.nats.l3Stream.name).inc()
+        self._applied_l3.inc()
         if not self.ready.is_set():
             self._check_ready()
         await self._turns.done()
@@ -212,12 +232,12 @@ class Indexer:
                 log.exception("reload failed; retrying in 1s")
                 await asyncio.sleep(1.0)
 
-    async def _on_msg(self, msg) -> None:
+    async def _on_msg(self, seq: int, stored_ns: int, pending: int, msg) -> None:
+        """A message of the L1 stream (``OrderedFeed``), in stream order."""
         if not self._ingest_open.is_set():
             await self._ingest_open.wait()  # a snapshot is copying the tables
         if self._reloading or self._stopping:
             return
-        seq = msg.metadata.sequence.stream
         if seq <= self.applied_seq:
             return  # redelivery
         if seq != self.applied_seq + 1:
@@ -232,7 +252,7 @@ class Indexer:
         state = self.l1
         lost = state.stats.lost_gaps
         try:
-            pieces, stored = run_slices(decode(msg.data)), _stored_ns(msg)
+            pieces, stored = run_slices(decode(msg.data)), _stored_ns(stored_ns)
         except Exception as exc:
             pieces, stored = [], None
             self._refused(seq, exc)
@@ -252,7 +272,9 @@ class Indexer:
         if state.stats.lost_gaps != lost:
             self.metrics.ingest_lost_gaps.inc(state.stats.lost_gaps - lost)
         self.applied_seq = seq
-        self.metrics.ingest_applied.labels(self._stream).inc()
+        self._applied_l1.inc()
+        if self._wake_on_message or seq - self._last_snapshot_seq >= self._every_messages:
+            self._snapshot_wake.set()
         if not self.ready.is_set():
             self._check_ready()
         await self._turns.done()  # a backlog is applied in turns: queries are answered between them
@@ -364,21 +386,49 @@ class Indexer:
         self.metrics.snapshot_writes.inc()
         return True
 
-    async def _snapshot_loop(self) -> None:
+    def _snapshot_due(self) -> bool:
         snap = self.cfg.snapshot
+        return self.applied_seq - self._last_snapshot_seq >= snap.everyMessages or (
+            self.applied_seq > self._last_snapshot_seq and time.monotonic() - self._last_snapshot_time >= snap.interval)
+
+    async def _snapshot_loop(self) -> None:
+        """Sleeps until a snapshot may be due: ``snapshot.interval`` after the last one, or as soon as
+        ``everyMessages`` were applied (``_on_msg`` wakes it); a replica without the lease sleeps until the
+        lease changes hands; a try that wrote nothing (a read-back in progress, not ready) is made again a
+        second later. (A poll every second woke every replica, leader or not, for nothing.)"""
+        lease, retry = self.lease, False
         while True:
-            await asyncio.sleep(min(1.0, snap.interval))
-            if not (self.lease and self.lease.is_leader and self.ready.is_set()):
+            if not lease.is_leader:
+                lease.changed.clear()  # (this loop is the only reader of the replica's own lease's changes)
+                if not lease.is_leader:
+                    await lease.changed.wait()
                 continue
-            due = self.applied_seq - self._last_snapshot_seq >= snap.everyMessages or (
-                self.applied_seq > self._last_snapshot_seq and time.monotonic() - self._last_snapshot_time >= snap.interval)
-            if due:
+            if retry:
+                await asyncio.sleep(1.0)
+            elif not self._snapshot_due():
+                left = self.cfg.snapshot.interval - (time.monotonic() - self._last_snapshot_time)
+                if not self.ready.is_set():
+                    timeout = 1.0
+                elif left > 0:
+                    timeout = left
+                else:  # the interval is over and nothing came since the last snapshot: the next message is due
+                    timeout, self._wake_on_message = None, True
+                self._snapshot_wake.clear()
                 try:
-                    await self.snapshot_now()
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("snapshot failed")
+                    await asyncio.wait_for(self._snapshot_wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+                self._wake_on_message = False
+            if not (lease.is_leader and self.ready.is_set() and self._snapshot_due()):
+                retry = lease.is_leader and self._snapshot_due()  # due, not ready: in a second
+                continue
+            try:
+                retry = not await self.snapshot_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                retry = True
+                log.exception("snapshot failed")
 
     # -- observability ------------------------------------------------------------------------------
     async def _track_lag(self) -> None:
@@ -399,7 +449,7 @@ class Indexer:
             except Exception as exc:
                 log.debug("stream info: %s", exc)
             self.update_gauges()
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(TRACK_EVERY)
 
     async def _stream_as_followed(self, tier: str, followed_id: str):
         """The stream's info, or None when it is not the stream this replica follows any more: deleted
@@ -433,7 +483,8 @@ class Indexer:
         await cancel_and_wait(*self._tasks)
         if self.lease is not None:
             await self.lease.stop()
-        for sub in (self._sub, self._l3_sub):
-            await unsubscribe_quietly(sub)
+        for feed in (self._feed, self._l3_feed):
+            if feed is not None:
+                await feed.stop()
         if self.nc:
             await self.nc.close()

@@ -25,7 +25,7 @@ SHARED = frozenset({
 INDEXER = frozenset({
     "http_requests", "http_latency", "hashed_blocks", "best_hit_ratio", "unknown_candidates",
     "registrations_refused", "index_blocks", "index_entries", "index_workers", "ingest_applied", "ingest_errors",
-    "ingest_lost_gaps", "ingest_read_back", "ingest_lag", "ingest_last_seq", "ready", "snapshot_loads",
+    "ingest_lost_gaps", "ingest_read_back", "ingest_consumer_restarts", "ingest_consumer_errors", "ingest_lag", "ingest_last_seq", "ready", "snapshot_loads",
     "snapshot_load_failures", "snapshot_writes", "snapshot_ingest_pause", "stream_reloads", "history_lost",
     "l3_out_of_order", "l3_incomplete_states"})
 #: Exported by bridges only: vLLM subscriptions, Mooncake polls, publishing, the lease.
@@ -101,6 +101,13 @@ class Metrics:
         self.index_entries = Gauge(p + "index_entries", "(block, worker) entries held, by tier.", ["tier"], registry=r)
         self.index_workers = Gauge(p + "index_workers", "(pod, rank) workers with blocks, by tier.", ["tier"], registry=r)
         self.ingest_applied = Counter(p + "ingest_messages_total", "Stream messages applied, by stream.", ["stream"], registry=r)
+        self.ingest_consumer_restarts = Counter(
+            p + "ingest_consumer_restarts_total", "Ordered consumers of a stream made again, by stream and reason: gap (a "
+            "message skipped), heartbeat (none for two intervals: the server restarted, the consumer was deleted), "
+            "reconnect, status (an unexpected status message).", ["stream", "reason"], registry=r)
+        self.ingest_consumer_errors = Counter(
+            p + "ingest_consumer_errors_total", "Failures to make a stream's ordered consumer again or to answer its flow "
+            "control (NATS away): each is tried again.", ["stream"], registry=r)
         self.ingest_errors = Counter(p + "ingest_malformed_messages_total", "Stream messages that could not be applied.",
                                      ["stream"], registry=r)
         self.ingest_lost_gaps = Counter(p + "ingest_lost_gaps_total", "L1 batches declared lost by the indexer (one never "

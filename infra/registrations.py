@@ -4,8 +4,10 @@ replica sees them and they outlive restarts: key ``registration.<instance>.<dp_r
 The API writes (create, so that a second registration of one rank is refused, and delete); active
 bridges follow the keys (``follow``) and subscribe to each registration as to a discovered pod, under
 the instance id where a pod has its address; replicas follow them too (``/workers``, and ``/query``'s
-model filter and block size). A follower that loses its watch starts again from the bucket's values:
-the set it reports is always whole.
+model filter and block size). A follower reads the bucket's values, then every change, through an
+ordered consumer of the bucket's stream (infra/ordered_feed.py: nats-py's KV ``watch`` woke every
+follower four times a second for ever); one that cannot start again from the bucket's values: the set it
+reports is always whole.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from cache_indexer.infra.ordered_feed import OrderedFeed
 from cache_indexer.infra.streams import RecordsKv
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.infra.throttled_log import ThrottledWarning
@@ -35,6 +38,8 @@ MAX_DP_RANK = 1023
 #: How long the bucket's present values may take to come in before the watch is started again (a
 #: watch whose end-of-values marker never comes would leave registrations unread for ever)
 SYNC_TIMEOUT = 10.0
+#: seconds between the follower's heartbeats from the server (two missed: its consumer is made again)
+HEARTBEAT = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +106,9 @@ def registration_key(instance_id: str, dp_rank: int) -> str:
 class RegistrationStore:
     """The registrations in the records bucket: written by the API, followed by bridges and replicas."""
 
-    def __init__(self, js, bucket: str, replicas: int = 1, on_error: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, js, bucket: str, replicas: int = 1, on_error: Callable[[], None] = lambda: None, *,
+                 nc) -> None:
+        self._nc, self._js, self._bucket = nc, js, bucket
         self._kv = RecordsKv(js, bucket, replicas)
         #: what ``follow`` saw last, by key (a follower's view; the API checks it before writing)
         self.current: dict[str, Registration] = {}
@@ -143,47 +150,58 @@ class RegistrationStore:
 
     async def _follow(self, on_change) -> None:
         backoff = 0.5
+        subjects = f"$KV.{self._bucket}."
         while True:
-            watcher = None
+            feed = None
             try:
-                watcher = await (await self._kv()).watch(PREFIX + ">")
+                await self._kv()  # the bucket, created where missing
                 seen: dict[str, Registration] = {}
-                updates = watcher.__aiter__()
-                while (entry := await asyncio.wait_for(updates.__anext__(), SYNC_TIMEOUT)) is not None:
-                    self._take(seen, entry)  # the bucket's values, up to the marker that they are all in
+                synced, changed = asyncio.Event(), asyncio.Event()
+
+                async def take(seq: int, stored_ns: int, pending: int, msg) -> None:
+                    op = (msg.headers or {}).get("KV-Operation", "PUT")
+                    self._take(seen, msg.subject[len(subjects):], op, msg.data)
+                    if not pending:  # the bucket's values are in (and after that: each change)
+                        synced.set()
+                    changed.set()
+                feed = OrderedFeed(self._nc, self._js, f"KV_{self._bucket}", f"{subjects}{PREFIX}>", take,
+                                   heartbeat=HEARTBEAT, last_per_subject=True, on_error=self._on_error)
+                await feed.start()
+                if not feed.pending_at_start:
+                    synced.set()
+                await asyncio.wait_for(synced.wait(), SYNC_TIMEOUT)
                 while True:
+                    changed.clear()
                     self.current = dict(seen)
                     self.synced.set()
                     backoff = 0.5
                     if on_change is not None:
                         await on_change(list(seen.values()))
-                    entry = await updates.__anext__()
-                    if entry is not None:
-                        self._take(seen, entry)
+                    await changed.wait()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the watch is started again; what was known stays meanwhile
+            except Exception as exc:  # followed again from the bucket's values; what was known stays meanwhile
                 self._on_error()
-                self._warn("registrations not followed (%s); again in %.1fs", exc, backoff)
+                self._warn("registrations not followed (%s); again in %.1fs", exc or type(exc).__name__, backoff)
             finally:
-                if watcher is not None:
+                if feed is not None:
                     try:
-                        await watcher.stop()
+                        await feed.stop()
                     except Exception:
                         pass
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
 
-    def _take(self, seen: dict[str, Registration], entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
-            seen.pop(entry.key, None)
+    def _take(self, seen: dict[str, Registration], key: str, operation: str, value: bytes) -> None:
+        if operation in ("DEL", "PURGE") or not value:
+            seen.pop(key, None)
             return
         try:
-            reg = Registration.decode(entry.value)
-            if reg.key != entry.key:
-                raise ValueError(f"stored under {entry.key}, not its own key {reg.key}")
+            reg = Registration.decode(value)
+            if reg.key != key:
+                raise ValueError(f"stored under {key}, not its own key {reg.key}")
         except ValueError as exc:
             self._on_error()
-            log.error("registration %s ignored: %s", entry.key, exc)
+            log.error("registration %s ignored: %s", key, exc)
             return
-        seen[entry.key] = reg
+        seen[key] = reg

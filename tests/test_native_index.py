@@ -126,6 +126,28 @@ def test_churn_keeps_a_workers_list_bounded_and_a_clear_exact():
     assert set(nat.blocks) == {10**9 + i for i in range(1000)}
 
 
+def test_compactions_keep_exactly_what_is_held_with_the_hash_0_and_repeats():
+    """A worker's list is compacted many times over (its removed hashes dropped, a hash stored again
+    after a removal listed once): held hashes, the hash 0 among them, and other workers' bits come out as
+    the pure-Python index has them, and a clear after it drops exactly what is held."""
+    ref, nat, rng = BlockIndex(), NativeBlockIndex(), random.Random(37)
+    pool = [0, *range(1, 120), *(rng.getrandbits(64) for _ in range(80))]
+    for index in (ref, nat):
+        index.store(3, pool[::3])  # another worker shares some of the hashes
+    for _ in range(3000):
+        hs = list(dict.fromkeys(rng.sample(pool, 12)))
+        gone = list(dict.fromkeys(rng.sample(pool, 12)))
+        fresh = [h for h in hs if not ref.blocks.get(h, 0) & 1]  # (no second copies: not what is tested)
+        for index in (ref, nat):
+            index.store(0, fresh)
+            index.remove(0, gone)
+    _same(ref, nat)
+    held = {h for h, m in ref.blocks.items() if m & 1}
+    assert nat.clear(0) == len(held)
+    assert {h for h, m in nat.blocks.items() if m & 1} == set()
+    assert {h for h, m in nat.blocks.items() if m & 8} == set(pool[::3])
+
+
 def test_a_clear_costs_the_workers_own_blocks_not_the_tables():
     """Clearing a worker (pod removal, AllBlocksCleared, a gap) looks at that worker's hashes only: the
     same for a worker of 100 blocks in a table of 1,000 entries and of 200,000, and at most twice what it

@@ -178,8 +178,6 @@ async def test_three_replicas_agree_including_one_that_started_after_compaction(
 
 
 async def test_replica_behind_a_purge_reloads_from_the_snapshot(stack):
-    from nats.js import api
-
     s, engines = stack
     rng = random.Random(11)
     lag = Indexer(s.cfg)
@@ -189,7 +187,7 @@ async def test_replica_behind_a_purge_reloads_from_the_snapshot(stack):
         name = s.cfg.nats.l1Stream.name
         last = await s.settled()
         await lag.wait_applied(last, 20)
-        await lag._sub.unsubscribe()  # this replica stalls ...
+        await lag._feed.stop()  # this replica stalls ...
         written = s.replica.indexer.snapshots_written
         await burst(engines, rng, 60)
         await wait_for(lambda: s.replica.indexer.snapshots_written > written, 30, "a snapshot and a purge")
@@ -197,9 +195,7 @@ async def test_replica_behind_a_purge_reloads_from_the_snapshot(stack):
         assert info.state.first_seq > lag.applied_seq + 1, "what the stalled replica needs next is purged"
         await burst(engines, rng, 10)
         # ... and resumes where it was: its next message is gone, so it reloads from the snapshot
-        lag._sub = await lag.js.subscribe(
-            f"{s.cfg.nats.l1Stream.subjectPrefix}.>", stream=name, ordered_consumer=True, cb=lag._on_msg,
-            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=lag.applied_seq + 1))
+        await lag._feed.start(lag.applied_seq + 1)
         last = await s.settled()
         await lag.wait_applied(last, 20)
         await s.replica.indexer.wait_applied(last, 20)

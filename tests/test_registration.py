@@ -231,7 +231,7 @@ async def test_the_follower_skips_a_bad_value_and_keeps_the_good_ones(nats_url, 
 
     nc = await nats.connect(nats_url)
     errors = []
-    store = RegistrationStore(nc.jetstream(), f"{stream_prefix}-meta", on_error=lambda: errors.append(1))
+    store = RegistrationStore(nc.jetstream(), f"{stream_prefix}-meta", on_error=lambda: errors.append(1), nc=nc)
     try:
         good = Registration("a", 0, "tcp://127.0.0.1:5", None, "m", "default", 4)
         assert await store.create(good)
