@@ -5,7 +5,7 @@ message costs it about what a 1 kB one does): every resume record write, lease r
 is a message the server stores or answers. These tests pin how many there are: a busy worker's resume
 record is written at its first ack and then every ``ingest.l1.resumeInterval`` (it was every second:
 on a trace of 8 engines a third as many writes as event messages), and an idle bridge and replica ask
-about one request a second together. Each takes about 10 s.
+about one request a second together. The first takes about 8 s, the second about 28 s.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ async def test_a_busy_workers_resume_record_is_written_at_its_first_ack_then_eve
 
 async def test_an_idle_bridge_and_replica_ask_about_one_request_a_second(nats_url, stream_prefix):
     """Failed before: 1.6 a second (two stream infos every 2 s, two lease renewals every 3.3 s), now
-    about 1.0 (the stream infos every 5 s); counted by the clients' own publish counters over 10 s."""
+    about 1.0 (the stream infos every 5 s); counted by the clients' own publish counters over 20 s
+    (periods of 3.3 and 5 s: the phase moves the count by a few, 1.2 at most now, 1.4 at least before)."""
     stack = await L1Stack(_config(nats_url, stream_prefix)).start()
     try:
         eng = stack.engine(POD)
@@ -79,8 +80,8 @@ async def test_an_idle_bridge_and_replica_ask_about_one_request_a_second(nats_ur
         clients = [stack.bridge.nc, stack.replica.indexer.nc]
         before = sum(c.stats["out_msgs"] for c in clients)
         t0 = time.monotonic()
-        await asyncio.sleep(10.0)
+        await asyncio.sleep(20.0)
         rate = (sum(c.stats["out_msgs"] for c in clients) - before) / (time.monotonic() - t0)
-        assert rate <= 1.25, f"{rate:.2f} requests a second from an idle bridge and replica"
+        assert rate <= 1.3, f"{rate:.2f} requests a second from an idle bridge and replica"
     finally:
         await stack.stop()
