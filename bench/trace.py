@@ -137,6 +137,11 @@ class Ours:
     def pids(self) -> dict[str, int]:
         return {"bridge": self.procs["bridge"].pid, "indexer": self.procs["indexer"].pid, "nats": self.nats.proc.pid}
 
+    async def nats_counts(self, session: aiohttp.ClientSession) -> dict[str, int]:
+        """nats-server's message and byte counters (/varz): what our processes asked of it, and what it sent."""
+        varz = json.loads(await _get(session, f"http://127.0.0.1:{self.nats.monitor_port}/varz") or "{}")
+        return {k: int(varz.get(k, 0)) for k in ("in_msgs", "out_msgs", "in_bytes", "out_bytes")}
+
     async def published(self, session: aiohttp.ClientSession) -> float:
         text = await _get(session, f"http://127.0.0.1:{self.bridge_port}/metrics")
         return _metric(text, 'cache_indexer_bridge_batches_total{outcome="published"}')
@@ -402,6 +407,7 @@ class Replay:
                 ack_task = asyncio.create_task(self._acks())
                 pids = {**ours.pids(), **({"dynamo": dynamo.proc.pid} if dynamo else {}), "engines": hosts[0].pid}
                 spies = _spy(self.p.get("profile"), f"{self.policy}-{self.speed:g}x", pids)
+                nats0 = await ours.nats_counts(session)
                 cpu0 = {k: _cpu(pid) for k, pid in pids.items()}
                 sys0 = {k: _cpu(pid, True) for k, pid in pids.items()}
                 me0 = os.times()
@@ -418,6 +424,8 @@ class Replay:
                 await asyncio.sleep(1.0)  # the indexer (and Dynamo) apply what is in flight
                 cpu = {k: _cpu(pid) - cpu0[k] for k, pid in pids.items()}
                 self.out["cpu_system"] = {k: _cpu(pid, True) - sys0[k] for k, pid in pids.items()}
+                nats1 = await ours.nats_counts(session)  # (includes the metrics reads of the wait above)
+                self.out["nats_counts"] = {k: nats1[k] - nats0[k] for k in nats0}
                 me = os.times()
                 _unspy(spies)
                 cpu["benchmark"] = me.user + me.system - me0.user - me0.system
@@ -618,8 +626,10 @@ def _run_all(p: dict) -> dict:
             r = Replay(p, policy, speed, requests, block_tokens, use_dynamo)
             res = asyncio.run(r.run())
             runs.append(res)
+            n = res.get("nats_counts", {})
             print(f"trace: {policy} at {speed:g}x: hit {res['hit_rate']:.1%}, agreement {res['agreement']:.2%}, "
-                  f"{res['wall_s']:.0f} s", file=sys.stderr, flush=True)
+                  f"{res['wall_s']:.0f} s; nats-server {n.get('in_msgs', 0):,} messages in, {n.get('out_msgs', 0):,} "
+                  f"out over the replay ({r.msg:,} batches)", file=sys.stderr, flush=True)
     span = requests[-1].at if requests else 0.0
     return {"params": {k: v for k, v in p.items()}, "trace_span_s": span, "trace_requests": len(requests),
             "block_tokens": block_tokens, "runs": runs, "machine": machine()}

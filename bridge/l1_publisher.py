@@ -189,8 +189,9 @@ class L1Publisher:
             # message shows (an older generation's, stored late: a pod back twice before the first write)
             best = own
         elif from_stream is not None and best is not None and from_stream.gen > best.gen:
-            # a generation younger than the record's last write (a second): the stream's last message may lie
-            # past one that never made it, the record never does. Starting anew loses nothing so young
+            # a generation younger than the record's last write (ingest.l1.resumeInterval): the stream's
+            # last message may lie past one that never made it, the record never does. Starting anew loses
+            # nothing so young
             return None
         if best is not None and self.resume is not None and best.gen <= self.resume.retired(pod, rank):
             log.info("%s rank %d: a removal recorded after generation %d: a new generation", pod, rank, best.gen,

@@ -134,7 +134,8 @@ class Bridge:
         js = self.nc.jetstream()
         l1_info = await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
         await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
-        self.resume_points = ResumePoints(js, records_bucket(self.cfg), self.cfg.nats.replicas)
+        self.resume_points = ResumePoints(js, records_bucket(self.cfg), self.cfg.nats.replicas,
+                                          self.cfg.ingest.l1.resumeInterval)
         self.resume_points.stream_id = stream_id(l1_info)
         self.resume_points.start()
         self.publisher = JetStreamPublisher(self.nc, self.metrics, self.cfg.nats.publish.window,

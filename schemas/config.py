@@ -307,6 +307,12 @@ class L1IngestConfig(_Section):
         once.""", ge=1, le=4096, tuning=True)
     coalesceMaxBytes: Size = setting(256 << 10, "... and of at most this many (estimated) bytes of events.",
                                      tuning=True)
+    resumeInterval: Duration = setting(
+        10.0, """How often the bridge writes the resume records of the pods whose position moved (a worker's first
+        position is written at once, and every one at a graceful stop). Each is a write to NATS; a bridge killed
+        in between is followed by one that resumes from the last record and publishes the engine's batches since
+        again from its buffer (deduplicated): keep it well below `nats.l1Stream.duplicateWindow` and the time
+        an engine's replay buffer lasts.""", gt=0, le=60, tuning=True)
 
     @model_validator(mode="after")
     def _batch_fits_budget(self) -> "L1IngestConfig":
