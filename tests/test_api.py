@@ -333,10 +333,11 @@ async def test_a_pod_that_cleared_its_cache_is_known_and_holds_nothing(api):
 
 @pytest.fixture
 def on_the_query_threads(monkeypatch):
-    """Every request answered on the query threads (the loop answers bodies up to INLINE_MAX_BYTES)."""
+    """Every request answered on the query threads (the loop answers those whose worst case fits
+    INLINE_BUDGET)."""
     from cache_indexer.api import app as app_module
 
-    monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", -1)
+    monkeypatch.setattr(app_module, "INLINE_BUDGET", -1)
 
 
 @pytest.mark.parametrize("name", BAD_REQUESTS)
@@ -354,7 +355,7 @@ async def test_answers_on_the_query_threads_equal_those_on_the_loop(api, monkeyp
     for payload in (req(["127.0.1.2", "127.0.1.9", "127.0.1.1", "127.0.1.3"]), req(["127.0.1.4"], salt="tenant-a"),
                     req(["127.0.1.1"], tokens=TOKENS + [1, 2, 3]), req(["127.0.1.1"], tokens=[])):
         on_loop = await post(session, payload)
-        monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", -1)
+        monkeypatch.setattr(app_module, "INLINE_BUDGET", -1)
         on_threads = await post(session, payload)
         monkeypatch.undo()
         assert on_loop == on_threads and on_loop[0] == 200

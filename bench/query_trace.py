@@ -1,0 +1,247 @@
+"""Where the time of one trace-shaped ``/query`` goes, in process (``python -m bench.query_trace``).
+
+The trace benchmark's routing query (bench/trace.py): a conversation-trace prompt (12k tokens on average,
+about 70 kB of JSON) as ``{"token_ids": [...], "model_name": "default"}`` against an L1 index of 8 pods
+holding the chains of the trace's earlier prompts. Timed stage by stage, each the median of many runs:
+the body's decode (the accelerator finds the token array, msgspec reads the rest), the query's
+preparation, the native call (the array's parse, sha256_cbor hashing of the chain, the index walk; the
+parse and the hashing also alone), the answer and its JSON; for reference what stdlib ``json`` would
+take to read the body. Then over loopback HTTP, this process the client of an API served by a child
+process: the round trip with the native call on the event loop and on the query threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+
+from bench.common import free_port, machine, percentile
+from bench.dynamo import NETNS_ENV, dynamo_python
+from bench.trace_engines import pod_host
+from bench.trace_model import Tokens, chain, load_trace
+from cache_indexer.api.tiered_query import answer, decode_query
+from cache_indexer.indexer.hit_rate import NativeQuery, configure_native_query
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.indexer.tier_match import NativeTierQuery
+from cache_indexer.schemas.block_hash import BlockHasher, find_token_ids, parse_token_array
+
+SAMPLE = "tests/data/traces/conversation_trace_sample.jsonl"
+PODS = 8
+
+
+def workload(trace: str, warm: int, queries: int) -> tuple[L1State, list[bytes]]:
+    """The index after ``warm`` requests (each prompt's chain stored on pod i % 8, as round robin would),
+    and the bodies of the ``queries`` requests after them."""
+    reqs, block_tokens = load_trace(trace, warm + queries)
+    tokens_of = Tokens(block_tokens)
+    state = L1State()
+    seqs = [0] * PODS
+    for i, req in enumerate(reqs[:warm]):
+        pod = i % PODS
+        state.apply({"type": "batch", "pod": pod_host(pod), "rank": 0, "gen": 1, "seq": seqs[pod],
+                     "events": [{"kind": "stored", "medium": "GPU", "hashes": chain(tokens_of.prompt(req), 16)}]})
+        seqs[pod] += 1
+    bodies = [f'{{"token_ids":[{",".join(map(str, tokens_of.prompt(r)))}],"model_name":"default"}}'.encode()
+              for r in reqs[warm:]]
+    return state, bodies
+
+
+def _median_us(fn, bodies: list, repeat: int) -> float:
+    out = []
+    for _ in range(repeat):
+        for b in bodies:
+            t = time.perf_counter()
+            fn(b)
+            out.append(time.perf_counter() - t)
+    return statistics.median(out) * 1e6
+
+
+def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]:
+    """Median microseconds of each stage over the bodies."""
+    hasher = BlockHasher("sha256_cbor", "0")
+    l1 = state
+
+    def prepare(body: bytes):
+        _, tj = decode_query(body)
+        return NativeTierQuery.prepare(hasher, tj, 16, "", l1, None)
+    prepared = {b: prepare(b) for b in bodies}
+    outs = {b: prepared[b].native.run() for b in bodies}
+    arrays = {}
+    for b in bodies:
+        _, tj = decode_query(b)
+        from array import array
+        a = array("Q")
+        a.frombytes(parse_token_array(tj))
+        arrays[b] = a
+    pods = [pod_host(i) for i in range(PODS)]
+
+    def hash_only(b: bytes) -> None:  # the chain's digests without the walk: an empty candidate list
+        q = NativeQuery.prepare(hasher, arrays[b], 16, "", pods, (None,))
+        q.run()
+
+    def walk_array(b: bytes) -> None:  # hashing and walk from parsed tokens
+        NativeTierQuery.prepare(hasher, arrays[b], 16, "", l1, None).native.run()
+
+    def respond(b: bytes) -> None:
+        import msgspec
+        msgspec.json.encode(answer(prepared[b].result(outs[b]).only(lambda pod: True), 16))
+    full = L1State()  # every block of every queried prompt held (on pod 0): the walk hashes the whole chain
+    for seq, b in enumerate(bodies):
+        full.apply({"type": "batch", "pod": pods[0], "rank": 0, "gen": 1, "seq": seq,
+                    "events": [{"kind": "stored", "medium": "GPU", "hashes": hasher.event_hashes(arrays[b].tolist(), 16)}]})
+    worst = {}
+
+    def no_memo() -> None:  # a thread's memo is sized when it first queries: a fresh thread, memo off
+        configure_native_query(0)
+        worst["us"] = _median_us(lambda b: NativeTierQuery.prepare(hasher, decode_query(b)[1], 16, "", full,
+                                                                   None).native.run(), bodies, repeat)
+        configure_native_query(8 << 20)
+    t = threading.Thread(target=no_memo)
+    t.start()
+    t.join()
+    return {
+        "body bytes (mean)": sum(map(len, bodies)) / len(bodies),
+        "tokens (mean)": sum(o[0] for o in outs.values()) / len(outs),
+        "find_token_ids": _median_us(lambda b: find_token_ids(b, True), bodies, repeat),
+        "decode_query (find + msgspec envelope)": _median_us(decode_query, bodies, repeat),
+        "stdlib json.loads of the body (reference)": _median_us(json.loads, bodies, max(1, repeat // 4)),
+        "parse_token_array (native)": _median_us(lambda b: parse_token_array(decode_query(b)[1]), bodies, repeat),
+        "NativeTierQuery.prepare": _median_us(lambda b: prepare(b), bodies, repeat),
+        "native: hash only (no candidates)": _median_us(hash_only, bodies, repeat),
+        "native: hash + walk (parsed tokens)": _median_us(walk_array, bodies, repeat),
+        "native: parse + hash + walk (the call)": _median_us(lambda b: prepared[b].native.run(), bodies, repeat),
+        "worst: every block held, no memo (the call)": worst["us"],
+        "answer + msgspec encode": _median_us(respond, bodies, repeat),
+    }
+
+
+def _cpu(pid: int) -> float:
+    """The process's CPU seconds (user + system, all its threads)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _http(port: int, bodies: list[bytes], n: int) -> list[float]:
+    out = []
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+        for i in range(n + 20):
+            body = bodies[i % len(bodies)]
+            t = time.perf_counter()
+            async with session.post("/query", data=body, headers={"Content-Type": "application/json"}) as r:
+                raw = await r.read()
+                assert r.status == 200, raw[:200]
+            if i >= 20:
+                out.append(time.perf_counter() - t)
+    return out
+
+
+def _measure(port: int, pid: int, bodies: list[bytes], n: int) -> tuple[float, float, float]:
+    """(p50 ms, p99 ms, server CPU us a query) of ``n`` sequential round trips, after 50 to warm up."""
+    asyncio.run(_http(port, bodies, 50))
+    cpu0 = _cpu(pid)
+    lat = asyncio.run(_http(port, bodies, n))
+    return statistics.median(lat) * 1e3, percentile(lat, 99) * 1e3, (_cpu(pid) - cpu0) / (n + 20) * 1e6
+
+
+def http(trace: str, warm: int, queries: int, n: int, bodies: list[bytes]) -> dict[str, tuple[float, float, float]]:
+    """Ours with the native call on the query threads, and on the loop; Dynamo's where ``DYNAMO_PYTHON``
+    is set and this runs in a loopback-only network namespace (``--dynamo``): its index empty (one
+    silent worker), so its figure is its HTTP handling and hashing (ours walks a full index)."""
+    out = {}
+    for inline in (0, 1):
+        proc = subprocess.Popen([sys.executable, "-m", "bench.query_trace", "--serve", "--trace", trace,
+                                 "--warm", str(warm), "--queries", str(queries), "--inline", str(inline)],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            port = int(proc.stdout.readline().split()[1])
+            out["ours, inline" if inline else "ours, query threads"] = _measure(port, proc.pid, bodies, n)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    if os.environ.get(NETNS_ENV) == "1" and dynamo_python():
+        port, silent = free_port(), free_port()
+        proc = subprocess.Popen([dynamo_python(), "-m", "dynamo.indexer", "--port", str(port), "--block-size", "16",
+                                 "--workers", f"1=tcp://127.0.0.1:{silent}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            asyncio.run(_up(port))
+            out["Dynamo (empty index)"] = _measure(port, proc.pid, bodies, n)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    return out
+
+
+async def _up(port: int) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(600):
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/workers") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError("Dynamo's indexer did not come up")
+
+
+async def serve(trace: str, warm: int, queries: int, inline: bool) -> None:
+    from cache_indexer.api import app as app_mod
+    from cache_indexer.api.app import HitRateApi
+    from cache_indexer.api.server import HttpServer
+    from cache_indexer.infra.metrics import Metrics
+    from cache_indexer.schemas.config import HttpConfig
+    if inline:
+        app_mod.INLINE_MAX_BYTES = 1 << 30
+    else:
+        app_mod.INLINE_MAX_BYTES = 0
+    state, _ = workload(trace, warm, queries)
+    http_cfg = HttpConfig(host="127.0.0.1", port=0, maxHitRateBodyBytes=16 << 20)
+    api = HitRateApi(http_cfg, BlockHasher("sha256_cbor", "0"), tiers=lambda: (state, None), ready=lambda: True,
+                     metrics=Metrics())
+    server = HttpServer(api.make_app(), http_cfg)
+    await server.start()
+    print(f"PORT {server.port}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=SAMPLE)
+    ap.add_argument("--warm", type=int, default=500, help="requests whose chains the index holds")
+    ap.add_argument("--queries", type=int, default=50, help="the requests after them, queried")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--http", type=int, default=500, help="HTTP round trips a mode (0: none)")
+    ap.add_argument("--dynamo", action="store_true", help="Dynamo's round trip too (DYNAMO_PYTHON; runs the "
+                    "whole benchmark in a loopback-only network namespace: Dynamo listens on every interface)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--inline", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.serve:
+        asyncio.run(serve(a.trace, a.warm, a.queries, bool(a.inline)))
+        return 0
+    if a.dynamo and os.environ.get(NETNS_ENV) != "1":
+        unshare = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
+        return subprocess.call([*unshare, "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable, "-m",
+                                "bench.query_trace", *argv], env={**os.environ, NETNS_ENV: "1"})
+    state, bodies = workload(a.trace, a.warm, a.queries)
+    print(f"# {machine()}; index: {state.index.entries():,} entries on {PODS} pods; {len(bodies)} queries")
+    for k, v in stages(state, bodies, a.repeat).items():
+        print(f"{k:48s} {v:10.1f}" + ("" if "mean" in k else " us"))
+    if a.http:
+        for mode, (p50, p99, cpu) in http(a.trace, a.warm, a.queries, a.http, bodies).items():
+            print(f"HTTP round trip, {mode:22s} p50 {p50:.3f} ms  p99 {p99:.3f} ms; server CPU {cpu:.0f} us a query")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
