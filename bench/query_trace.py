@@ -194,16 +194,16 @@ async def _up(port: int) -> None:
     raise RuntimeError("Dynamo's indexer did not come up")
 
 
-async def serve(trace: str, warm: int, queries: int, inline: bool) -> None:
+async def serve(trace: str, warm: int, queries: int, inline: int) -> None:
     from cache_indexer.api import app as app_mod
     from cache_indexer.api.app import HitRateApi
     from cache_indexer.api.server import HttpServer
     from cache_indexer.infra.metrics import Metrics
     from cache_indexer.schemas.config import HttpConfig
-    if inline:
-        app_mod.INLINE_MAX_BYTES = 1 << 30
-    else:
-        app_mod.INLINE_MAX_BYTES = 0
+    if inline == 0:  # every native call on the query threads
+        app_mod.INLINE_BUDGET = -1
+    elif inline == 1:  # every one on the loop
+        app_mod.INLINE_BUDGET = float("inf")
     state, _ = workload(trace, warm, queries)
     http_cfg = HttpConfig(host="127.0.0.1", port=0, maxHitRateBodyBytes=16 << 20)
     api = HitRateApi(http_cfg, BlockHasher("sha256_cbor", "0"), tiers=lambda: (state, None), ready=lambda: True,
@@ -224,10 +224,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dynamo", action="store_true", help="Dynamo's round trip too (DYNAMO_PYTHON; runs the "
                     "whole benchmark in a loopback-only network namespace: Dynamo listens on every interface)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--inline", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--inline", type=int, default=2, help=argparse.SUPPRESS)  # 0 threads, 1 loop, 2 as configured
     a = ap.parse_args(argv)
     if a.serve:
-        asyncio.run(serve(a.trace, a.warm, a.queries, bool(a.inline)))
+        asyncio.run(serve(a.trace, a.warm, a.queries, a.inline))
         return 0
     if a.dynamo and os.environ.get(NETNS_ENV) != "1":
         unshare = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
