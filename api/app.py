@@ -49,18 +49,20 @@ UNKNOWN_POD_MESSAGE = "no KV-cache events seen for this server"
 #: by load instead does not work: a body that arrived whole is answered without the handler ever yielding,
 #: so the loop never sees the requests queued behind it.)
 INLINE_BUDGET = 0.001
-#: The native call's worst case, measured (bench/query_trace.py's calibration, AMD EPYC 2-core VM): every
-#: token parsed and hashed, at most 3.0 ns a byte of its JSON (one-digit tokens, the most per byte), and
-#: every block hashed and looked up, at most 130 ns a block over its tokens' share (block size 1). With
-#: margin: a 70 kB body of 16-bit tokens at block size 16 is bounded at 0.53 ms, measured 0.19 ms.
+#: The native call's worst case, measured (``python -m bench.query_trace --calibrate``, AMD EPYC 2-core
+#: VM): every token parsed and hashed, up to 3.0 ns a byte of its JSON (one-digit tokens, the most per
+#: byte), and every block hashed and looked up, up to 130 ns a block over its tokens' share (block size 1;
+#: more where the machine is busy). With margin: a 70 kB body of 16-bit tokens at block size 16 is bounded
+#: at 0.6 ms, measured 0.18 ms; at block size 1, 6.0 ms (1.0-1.4 ms measured).
 _NS_PER_BYTE = 3.5
-_NS_PER_BLOCK = 130.0
+_NS_PER_BLOCK = 160.0
 
 
 def inline_cost(size: int, block_size: int) -> float:
     """Seconds the native call of a ``size``-byte body takes at most: its tokens (2 bytes of JSON each at
     least: at most ``size / 2``, so ``size / (2 * block_size)`` blocks) all parsed, hashed and walked."""
     return size * (_NS_PER_BYTE + _NS_PER_BLOCK / (2 * max(1, block_size))) * 1e-9
+
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
     return web.json_response({"status": status, "message": message, "server_score_list": []}, status=status,

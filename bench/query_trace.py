@@ -4,10 +4,13 @@ The trace benchmark's routing query (bench/trace.py): a conversation-trace promp
 about 70 kB of JSON) as ``{"token_ids": [...], "model_name": "default"}`` against an L1 index of 8 pods
 holding the chains of the trace's earlier prompts. Timed stage by stage, each the median of many runs:
 the body's decode (the accelerator finds the token array, msgspec reads the rest), the query's
-preparation, the native call (the array's parse, sha256_cbor hashing of the chain, the index walk; the
-parse and the hashing also alone), the answer and its JSON; for reference what stdlib ``json`` would
+preparation, the native call (the array's parse, sha256_cbor hashing of the chain as far as a candidate
+holds it, the index walk; the parse alone; "memo warm": each body repeated, its digests remembered; the
+worst case: every block held, no memo), the answer and its JSON; for reference what stdlib ``json`` would
 take to read the body. Then over loopback HTTP, this process the client of an API served by a child
-process: the round trip with the native call on the event loop and on the query threads.
+process: the round trip with the native call on the event loop and on the query threads (and Dynamo's,
+``--dynamo``). ``--calibrate``: the native call's worst case per byte of JSON over token widths and block
+sizes, which ``api/app.py``'s ``inline_cost`` bounds.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from bench.dynamo import NETNS_ENV, dynamo_python
 from bench.trace_engines import pod_host
 from bench.trace_model import Tokens, chain, load_trace
 from cache_indexer.api.tiered_query import answer, decode_query
-from cache_indexer.indexer.hit_rate import NativeQuery, configure_native_query
+from cache_indexer.indexer.hit_rate import configure_native_query
 from cache_indexer.indexer.l1_state import L1State
 from cache_indexer.indexer.tier_match import NativeTierQuery
 from cache_indexer.schemas.block_hash import BlockHasher, find_token_ids, parse_token_array
@@ -84,10 +87,6 @@ def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]
         arrays[b] = a
     pods = [pod_host(i) for i in range(PODS)]
 
-    def hash_only(b: bytes) -> None:  # the chain's digests without the walk: an empty candidate list
-        q = NativeQuery.prepare(hasher, arrays[b], 16, "", pods, (None,))
-        q.run()
-
     def walk_array(b: bytes) -> None:  # hashing and walk from parsed tokens
         NativeTierQuery.prepare(hasher, arrays[b], 16, "", l1, None).native.run()
 
@@ -116,9 +115,8 @@ def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]
         "stdlib json.loads of the body (reference)": _median_us(json.loads, bodies, max(1, repeat // 4)),
         "parse_token_array (native)": _median_us(lambda b: parse_token_array(decode_query(b)[1]), bodies, repeat),
         "NativeTierQuery.prepare": _median_us(lambda b: prepare(b), bodies, repeat),
-        "native: hash only (no candidates)": _median_us(hash_only, bodies, repeat),
-        "native: hash + walk (parsed tokens)": _median_us(walk_array, bodies, repeat),
-        "native: parse + hash + walk (the call)": _median_us(lambda b: prepared[b].native.run(), bodies, repeat),
+        "native: hash + walk (parsed tokens, memo warm)": _median_us(walk_array, bodies, repeat),
+        "native: parse + hash + walk (the call, memo warm)": _median_us(lambda b: prepared[b].native.run(), bodies, repeat),
         "worst: every block held, no memo (the call)": worst["us"],
         "answer + msgspec encode": _median_us(respond, bodies, repeat),
     }
@@ -128,6 +126,35 @@ def _cpu(pid: int) -> float:
     """The process's CPU seconds (user + system, all its threads)."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def calibrate(repeat: int) -> list[tuple[str, int, int, float]]:
+    """The native call's worst case (every block held, no memo) for prompts of one-digit, 16-bit and
+    32-bit token ids at block sizes 1 to 256: (tokens, block size, body bytes, seconds)."""
+    import random
+
+    from cache_indexer.api.app import inline_cost
+    hasher, rng, out = BlockHasher("sha256_cbor", "0"), random.Random(1), []
+    prompts = {"1-digit": [rng.randrange(10) for _ in range(30_000)],
+               "16-bit": [rng.randrange(1 << 16) for _ in range(12_000)],
+               "32-bit": [rng.randrange(1 << 32) for _ in range(8_000)]}
+
+    def run() -> None:
+        configure_native_query(0)
+        for name, tokens in prompts.items():
+            body = ('{"token_ids":[' + ",".join(map(str, tokens)) + '],"model_name":"m"}').encode()
+            for bs in (1, 4, 16, 64, 256):
+                state = L1State()
+                state.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0, "events": [
+                    {"kind": "stored", "medium": "GPU", "hashes": hasher.event_hashes(tokens, bs)}]})
+                took = _median_us(lambda b: NativeTierQuery.prepare(hasher, decode_query(b)[1], bs, "", state,
+                                                                    None).native.run(), [body], repeat) / 1e6
+                out.append((name, bs, len(body), took, inline_cost(len(body), bs)))
+    t = threading.Thread(target=run)  # a fresh thread: its memo sized (off) when it first queries
+    t.start()
+    t.join()
+    configure_native_query(8 << 20)
+    return out
 
 
 async def _http(port: int, bodies: list[bytes], n: int) -> list[float]:
@@ -223,6 +250,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--http", type=int, default=500, help="HTTP round trips a mode (0: none)")
     ap.add_argument("--dynamo", action="store_true", help="Dynamo's round trip too (DYNAMO_PYTHON; runs the "
                     "whole benchmark in a loopback-only network namespace: Dynamo listens on every interface)")
+    ap.add_argument("--calibrate", action="store_true", help="the native call's worst case against inline_cost")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--inline", type=int, default=2, help=argparse.SUPPRESS)  # 0 threads, 1 loop, 2 as configured
     a = ap.parse_args(argv)
@@ -233,6 +261,11 @@ def main(argv: list[str]) -> int:
         unshare = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
         return subprocess.call([*unshare, "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable, "-m",
                                 "bench.query_trace", *argv], env={**os.environ, NETNS_ENV: "1"})
+    if a.calibrate:
+        for name, bs, size, took, bound in calibrate(a.repeat):
+            print(f"{name:8s} block size {bs:4d}: {size:7,d} bytes, worst {took * 1e6:8.1f} us "
+                  f"({took * 1e9 / size:5.2f} ns a byte), inline_cost {bound * 1e6:8.1f} us")
+        return 0
     state, bodies = workload(a.trace, a.warm, a.queries)
     print(f"# {machine()}; index: {state.index.entries():,} entries on {PODS} pods; {len(bodies)} queries")
     for k, v in stages(state, bodies, a.repeat).items():
