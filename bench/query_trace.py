@@ -28,7 +28,7 @@ import time
 import aiohttp
 
 from bench.common import free_port, machine, percentile
-from bench.dynamo import NETNS_ENV, dynamo_python
+from bench.dynamo import NETNS_ENV, _cpu, dynamo_python
 from bench.trace_engines import pod_host
 from bench.trace_model import Tokens, chain, load_trace
 from cache_indexer.api.tiered_query import answer, decode_query
@@ -122,12 +122,6 @@ def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]
     }
 
 
-def _cpu(pid: int) -> float:
-    """The process's CPU seconds (user + system, all its threads)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def calibrate(repeat: int) -> list[tuple[str, int, int, float]]:
     """The native call's worst case (every block held, no memo) for prompts of one-digit, 16-bit and
     32-bit token ids at block sizes 1 to 256: (tokens, block size, body bytes, seconds)."""
@@ -174,9 +168,9 @@ async def _http(port: int, bodies: list[bytes], n: int) -> list[float]:
 def _measure(port: int, pid: int, bodies: list[bytes], n: int) -> tuple[float, float, float]:
     """(p50 ms, p99 ms, server CPU us a query) of ``n`` sequential round trips, after 50 to warm up."""
     asyncio.run(_http(port, bodies, 50))
-    cpu0 = _cpu(pid)
+    cpu0 = _cpu([pid])
     lat = asyncio.run(_http(port, bodies, n))
-    return statistics.median(lat) * 1e3, percentile(lat, 99) * 1e3, (_cpu(pid) - cpu0) / (n + 20) * 1e6
+    return statistics.median(lat) * 1e3, percentile(lat, 99) * 1e3, (_cpu([pid]) - cpu0) / (n + 20) * 1e6
 
 
 def http(trace: str, warm: int, queries: int, n: int, bodies: list[bytes]) -> dict[str, tuple[float, float, float]]:
