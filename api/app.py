@@ -52,16 +52,21 @@ INLINE_BUDGET = 0.001
 #: The native call's worst case, measured (``python -m bench.query_trace --calibrate``, AMD EPYC 2-core
 #: VM): every token parsed and hashed, up to 3.0 ns a byte of its JSON (one-digit tokens, the most per
 #: byte), and every block hashed and looked up, up to 130 ns a block over its tokens' share (block size 1;
-#: more where the machine is busy). With margin: a 70 kB body of 16-bit tokens at block size 16 is bounded
-#: at 0.6 ms, measured 0.18 ms; at block size 1, 6.0 ms (1.0-1.4 ms measured).
+#: more where the machine is busy), and 7-10 ns a block more for each further index chunk (64 workers) its
+#: candidates are in. With margin: a 70 kB body of 16-bit tokens at block size 16 is bounded at 0.6 ms,
+#: measured 0.18 ms; at block size 1, 6.0 ms (1.0-1.4 ms measured); over 64 chunks (4,096 workers all
+#: candidates) at block size 16, 4.7 ms (0.6 ms measured, a small index: more cache misses in a large one).
 _NS_PER_BYTE = 3.5
 _NS_PER_BLOCK = 160.0
+_NS_PER_BLOCK_CHUNK = 30.0
 
 
-def inline_cost(size: int, block_size: int) -> float:
+def inline_cost(size: int, block_size: int, chunks: int = 1) -> float:
     """Seconds the native call of a ``size``-byte body takes at most: its tokens (2 bytes of JSON each at
-    least: at most ``size / 2``, so ``size / (2 * block_size)`` blocks) all parsed, hashed and walked."""
-    return size * (_NS_PER_BYTE + _NS_PER_BLOCK / (2 * max(1, block_size))) * 1e-9
+    least: at most ``size / 2``, so ``size / (2 * block_size)`` blocks) all parsed, hashed and looked up in
+    each of ``chunks`` index chunks."""
+    per_block = _NS_PER_BLOCK + _NS_PER_BLOCK_CHUNK * (max(1, chunks) - 1)
+    return size * (_NS_PER_BYTE + per_block / (2 * max(1, block_size))) * 1e-9
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
@@ -192,7 +197,7 @@ class HitRateApi:
     async def _run_native(self, query: NativeQuery, size: int) -> tuple:
         """A native query of a ``size``-byte body: on the loop where its worst case fits INLINE_BUDGET, else
         on the query threads."""
-        if inline_cost(size, query.call_args[2]) <= INLINE_BUDGET:
+        if inline_cost(size, query.call_args[2], query.chunks) <= INLINE_BUDGET:
             return query.run()
         return await self._threads().run(query)
 

@@ -122,9 +122,10 @@ def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]
     }
 
 
-def calibrate(repeat: int) -> list[tuple[str, int, int, float]]:
+def calibrate(repeat: int) -> list[tuple[str, int, int, int, float, float]]:
     """The native call's worst case (every block held, no memo) for prompts of one-digit, 16-bit and
-    32-bit token ids at block sizes 1 to 256: (tokens, block size, body bytes, seconds)."""
+    32-bit token ids at block sizes 1 to 256, and over candidates in 4 to 64 index chunks: (tokens, block
+    size, chunks, body bytes, seconds, inline_cost's bound)."""
     import random
 
     from cache_indexer.api.app import inline_cost
@@ -141,9 +142,20 @@ def calibrate(repeat: int) -> list[tuple[str, int, int, float]]:
                 state = L1State()
                 state.apply({"type": "batch", "pod": "p", "rank": 0, "gen": 1, "seq": 0, "events": [
                     {"kind": "stored", "medium": "GPU", "hashes": hasher.event_hashes(tokens, bs)}]})
-                took = _median_us(lambda b: NativeTierQuery.prepare(hasher, decode_query(b)[1], bs, "", state,
-                                                                    None).native.run(), [body], repeat) / 1e6
-                out.append((name, bs, len(body), took, inline_cost(len(body), bs)))
+                query = NativeTierQuery.prepare(hasher, decode_query(body)[1], bs, "", state, None).native
+                took = _median_us(lambda b: query.run(), [body], repeat) / 1e6  # (the call alone, as the bound)
+                out.append((name, bs, 1, len(body), took, inline_cost(len(body), bs)))
+        tokens = prompts["16-bit"]  # and over candidates in many index chunks (64 workers each)
+        body = ('{"token_ids":[' + ",".join(map(str, tokens)) + '],"model_name":"m"}').encode()
+        keys = hasher.event_hashes(tokens, 16)
+        for chunks in (4, 16, 64):
+            state = L1State()
+            for w in range(64 * chunks):  # one worker a chunk holds the whole chain, the others a block
+                state.apply({"type": "batch", "pod": f"p{w}", "rank": 0, "gen": 1, "seq": 0, "events": [
+                    {"kind": "stored", "medium": "GPU", "hashes": keys if w % 64 == 0 else [w + 1]}]})
+            query = NativeTierQuery.prepare(hasher, decode_query(body)[1], 16, "", state, None).native
+            took = _median_us(lambda b: query.run(), [body], repeat) / 1e6
+            out.append(("16-bit", 16, chunks, len(body), took, inline_cost(len(body), 16, chunks)))
     t = threading.Thread(target=run)  # a fresh thread: its memo sized (off) when it first queries
     t.start()
     t.join()
@@ -256,8 +268,8 @@ def main(argv: list[str]) -> int:
         return subprocess.call([*unshare, "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable, "-m",
                                 "bench.query_trace", *argv], env={**os.environ, NETNS_ENV: "1"})
     if a.calibrate:
-        for name, bs, size, took, bound in calibrate(a.repeat):
-            print(f"{name:8s} block size {bs:4d}: {size:7,d} bytes, worst {took * 1e6:8.1f} us "
+        for name, bs, chunks, size, took, bound in calibrate(a.repeat):
+            print(f"{name:8s} block size {bs:4d}, {chunks:2d} chunks: {size:7,d} bytes, worst {took * 1e6:8.1f} us "
                   f"({took * 1e9 / size:5.2f} ns a byte), inline_cost {bound * 1e6:8.1f} us")
         return 0
     state, bodies = workload(a.trace, a.warm, a.queries)

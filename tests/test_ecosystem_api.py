@@ -161,7 +161,8 @@ async def test_a_routing_query_of_a_long_prompt_is_answered_on_the_loop_within_i
     """A conversation prompt (12k tokens of 16-bit ids, block size 16: a 70 kB body, the trace benchmark's
     routing query) is answered on the event loop: its call's worst case fits INLINE_BUDGET, and a hand-off
     to the query threads would cost more than the call. The same prompt at block size 1 (a worst case 9x
-    longer) goes to the threads. Both answer what the reference walk answers. (Seconds.)"""
+    longer) goes to the threads, and so does the first with 1,100 engines as candidates (the walk looks
+    each block up in their 18 index chunks). All answer what the reference walk answers. (Seconds.)"""
     from cache_indexer.api import app as app_module
     from cache_indexer.api.tiered_query import answer
     from cache_indexer.indexer.query_threads import QueryThreads
@@ -191,6 +192,13 @@ async def test_a_routing_query_of_a_long_prompt_is_answered_on_the_loop_within_i
             assert got == json.loads(json.dumps(answer(match_keys(keys, len(keys), l1, None), bs))), bs
             assert got["instances"]["a"]["gpu"] == len(keys) // 2 * bs
             assert handed == threads, (bs, handed)
+    for i in range(1_100):  # a large fleet: engines holding a block of their own
+        l1.apply({"v": 1, "type": "batch", "pod": f"e{i}", "rank": 0, "gen": 1, "seq": 0, "ts": 0.0,
+                  "events": [{"kind": "stored", "medium": "GPU", "hashes": [i + 1], "parent": None}]})
+    async with _served(l1) as base, aiohttp.ClientSession() as s:
+        async with s.post(base + "/query", json={**body, "block_size": 16}) as r:
+            assert r.status == 200 and (await r.json())["instances"]["a"]["gpu"] == 12_000 // 16 // 2 * 16
+    assert handed == [1, 16]
 
 
 # -- the contract ----------------------------------------------------------------------------------
