@@ -41,11 +41,32 @@ HIT_RATE_PATH = "/kv-cache/hit-rate"
 _KNOWN_PATHS = {HIT_RATE_PATH, QUERY_PATH, QUERY_BY_HASH_PATH, REGISTER_PATH, UNREGISTER_PATH, WORKERS_PATH,
                 "/healthz", "/readyz", "/metrics"}
 UNKNOWN_POD_MESSAGE = "no KV-cache events seen for this server"
-#: Bodies up to this size are answered on the event loop: their native call takes tens of microseconds,
-#: about what a hand-off costs. Larger ones go to the query threads, and the loop goes on serving I/O
-#: (deciding by load instead does not work: a body that arrived whole is answered without the handler
-#: ever yielding, so the loop never sees the requests queued behind it).
-INLINE_MAX_BYTES = 16 * 1024
+#: The longest one query's native call may hold the event loop: a request whose worst case (``inline_cost``)
+#: fits is answered on the loop, a larger one on the query threads while the loop goes on serving I/O. A
+#: hand-off costs more than the work it moves for most routing queries (about 60 us of CPU and two
+#: wake-ups, each a wait for a core on a busy node; a 12k-token prompt's call is 40-190 us), and a bound
+#: in time, not bytes, holds for every block size. Half the ingest's turn (infra/loop_turns.TURN). (Deciding
+#: by load instead does not work: a body that arrived whole is answered without the handler ever yielding,
+#: so the loop never sees the requests queued behind it.)
+INLINE_BUDGET = 0.001
+#: The native call's worst case, measured (``python -m bench.query_trace --calibrate``, AMD EPYC 2-core
+#: VM): every token parsed and hashed, up to 3.0 ns a byte of its JSON (one-digit tokens, the most per
+#: byte), and every block hashed and looked up, up to 130 ns a block over its tokens' share (block size 1;
+#: more where the machine is busy), and 7-10 ns a block more for each further index chunk (64 workers) its
+#: candidates are in. With margin: a 70 kB body of 16-bit tokens at block size 16 is bounded at 0.6 ms,
+#: measured 0.18 ms; at block size 1, 6.0 ms (1.0-1.4 ms measured); over 64 chunks (4,096 workers all
+#: candidates) at block size 16, 4.7 ms (0.6 ms measured, a small index: more cache misses in a large one).
+_NS_PER_BYTE = 3.5
+_NS_PER_BLOCK = 160.0
+_NS_PER_BLOCK_CHUNK = 30.0
+
+
+def inline_cost(size: int, block_size: int, chunks: int = 1) -> float:
+    """Seconds the native call of a ``size``-byte body takes at most: its tokens (2 bytes of JSON each at
+    least: at most ``size / 2``, so ``size / (2 * block_size)`` blocks) all parsed, hashed and looked up in
+    each of ``chunks`` index chunks."""
+    per_block = _NS_PER_BLOCK + _NS_PER_BLOCK_CHUNK * (max(1, chunks) - 1)
+    return size * (_NS_PER_BYTE + per_block / (2 * max(1, block_size))) * 1e-9
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
@@ -159,8 +180,8 @@ class HitRateApi:
             raise RequestError(f"body.token_ids: {exc}") from None
 
     async def _score(self, req: HitRateQuery, size: int) -> ScoreResult:
-        """Where the native query covers the request: on the loop for a body up to INLINE_MAX_BYTES, else
-        on the query threads. Otherwise here, in Python (``score``)."""
+        """Where the native query covers the request: on the loop where its worst case fits INLINE_BUDGET,
+        else on the query threads. Otherwise here, in Python (``score``)."""
         tiers = self.tiers()
         query = self._prepare(req, tiers)
         if query is not None:
@@ -174,8 +195,11 @@ class HitRateApi:
                      req.mm_features)
 
     async def _run_native(self, query: NativeQuery, size: int) -> tuple:
-        """A native query: on the loop for a body up to INLINE_MAX_BYTES, else on the query threads."""
-        return query.run() if size <= INLINE_MAX_BYTES else await self._threads().run(query)
+        """A native query of a ``size``-byte body: on the loop where its worst case fits INLINE_BUDGET, else
+        on the query threads."""
+        if inline_cost(size, query.call_args[2], query.chunks) <= INLINE_BUDGET:
+            return query.run()
+        return await self._threads().run(query)
 
     async def _close_pool(self, app: web.Application) -> None:
         if self._query_threads is not None:

@@ -92,7 +92,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
         if self.awaiting_headers:
             if self._timer is None:
                 self._arm()  # the first byte of the next request on a kept-alive connection
-            seen = self._tail + data
+            seen = self._tail + data if self._tail else data  # (no copy of a body that came with its headers)
             end = seen.find(b"\r\n\r\n")
             self._header_bytes += (end + 4 - len(self._tail)) if end >= 0 else len(data)
             if self._header_bytes > self.max_bytes:

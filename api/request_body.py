@@ -42,8 +42,13 @@ async def read_body(request: web.Request, limit: int, timeout: float | None) -> 
     if length is not None and length > limit:
         raise BodyRefused(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
     try:
-        async with within(timeout or None):
-            body = await _read(request, limit)
+        if request.content.is_eof():  # all of it came with the headers (the usual): no wait, no deadline
+            body = request.content.read_nowait(-1)
+            if len(body) > limit:
+                raise BodyRefused(413, f"request body exceeds the limit of {limit} bytes")
+        else:
+            async with within(timeout or None):
+                body = await _read(request, limit)
     except asyncio.TimeoutError:
         raise BodyRefused(408, f"request body not received within {timeout}s") from None
     except (RequestPayloadError, HttpProcessingError, zlib.error) as exc:

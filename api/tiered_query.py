@@ -115,19 +115,33 @@ def decode_query_by_hash(body: bytes) -> tuple[_QueryByHash, list[int]]:
 
 
 def answer(match: TierMatch, block_size: int) -> dict:
-    """Dynamo's response: ``instances`` with any match (tokens), the legacy ``scores`` (GPU per rank)."""
+    """Dynamo's response: ``instances`` with any match (tokens), the legacy ``scores`` (GPU per rank).
+    One pass over each pod's ranks (this runs on the loop for every routing query)."""
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, dict] = {}
-    for pod in dict.fromkeys([*match.ranks, *match.l3]):
-        ranks = match.ranks.get(pod, {})
-        l3 = match.l3.get(pod, 0) * block_size
-        dp = {str(rank): gpu * block_size for rank, (gpu, _, disk) in ranks.items() if disk}
+    by_rank, by_l3 = match.ranks, match.l3
+    for pod in (dict.fromkeys([*by_rank, *by_l3]) if by_l3 else by_rank):
+        ranks = by_rank.get(pod)
+        l3 = by_l3.get(pod, 0) * block_size if by_l3 else 0
+        dp: dict[str, int] = {}
+        gpu_ranks: dict[str, int] = {}
+        best_gpu = best_cpu = best_disk = 0
+        if ranks:
+            for rank, (gpu, cpu, disk) in ranks.items():
+                if gpu > best_gpu:
+                    best_gpu = gpu
+                if cpu > best_cpu:
+                    best_cpu = cpu
+                if disk > best_disk:
+                    best_disk = disk
+                if disk:
+                    dp[key := str(rank)] = tokens = gpu * block_size
+                    if tokens:
+                        gpu_ranks[key] = tokens
         if not dp and not l3:
             continue
-        best = [max((levels[i] for levels in ranks.values()), default=0) * block_size for i in range(3)]
-        instances[pod] = {"longest_matched": best[2], "gpu": best[0], "dp": dp, "cpu": best[1], "disk": best[2],
-                          "l3": l3}
-        gpu_ranks = {rank: n for rank, n in dp.items() if n}
+        instances[pod] = {"longest_matched": best_disk * block_size, "gpu": best_gpu * block_size, "dp": dp,
+                          "cpu": best_cpu * block_size, "disk": best_disk * block_size, "l3": l3}
         if gpu_ranks:
             scores[pod] = gpu_ranks
     return {"scores": scores, "frequencies": [], "instances": instances}

@@ -144,11 +144,14 @@ class NativeQuery:
     the GIL held), ``run`` (or ``QueryThreads.run``, on native threads) parses, hashes and walks without
     the GIL and holds no Python state the event loop changes, ``result`` turns the lengths into scores."""
 
-    __slots__ = ("call_args", "_pods", "_slots", "_known", "_ranks")
+    __slots__ = ("call_args", "chunks", "_pods", "_slots", "_known", "_ranks")
 
     def __init__(self, call_args: tuple, pods: Sequence[str], slots: list[list[tuple[int, int]]], known: list[bool],
-                 ranks: list[list[list[int]]] | None = None) -> None:
+                 ranks: list[list[list[int]]] | None = None, chunks: int = 1) -> None:
         self.call_args = call_args  # _native_index.query's arguments
+        #: the index chunks (64 workers each, over every tier) the walk may look a block up in: its cost a
+        #: block grows with them (the API's bound on a query's time on the event loop)
+        self.chunks = chunks
         self._pods = pods
         self._slots = slots  # per pod, per tier: its workers' [start, stop) in that tier's candidate list
         self._known = known
@@ -179,6 +182,7 @@ class NativeQuery:
                 pre += hasher.hash_block(pre, tokens[:block_size].tolist(),
                                          hasher.block_extra_keys(0, block_size, cache_salt))
         per_tier = []
+        chunks = 0
         slots: list[list[tuple[int, int]]] = [[] for _ in pods]
         ranks: list[list[list[int]]] | None = [[] for _ in pods] if with_ranks else None
         for t in tiers:
@@ -192,6 +196,7 @@ class NativeQuery:
                     if ranks is not None:
                         ranks[pi].append(list(workers))
                 per_tier.append((t.index.table, t.index.table.candidates(wids)))
+                chunks += len({wid >> 6 for wid in wids})
             else:
                 for pi in range(len(pods)):
                     slots[pi].append((0, 0))
@@ -201,7 +206,7 @@ class NativeQuery:
         known = [any(a != b for a, b in slots[pi]) or any(t is not None and t.knows(pod) for t in tiers)
                  for pi, pod in enumerate(pods)]
         args = (tokens, raw, block_size, pre, hasher.algo.endswith("_cbor"), per_tier)
-        return cls(args, pods, slots, known, ranks)
+        return cls(args, pods, slots, known, ranks, max(1, chunks))
 
     def run(self) -> tuple[int, int, list[list[int]]]:
         """(tokens, blocks hashed, per tier the candidates' lengths). ValueError: a malformed token

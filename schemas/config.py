@@ -170,8 +170,9 @@ class HttpConfig(_Section):
         1024, "`server_ip` entries of one hit-rate request: 400 above, so that one request's work stays bounded.",
         ge=1, tuning=True)
     queryThreads: int = setting(
-        0, """Native threads answering hit-rate queries of bodies over 16 KiB (C only, never the GIL; the native
-        index); 0: one per core the process may run on.""", ge=0, le=1024, tuning=True)
+        0, """Native threads answering the queries too long for the event loop (a worst case over 1 ms: about
+        130 kB of token ids at block size 16; C only, never the GIL; the native index); 0: one per core the
+        process may run on.""", ge=0, le=1024, tuning=True)
     digestMemoBytes: Size = setting(
         8 << 20, """Per query thread, bytes of serialised blocks whose sha256 it remembers (repeated prefixes are not
         hashed again); 0: no memo.""", tuning=True)

@@ -285,6 +285,45 @@ async def test_oversized_body_gets_413(api):
     assert status == 413 and body["status"] == 413
 
 
+async def test_a_body_that_came_whole_is_read_at_once_and_still_bounded(api, monkeypatch):
+    """A body that arrived with its headers is taken from the buffer (no deadline, no wait: the usual
+    routing query); one over the limit that arrived whole, chunked (no Content-Length to refuse it by),
+    is still a 413. Raw socket: headers and body in one write."""
+    import asyncio
+
+    from cache_indexer.api import request_body
+
+    waited = []
+    read = request_body._read
+
+    async def counted(request, limit):
+        waited.append(limit)
+        return await read(request, limit)
+    monkeypatch.setattr(request_body, "_read", counted)
+    session, _ = api
+    port = session._base_url.port
+
+    async def send(head: bytes, body: bytes) -> tuple[bytes, dict]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + head +
+                         b"\r\n" + body)
+            await writer.drain()
+            got = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = int(next(h.split(b":")[1] for h in got.split(b"\r\n") if h.lower().startswith(b"content-length")))
+            return got, json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
+        finally:
+            writer.close()
+    payload = json.dumps(req(["127.0.1.1"])).encode()
+    head, body = await send(b"Content-Length: %d\r\n" % len(payload), payload)
+    assert head.startswith(b"HTTP/1.1 200") and body["status"] == 0, body
+    assert waited == [], "a body in the buffer is not waited for"
+    big = json.dumps(req(["127.0.1.1"], tokens=list(range(20000)))).encode()
+    assert 64 * 1024 < len(big) < 128 * 1024
+    head, body = await send(b"Transfer-Encoding: chunked\r\n", b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+    assert head.startswith(b"HTTP/1.1 413") and body["status"] == 413 and "limit" in body["message"], body
+
+
 async def test_computation_failure_gets_500(api):
     session, state = api
     state["tiers"] = (Broken(), None)
@@ -333,10 +372,11 @@ async def test_a_pod_that_cleared_its_cache_is_known_and_holds_nothing(api):
 
 @pytest.fixture
 def on_the_query_threads(monkeypatch):
-    """Every request answered on the query threads (the loop answers bodies up to INLINE_MAX_BYTES)."""
+    """Every request answered on the query threads (the loop answers those whose worst case fits
+    INLINE_BUDGET)."""
     from cache_indexer.api import app as app_module
 
-    monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", -1)
+    monkeypatch.setattr(app_module, "INLINE_BUDGET", -1)
 
 
 @pytest.mark.parametrize("name", BAD_REQUESTS)
@@ -354,7 +394,7 @@ async def test_answers_on_the_query_threads_equal_those_on_the_loop(api, monkeyp
     for payload in (req(["127.0.1.2", "127.0.1.9", "127.0.1.1", "127.0.1.3"]), req(["127.0.1.4"], salt="tenant-a"),
                     req(["127.0.1.1"], tokens=TOKENS + [1, 2, 3]), req(["127.0.1.1"], tokens=[])):
         on_loop = await post(session, payload)
-        monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", -1)
+        monkeypatch.setattr(app_module, "INLINE_BUDGET", -1)
         on_threads = await post(session, payload)
         monkeypatch.undo()
         assert on_loop == on_threads and on_loop[0] == 200

@@ -140,11 +140,12 @@ def test_the_native_match_equals_the_reference_walk():
 
 
 async def test_query_answers_on_the_query_threads_equal_the_reference_walks(monkeypatch):
-    """Bodies over INLINE_MAX_BYTES go to the native query threads (here every one): the same answers."""
+    """Bodies whose worst case exceeds INLINE_BUDGET go to the native query threads (here every one): the
+    same answers."""
     from cache_indexer.api import app as app_module
     from cache_indexer.api.tiered_query import answer
 
-    monkeypatch.setattr(app_module, "INLINE_MAX_BYTES", 0)
+    monkeypatch.setattr(app_module, "INLINE_BUDGET", -1)
     l1 = _state({("a", 0): [(0, 5, "GPU")], ("a", 1): [(0, 7, "GPU")], ("b", 0): [(0, 2, "GPU"), (3, 8, "GPU")]})
     async with _served(l1) as base, aiohttp.ClientSession() as s:
         for length in range(0, len(PROMPT) + 1, 3):
@@ -153,6 +154,51 @@ async def test_query_answers_on_the_query_threads_equal_the_reference_walks(monk
                 got = await r.json()
             keys = HASHER.event_hashes(tokens, B)
             assert got == json.loads(json.dumps(answer(match_keys(keys, len(keys), l1, None), B))), length
+
+
+
+async def test_a_routing_query_of_a_long_prompt_is_answered_on_the_loop_within_its_budget(monkeypatch):
+    """A conversation prompt (12k tokens of 16-bit ids, block size 16: a 70 kB body, the trace benchmark's
+    routing query) is answered on the event loop: its call's worst case fits INLINE_BUDGET, and a hand-off
+    to the query threads would cost more than the call. The same prompt at block size 1 (a worst case 9x
+    longer) goes to the threads, and so does the first with 1,100 engines as candidates (the walk looks
+    each block up in their 18 index chunks). All answer what the reference walk answers. (Seconds.)"""
+    from cache_indexer.api import app as app_module
+    from cache_indexer.api.tiered_query import answer
+    from cache_indexer.indexer.query_threads import QueryThreads
+    from tests.conftest import needs_native
+
+    needs_native(NATIVE_QUERY, "the native query")
+    handed: list[int] = []
+    run = QueryThreads.run
+
+    async def counted(self, query):
+        handed.append(query.call_args[2])
+        return await run(self, query)
+    monkeypatch.setattr(QueryThreads, "run", counted)
+    tokens = [random.Random(2).randrange(1 << 16) for _ in range(12_000)]
+    l1 = L1State()
+    for bs in (16, 1):  # pod a holds the first half of the chain at each block size
+        keys = HASHER.event_hashes(tokens, bs)
+        l1.apply({"v": 1, "type": "batch", "pod": "a", "rank": 0, "gen": 1, "seq": int(bs == 1), "ts": 0.0,
+                  "events": [{"kind": "stored", "medium": "GPU", "hashes": keys[:len(keys) // 2], "parent": None}]})
+    body = {"token_ids": tokens, "model_name": "m"}
+    assert 60_000 < len(json.dumps(body, separators=(",", ":"))) < 80_000
+    async with _served(l1) as base, aiohttp.ClientSession() as s:
+        for bs, threads in ((16, []), (1, [1])):
+            async with s.post(base + "/query", json={**body, "block_size": bs}) as r:
+                got = await r.json()
+            keys = HASHER.event_hashes(tokens, bs)
+            assert got == json.loads(json.dumps(answer(match_keys(keys, len(keys), l1, None), bs))), bs
+            assert got["instances"]["a"]["gpu"] == len(keys) // 2 * bs
+            assert handed == threads, (bs, handed)
+    for i in range(1_100):  # a large fleet: engines holding a block of their own
+        l1.apply({"v": 1, "type": "batch", "pod": f"e{i}", "rank": 0, "gen": 1, "seq": 0, "ts": 0.0,
+                  "events": [{"kind": "stored", "medium": "GPU", "hashes": [i + 1], "parent": None}]})
+    async with _served(l1) as base, aiohttp.ClientSession() as s:
+        async with s.post(base + "/query", json={**body, "block_size": 16}) as r:
+            assert r.status == 200 and (await r.json())["instances"]["a"]["gpu"] == 12_000 // 16 // 2 * 16
+    assert handed == [1, 16]
 
 
 # -- the contract ----------------------------------------------------------------------------------
