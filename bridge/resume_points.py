@@ -219,9 +219,8 @@ class ResumePoints:
 
     async def write(self) -> None:
         """Write the records of the pods whose position moved; what fails stays to be written next time.
-        The pods' records are written at once, not one after the other (each a round trip to the server:
-        one wake-up of the bridge a pod a second, with a pod's batches coming alone, where the batches'
-        own were one each)."""
+        The pods' records are written at once, not one after the other (each a round trip to the server,
+        a wake-up of the bridge each where batches come alone)."""
         if not self._dirty:
             return
         pods, self._dirty = self._dirty, set()
