@@ -78,7 +78,11 @@ class JetStreamPublisher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._watchdog: asyncio.Task | None = None
-        self._wake = asyncio.Event()  # the watchdog looks at once (a reconnection)
+        self._wake = asyncio.Event()  # the watchdog looks at once (a reconnection, a deadline sooner than planned)
+        #: when the watchdog looks next (it sleeps until the earliest deadline, not on a fixed tick)
+        self._look_at = 0.0
+        #: how soon a message whose send failed (or that was answered with a passing error) is re-sent
+        self._retry_after = max(0.05, min(0.5, ack_timeout / 4))
         #: counts the connections lost: a message sent on an earlier one than the current may be lost
         self._conn = 0
         self._retry_warning = ThrottledWarning(log)
@@ -136,7 +140,7 @@ class JetStreamPublisher:
         return due
 
     async def _send(self, msg_id: str, rec: _Pending) -> None:
-        rec.deadline = time.monotonic() + self._ack_timeout
+        self._due(rec, time.monotonic() + self._ack_timeout)
         rec.conn = self._conn
         token = str(next(self._tokens))
         rec.token = token
@@ -147,6 +151,16 @@ class JetStreamPublisher:
             log.debug("publish %s failed: %s", msg_id, exc)
             self._by_token.pop(token, None)
             rec.token = ""
+            self._due(rec, time.monotonic() + self._retry_after)
+
+    def _due(self, rec: _Pending, deadline: float) -> None:
+        """``rec`` is to be re-sent at ``deadline`` unless acked before: the watchdog is woken to plan anew
+        only where that is sooner than it meant to look (a failed send, a passing error; a first send's
+        deadline is never sooner: the watchdog of an empty window looks an ack timeout later)."""
+        rec.deadline = deadline
+        if deadline < self._look_at:
+            self._look_at = deadline
+            self._wake.set()
 
     async def _on_ack(self, msg) -> None:
         token = msg.subject.rsplit(".", 1)[1]
@@ -164,6 +178,7 @@ class JetStreamPublisher:
                 self._on_no_stream()
             self._retry_warning("publish %s not stored (%s); re-sending", msg_id, error)
             rec.token = ""  # the watchdog re-sends
+            self._due(rec, time.monotonic() + self._retry_after)
             return
         self._done(msg_id)
         if rec.on_stored is not None:
@@ -183,15 +198,20 @@ class JetStreamPublisher:
             _tell(on_refused)
 
     async def _watch(self) -> None:
-        interval = max(0.05, min(0.5, self._ack_timeout / 4))
+        """Re-sends each message at its deadline. It sleeps until the earliest one, not on a tick (a tick of
+        0.5 s was 2 of the bridge's 10 wake-ups a second when idle): with nothing in flight for an ack
+        timeout, since a message published meanwhile is due no sooner; a sooner deadline wakes it."""
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
+            now = time.monotonic()
+            self._look_at = min((rec.deadline for rec in self._pending.values()), default=now + self._ack_timeout)
+            if self._look_at > now:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self._look_at - now)
+                except asyncio.TimeoutError:
+                    pass
             self._wake.clear()
             now = time.monotonic()
-            retry = [(mid, rec) for mid, rec in self._pending.items() if not rec.token or now >= rec.deadline]
+            retry = [(mid, rec) for mid, rec in self._pending.items() if now >= rec.deadline]
             for mid, rec in retry:
                 self._by_token.pop(rec.token, None)
                 self._metrics.publish_retries.inc()

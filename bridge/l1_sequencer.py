@@ -35,7 +35,7 @@ from cache_indexer.bridge.endpoint import Endpoint
 from cache_indexer.bridge.l1_publisher import L1Publisher, new_generation
 from cache_indexer.bridge.receive_budget import ReceiveBudget
 from cache_indexer.bridge.resume_points import Position
-from cache_indexer.bridge.vllm_events import MalformedPayload, decode_batch, decode_current
+from cache_indexer.bridge.vllm_events import MalformedPayload, decode_batch, decode_current, may_hold_probe
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.infra.throttled_log import ThrottledWarning
 from cache_indexer.schemas.events import MAX_SEQ
@@ -487,17 +487,20 @@ class L1Sequencer:
 
     def take_usual(self, seq: int, payload: bytes) -> bool:
         """The usual live batch without a coroutine (four fewer a batch: a third of the bridge's CPU for
-        one-event batches): the next seq of a settled subscription, vLLM's current shape, no blockKey check
-        due, room in the pending run. True: handed on as ``on_message`` would (publish the run when it is
-        full); False: nothing changed, ``on_message`` decides."""
-        check = self.block_key_check
-        if (self.gen is None or self.reconnected or self.last is None or seq != self.last + 1 or seq > MAX_SEQ
-                or (check is not None and check.due(self.ep.pod))):
+        one-event batches): the next seq of a settled subscription, vLLM's current shape, no blockKey probe
+        wanted from it (none due, or the batch cannot hold one: on a real fleet nearly every store has a
+        parent, and a due check stays due until a probe comes), room in the pending run. True: handed on as
+        ``on_message`` would (publish the run when it is full); False: nothing changed, ``on_message``
+        decides."""
+        if self.gen is None or self.reconnected or self.last is None or seq != self.last + 1 or seq > MAX_SEQ:
             return False
         try:
             batch = decode_current(payload)
         except (msgspec.ValidationError, msgspec.DecodeError, MalformedPayload):
             return False  # another shape, or garbage: the tolerant decoder decides
+        check = self.block_key_check
+        if check is not None and check.due(self.ep.pod) and may_hold_probe(batch.events):
+            return False  # the probe's path decodes it again (only while a check is due)
         if not self._join(seq, batch.ts, batch.events):
             return False
         self.last = self.last_live = seq

@@ -93,6 +93,9 @@ class ResumePoints:
         #: then takes the stream's message too), later ones at most every ``interval``
         self._recorded: set[tuple[str, int]] = set()
         self._first = asyncio.Event()
+        #: a position moved (set with every pod marked dirty): the write loop sleeps on it while there is nothing
+        #: to write, instead of waking every ``interval`` for nothing
+        self._moved = asyncio.Event()
         self._warn = ThrottledWarning(log)
 
     def start(self) -> None:
@@ -117,6 +120,7 @@ class ResumePoints:
         if old is None or (pos.gen, pos.seq, pos.stream_seq) > (old.gen, old.seq, old.stream_seq):
             ranks[rank] = pos
             self._dirty.add(pod)
+            self._moved.set()
             if (pod, rank) not in self._recorded:
                 self._first.set()
 
@@ -214,16 +218,19 @@ class ResumePoints:
         await self.write()
 
     async def write(self) -> None:
-        """Write the records of the pods whose position moved; what fails stays to be written next time."""
+        """Write the records of the pods whose position moved; what fails stays to be written next time.
+        The pods' records are written at once, not one after the other (each a round trip to the server,
+        a wake-up of the bridge each where batches come alone)."""
         if not self._dirty:
             return
         pods, self._dirty = self._dirty, set()
         try:
             kv = await self._store()
         except Exception as exc:
-            self._dirty |= pods
+            self._again(*pods)
             self._warn("resume records not written (%s)", exc)
             return
+        writes = []
         for pod in pods:
             ranks = self._positions.get(pod) or {}
             record = {"pod": pod, "stream": self.stream_id, "ranks": {
@@ -234,25 +241,45 @@ class ResumePoints:
                 record["retiredRanks"] = dict(self._forgotten_ranks[pod])
             if not ranks and len(record) == 3:
                 continue
-            value = msgpack.packb(record)
-            try:
-                await kv.put(record_key(pod), value)
-            except Exception as exc:
-                self._dirty.add(pod)
-                self._warn("resume record of %s not written (%s)", pod, exc)
-                continue
-            self._recorded.update((pod, rank) for rank in ranks)
+            writes.append(self._put(kv, pod, msgpack.packb(record), list(ranks)))
+        if len(writes) == 1:
+            await writes[0]
+        elif writes:
+            await asyncio.gather(*writes)
+
+    async def _put(self, kv, pod: str, value: bytes, ranks: list[int]) -> None:
+        try:
+            await kv.put(record_key(pod), value)
+        except Exception as exc:
+            self._again(pod)
+            self._warn("resume record of %s not written (%s)", pod, exc)
+            return
+        self._recorded.update((pod, rank) for rank in ranks)
+
+    def _again(self, *pods: str) -> None:
+        """Records not written: tried again by the write loop (woken, if it sleeps for want of any)."""
+        self._dirty.update(pods)
+        self._moved.set()
 
     async def _write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            try:  # a worker's first position wakes the loop at once
-                await asyncio.wait_for(self._first.wait(), self.interval)
-            except asyncio.TimeoutError:
-                pass
-            self._first.clear()
             try:
+                if not self._dirty:  # nothing to write: asleep until a position moves (an idle bridge stays so)
+                    self._moved.clear()
+                    await self._moved.wait()
+                wait = last + self.interval - loop.time()
+                if wait > 0 and not self._first.is_set():  # a worker's first position is written at once
+                    try:
+                        await asyncio.wait_for(self._first.wait(), wait)
+                    except asyncio.TimeoutError:
+                        pass
+                self._first.clear()
+                last = loop.time()
                 await self.write()
             except asyncio.CancelledError:
                 raise
             except Exception:  # never the end of the loop: the records would silently stop moving
                 log.exception("writing resume records failed")
+                await asyncio.sleep(self.interval)

@@ -360,6 +360,7 @@ class Bridge:
                     await self._remove_pod(pod, "unregistered" if pod in was_registered else "discovery")
                 else:
                     self._leaving.setdefault(pod, time.monotonic() + grace)
+                    self._settle_now.set()  # its grace is watched from now on (bridge._remove_when_due)
                     log.info("%s left discovery: removed in %.0fs unless it comes back", pod, grace, extra={"pod": pod})
             pending = self.removals.names("pod") if self.removals is not None else set()
             self._ranks = {pod: ranks.get(pod) or self._ranks.get(pod, set())
@@ -408,11 +409,14 @@ class Bridge:
 
     async def _remove_when_due(self) -> None:
         """Pods whose grace ended without their coming back are removed, and where sharded the pending
-        removals are settled (never dies: a failed round is logged and tried again)."""
+        removals are settled (never dies: a failed round is logged and tried again). With no pod in its
+        grace, nothing pending and the record written, it sleeps until told (``_settle_now``), not on its
+        tick: one of an idle bridge's few wake-ups a second."""
         while True:
             grace = self.cfg.ingest.l1.removalGrace
+            watching = bool(self._leaving) or self.removals is not None or self._record_stale
             try:
-                await asyncio.wait_for(self._settle_now.wait(), min(1.0, max(0.05, grace / 4)))
+                await asyncio.wait_for(self._settle_now.wait(), min(1.0, max(0.05, grace / 4)) if watching else None)
             except asyncio.TimeoutError:
                 pass
             self._settle_now.clear()

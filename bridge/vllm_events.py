@@ -274,13 +274,19 @@ def decode_batch(payload: bytes, want_probe: bool = False) -> DecodedBatch:
         batch = decode_current(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return decode_reference(payload, want_probe)  # not the current shape, or not strictly: the reference decides
-    if want_probe and any(ev["kind"] == "stored" and ev["parent"] is None and ev["hashes"] and ev["medium"] in _GPU
-                          for ev in batch.events):
+    if want_probe and may_hold_probe(batch.events):
         return decode_reference(payload, want_probe)
     return batch
 
 
 _GPU = (None, "GPU")
+
+
+def may_hold_probe(events: list[dict]) -> bool:
+    """Whether decoded events can hold a HashProbe (a GPU store without a parent): only such a batch is
+    worth the reference decoder's look when a blockKey check is due."""
+    return any(ev["kind"] == "stored" and ev["parent"] is None and ev["hashes"] and ev["medium"] in _GPU
+               for ev in events)
 
 
 def decode_reference(payload: bytes, want_probe: bool = False) -> DecodedBatch:

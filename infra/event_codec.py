@@ -48,7 +48,10 @@ class Codec:
         return len(text.encode()) if self.name == "msgpack" else len(msgspec.json.encode(text))
 
 
-MSGPACK = Codec("msgpack", msgpack.packb, 9, 0)
+#: msgspec's encoder writes the bytes msgpack.packb writes for these maps (the smallest form of each integer,
+#: str8 and float64 alike; a test holds them equal), in about a third of the time: a real trace's batch of
+#: 1,200 hashes took 28 us to pack, now 8 (the bridge packs every message).
+MSGPACK = Codec("msgpack", msgspec.msgpack.Encoder().encode, 9, 0)
 JSON = Codec("json", msgspec.json.encode, 21, 1)
 
 

@@ -3,11 +3,14 @@ real vLLM payloads and end to end through ZMQ, and says which setting the engine
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
 
 from cache_indexer.bridge.block_key_check import BlockKeyCheck, diagnose, matches
+from cache_indexer.bridge.endpoint import Endpoint
+from cache_indexer.bridge.l1_sequencer import L1Sequencer
 from cache_indexer.bridge.vllm_events import HashProbe, decode_batch
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.schemas.block_hash import BlockHasher
@@ -85,3 +88,32 @@ async def test_a_misconfigured_bridge_reports_the_pods_it_cannot_match(nats_url,
         assert stack.bridge.block_key_check.mismatched == {"127.0.0.32"}
     finally:
         await stack.stop()
+
+
+class _Sink:
+    """Stands in for the stream (the sequencer's runs are not published here)."""
+
+    async def run(self, *args, **kw):
+        pass
+
+
+def test_a_due_check_keeps_batches_that_cannot_hold_a_probe_on_the_usual_path():
+    """A check stays due until a probe comes, and on a real fleet almost every store has a parent: the
+    sequencer's usual path (no coroutine) must still take those batches (it took none while a check was due:
+    a real trace's every batch went through the slower path after the first 30 s); a parentless GPU store
+    goes to the probe's path, and its probe is checked. Milliseconds."""
+    metrics = Metrics()
+    check = BlockKeyCheck(BlockKeyConfig(hashAlgo="sha256_cbor", pythonHashSeed="0"), metrics)
+    seq = L1Sequencer(Endpoint("10.0.0.7", 0, "tcp://127.0.0.1:1", None), _Sink(), metrics, None, 64, 1 << 20, check)
+    seq.gen, seq.last, seq.last_live = 3, 4, 4
+    assert check.due("10.0.0.7")
+    probing = (EVENTS / "01_block_stored_with_parent.bin").read_bytes()
+    assert decode_batch(probing, want_probe=True).probe is not None  # parentless: a probe
+    child = batch_payload([stored([11, 12], parent=10, block_size=4)])
+    assert seq.take_usual(5, child), "a store with a parent cannot hold a probe: the usual path takes it"
+    assert seq.last == 5
+    assert not seq.take_usual(6, probing), "a parentless GPU store: the probe's path"
+    assert seq.last == 5
+    asyncio.run(seq.on_message(6, probing))
+    assert seq.last == 6 and not check.due("10.0.0.7"), "its probe was checked"
+    assert metrics.block_key_checks.labels("match")._value.get() == 1
