@@ -46,6 +46,21 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()} {platform.machine()}"
 
 
+async def post_latencies(session, path: str, bodies: list[bytes], n: int, warmup: int) -> list[float]:
+    """Seconds each of ``n`` JSON POSTs to ``path`` took, one after the other (``bodies`` in turn), after
+    ``warmup`` untimed ones; every answer must be a 200."""
+    out = []
+    for i in range(n + warmup):
+        body = bodies[i % len(bodies)]
+        t = time.perf_counter()
+        async with session.post(path, data=body, headers={"Content-Type": "application/json"}) as r:
+            payload = await r.read()
+            assert r.status == 200, payload[:200]
+        if i >= warmup:
+            out.append(time.perf_counter() - t)
+    return out
+
+
 def ms(x: float) -> str:
     return f"{x * 1000:.2f} ms"
 

@@ -16,7 +16,7 @@ import time
 
 import aiohttp
 
-from bench.common import percentile, timeit
+from bench.common import percentile, post_latencies, timeit
 from bench.shapes import SHAPES, pods, tokens_for
 from cache_indexer.schemas.block_hash import BlockHasher
 
@@ -44,15 +44,7 @@ def _baseline(shape: dict, body: bytes) -> float:
 
 
 async def _latency(session: aiohttp.ClientSession, body: bytes, n: int) -> list[float]:
-    out = []
-    for i in range(n + 5):
-        t = time.perf_counter()
-        async with session.post("/kv-cache/hit-rate", data=body, headers={"Content-Type": "application/json"}) as r:
-            payload = await r.read()
-            assert r.status == 200, payload[:200]
-        if i >= 5:
-            out.append(time.perf_counter() - t)
-    return out
+    return await post_latencies(session, "/kv-cache/hit-rate", [body], n, warmup=5)
 
 
 async def _server_time(session: aiohttp.ClientSession) -> tuple[float, float]:

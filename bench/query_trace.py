@@ -27,7 +27,7 @@ import time
 
 import aiohttp
 
-from bench.common import free_port, machine, percentile
+from bench.common import free_port, machine, percentile, post_latencies
 from bench.dynamo import NETNS_ENV, _cpu, dynamo_python
 from bench.trace_engines import pod_host
 from bench.trace_model import Tokens, chain, load_trace
@@ -164,17 +164,8 @@ def calibrate(repeat: int) -> list[tuple[str, int, int, int, float, float]]:
 
 
 async def _http(port: int, bodies: list[bytes], n: int) -> list[float]:
-    out = []
     async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
-        for i in range(n + 20):
-            body = bodies[i % len(bodies)]
-            t = time.perf_counter()
-            async with session.post("/query", data=body, headers={"Content-Type": "application/json"}) as r:
-                raw = await r.read()
-                assert r.status == 200, raw[:200]
-            if i >= 20:
-                out.append(time.perf_counter() - t)
-    return out
+        return await post_latencies(session, "/query", bodies, n, warmup=20)
 
 
 def _measure(port: int, pid: int, bodies: list[bytes], n: int) -> tuple[float, float, float]:
