@@ -65,7 +65,10 @@ def ms(x: float) -> str:
     return f"{x * 1000:.2f} ms"
 
 
-_PORTS_LOW, _PORTS_HIGH = 20000, 32768  # below Linux's ephemeral range (32768-60999): no outgoing connection takes one
+#: below Linux's ephemeral range (32768-60999): no outgoing connection takes one; above the trace
+#: benchmark's simulated engines (bench/trace_engines.py PORT_RANGE), whose ports Dynamo's listener on
+#: every interface would otherwise meet
+_PORTS_LOW, _PORTS_HIGH = 20000, 32768
 _handed_out: set[int] = set()
 
 

@@ -28,9 +28,10 @@ def pod_host(i: int) -> str:
     return f"127.8.{i // 250}.{i % 250 + 1}"
 
 
-#: below Linux's ephemeral range (32768-60999 by default), from which the benchmark's own listeners take
-#: theirs (bench.common.free_port): Dynamo listens on every interface, so its port must not be an engine's
-PORT_RANGE = (10000, 32000)
+#: below the range the benchmark's own listeners take theirs from (bench.common.free_port, 20000-32767) and
+#: Linux's ephemeral range (32768-60999): Dynamo listens on every interface, so its port must not be an
+#: engine's
+PORT_RANGE = (10000, 20000)
 
 
 def _bind_pod(ctx, host: str, ranks: int, rng: random.Random) -> list[VllmPublisher]:
