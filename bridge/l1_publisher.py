@@ -193,13 +193,11 @@ class L1Publisher:
             # last message may lie past one that never made it, the record never does. Starting anew loses
             # nothing so young
             return None
-        if best is not None and self.resume is not None and best.gen <= self.resume.retired(pod, rank):
-            log.info("%s rank %d: a removal recorded after generation %d: a new generation", pod, rank, best.gen,
-                     extra={"pod": pod, "rank": rank})
-            return None
-        retired = max(self._mark(pod, None), self._mark(pod, rank))
+        # this bridge's removals, and those the resume record keeps (any bridge's, also purged from the stream)
+        retired = max(self._mark(pod, None), self._mark(pod, rank),
+                      self.resume.retired(pod, rank) + 1 if self.resume is not None else -1)
         if best is not None and best.gen < retired:
-            log.info("%s rank %d: removed by this bridge after generation %d: a new generation", pod, rank, best.gen,
+            log.info("%s rank %d: removed after generation %d: a new generation", pod, rank, best.gen,
                      extra={"pod": pod, "rank": rank})
             return None
         started = max((sent.gen for sent in self._in_flight.get((pod, rank), ())), default=-1)
