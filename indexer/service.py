@@ -47,13 +47,14 @@ from cache_indexer.schemas.config import Config
 log = logging.getLogger(__name__)
 
 #: How often a replica asks for its streams' info (two JetStream API requests: the lag gauge, and
-#: whether a stream was deleted or recreated) and updates the index gauges. A stream info is the
-#: dearest request nats-server answers (about 0.6 ms of its CPU on a small VM, an event message's
-#: worth); at 2 s it was most of what an idle fleet asked of it.
-TRACK_EVERY = 5.0
+#: whether a stream was deleted or recreated) and updates the index gauges. nats-server's CPU goes by
+#: the messages it wakes up for, not their bytes: on a small VM a lone message costs it 1-3 ms, so what a
+#: quiet fleet asks of it every few seconds is a fifth of its CPU on a real trace at 5x.
+TRACK_EVERY = 10.0
 
-#: seconds between a consumer's idle heartbeats (two missed: the consumer is made again)
-HEARTBEAT = 2.0
+#: seconds between a consumer's idle heartbeats (two missed: the consumer is made again; a lost connection
+#: or a skipped sequence remakes it at once): nats-py's own default for ordered consumers
+HEARTBEAT = 5.0
 _UTC = datetime.timezone.utc
 
 

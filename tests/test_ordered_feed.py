@@ -196,8 +196,8 @@ async def test_an_idle_replica_wakes_up_for_few_timers(nats_url, stream_prefix, 
         monkeypatch.setattr(asyncio.events.Handle, "_run", counted)
         await asyncio.sleep(4.0)
         monkeypatch.setattr(asyncio.events.Handle, "_run", plain)
-        # left: the snapshot scheduler (1/s), the lag tracker (1/2 s), the lease (1/3.3 s with a 10 s TTL),
-        # the consumers' heartbeat checks (1/(2 x heartbeat) each), and this test's own sleep: about 12
+        # left: the snapshot scheduler, the stream tracker (1/10 s), the lease (1/3.3 s with a 10 s TTL), the
+        # loop-lag tick (1/s), the consumers' heartbeat checks (1/(2 x heartbeat) each), and this test's own sleep
         assert len(timers) <= 4 * 5, timers
     finally:
         await replica.stop()
