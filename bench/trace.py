@@ -76,6 +76,24 @@ def _cpu(pid: int, system_only: bool = False) -> float:
         return 0.0
 
 
+def _wakeups(pid: int) -> int:
+    """How often a process's threads have gone to sleep and been woken so far (voluntary context
+    switches): on a VM a wake-up costs 0.1-0.2 ms of CPU whatever the work, so at a slow replay a
+    pipeline's CPU follows its wake-ups per batch more than its bytes."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            total += int(status.split("voluntary_ctxt_switches:", 1)[1].split(None, 1)[0])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total
+
+
 def _spawn(args: list[str], log: Path | None = None, **kw) -> subprocess.Popen:
     err = open(log, "w") if log else None
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -410,6 +428,7 @@ class Replay:
                 nats0 = await ours.nats_counts(session)
                 cpu0 = {k: _cpu(pid) for k, pid in pids.items()}
                 sys0 = {k: _cpu(pid, True) for k, pid in pids.items()}
+                wake0 = {k: _wakeups(pid) for k, pid in pids.items()}
                 me0 = os.times()
                 t_wall = time.monotonic()
                 await self._replay()
@@ -424,6 +443,7 @@ class Replay:
                 await asyncio.sleep(1.0)  # the indexer (and Dynamo) apply what is in flight
                 cpu = {k: _cpu(pid) - cpu0[k] for k, pid in pids.items()}
                 self.out["cpu_system"] = {k: _cpu(pid, True) - sys0[k] for k, pid in pids.items()}
+                self.out["wakeups"] = {k: _wakeups(pid) - wake0[k] for k, pid in pids.items()}
                 nats1 = await ours.nats_counts(session)  # (includes the metrics reads of the wait above)
                 self.out["nats_counts"] = {k: nats1[k] - nats0[k] for k in nats0}
                 me = os.times()
@@ -748,6 +768,12 @@ def _marks(runs: list[dict], dyn: bool) -> list[str]:
             theirs = sum(r["cpu"]["dynamo"] for r in quiet)
             line += (f"; ingest CPU (runs without routing queries: {', '.join(r['policy'] for r in quiet)}) ours "
                      f"{ours:.2f} s / Dynamo {theirs:.2f} s = {ours / max(theirs, 1e-9):.2f}x")
+            woken = [r for r in quiet if r.get("wakeups") and r["batches"]]
+            if woken:
+                per = {k: sum(r["wakeups"].get(k, 0) for r in woken) / sum(r["batches"] for r in woken)
+                       for k in ("bridge", "indexer", "nats", "dynamo")}
+                line += (f"; wake-ups a batch (voluntary context switches of all threads): bridge {per['bridge']:.1f}, "
+                         f"indexer {per['indexer']:.1f}, nats-server {per['nats']:.1f}, Dynamo {per['dynamo']:.1f}")
         if "kv-query" in at and "dynamo" in at and at["kv-query"]["query"]["n"] and at["dynamo"]["query"]["n"]:
             q, d = at["kv-query"]["query"], at["dynamo"]["query"]
             line += (f"; /query p50 / p99 ours {q['p50'] * 1e3:.2f} / {q['p99'] * 1e3:.2f} ms, Dynamo "
