@@ -78,8 +78,8 @@ def _cpu(pid: int, system_only: bool = False) -> float:
 
 def _wakeups(pid: int) -> int:
     """How often a process's threads have gone to sleep and been woken so far (voluntary context
-    switches): on a VM a wake-up costs 0.1-0.2 ms of CPU whatever the work, so at a slow replay a
-    pipeline's CPU follows its wake-ups per batch more than its bytes."""
+    switches): at a slow replay every batch wakes each stage, and on a VM a Python process's wake-up
+    costs 0.1-0.2 ms of CPU whatever the work (bench/RESULTS.md, the trace section)."""
     total = 0
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
