@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 
 #: How often a replica asks for its streams' info (two JetStream API requests: the lag gauge, and
 #: whether a stream was deleted or recreated) and updates the index gauges. nats-server's CPU goes by
-#: the messages it wakes up for, not their bytes: on a small VM a lone message costs it 1-3 ms, so what a
-#: quiet fleet asks of it every few seconds is a fifth of its CPU on a real trace at 5x.
+#: the messages it wakes up for more than by their bytes, a lone one dearest (bench/RESULTS.md, the
+#: trace section): what a quiet fleet asks of it every few seconds adds up.
 TRACK_EVERY = 10.0
 
 #: seconds between a consumer's idle heartbeats (two missed: the consumer is made again; a lost connection
