@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Callable
 
 import zmq
 
@@ -22,14 +23,15 @@ log = logging.getLogger(__name__)
 class ReadSweep:
     def __init__(self, every: float) -> None:
         self.every = every
-        self._waiting: dict[int, tuple[zmq.Socket, asyncio.Event]] = {}
+        self._waiting: dict[int, tuple[zmq.Socket, asyncio.Event, Callable[[], None] | None]] = {}
         self._task: asyncio.Task | None = None
         #: readers woken by the sweep: each a signal libzmq's FD did not give
         self.woken = 0
 
-    def watch(self, sock: zmq.Socket, wake: asyncio.Event) -> None:
-        """Sweep ``sock`` until forgotten, setting ``wake`` when a message waits there."""
-        self._waiting[id(wake)] = (sock, wake)
+    def watch(self, sock: zmq.Socket, wake: asyncio.Event, on_woken: Callable[[], None] | None = None) -> None:
+        """Sweep ``sock`` until forgotten, setting ``wake`` when a message waits there (and telling
+        ``on_woken``: the owner counts the signals libzmq did not give)."""
+        self._waiting[id(wake)] = (sock, wake, on_woken)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="zmq-read-sweep")
 
@@ -40,7 +42,7 @@ class ReadSweep:
             self._task = None
 
     def sweep(self) -> None:
-        for sock, wake in list(self._waiting.values()):
+        for sock, wake, on_woken in list(self._waiting.values()):
             if wake.is_set():
                 continue
             try:
@@ -50,6 +52,8 @@ class ReadSweep:
             if ready:
                 self.woken += 1
                 wake.set()
+                if on_woken is not None:
+                    on_woken()
 
     async def _run(self) -> None:
         while True:

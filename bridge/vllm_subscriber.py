@@ -222,7 +222,7 @@ class VllmSubscriber:
         fd = plain.get(zmq.FD)
         loop.add_reader(fd, signalled.set)
         sweep = read_sweep(READ_WAIT_MAX)
-        sweep.watch(plain, signalled)
+        sweep.watch(plain, signalled, self.metrics.bridge_read_sweep_woken.inc)
         try:
             while True:
                 try:

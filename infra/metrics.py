@@ -32,7 +32,7 @@ INDEXER = frozenset({
 BRIDGE = frozenset({
     "bridge_batches", "bridge_block_events", "block_key_checks", "block_key_mismatched_pods", "bridge_malformed",
     "bridge_gaps", "bridge_replays", "bridge_resets", "publish_retries", "publish_inflight", "subscriptions",
-    "subscriptions_disconnected", "bridge_resubscribes", "bridge_buffered_bytes", "l3_poll_errors",
+    "subscriptions_disconnected", "bridge_resubscribes", "bridge_read_sweep_woken", "bridge_buffered_bytes", "l3_poll_errors",
     "l3_poller_restarts", "l3_unparsed_keys", "l3_unlocatable_keys", "l3_relocated_keys", "l3_batch_query",
     "l3_message_parts", "publish_refused", "l3_keys", "l3_poll_seconds", "targets_reload_errors", "bridge_leader",
     "discovery_lists", "discovery_watches"})
@@ -154,6 +154,9 @@ class Metrics:
         self.subscriptions_disconnected = Gauge(
             p + "bridge_subscriptions_disconnected", "vLLM ZMQ subscriptions without a connection to their engine now.",
             registry=r)
+        self.bridge_read_sweep_woken = Counter(
+            p + "bridge_read_sweep_wakeups_total", "Subscriptions woken by the read sweep: a message libzmq's signal "
+            "did not announce, found within 5 s.", registry=r)
         self.bridge_resubscribes = Counter(
             p + "bridge_resubscribes_total", "SUB sockets made anew after libzmq gave a connection up (a message over "
             "ingest.l1.maxBatchBytes, or another protocol error).", registry=r)

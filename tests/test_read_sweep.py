@@ -27,8 +27,9 @@ async def test_idle_readers_stay_asleep_and_a_message_without_a_signal_wakes_its
     try:
         sweep = ReadSweep(every=0.2)
         wakes = [asyncio.Event() for _ in pairs]
-        for (_, sub), wake in zip(pairs, wakes):
-            sweep.watch(sub, wake)  # nobody listens to the sockets' FDs: only the sweep can wake them
+        told = []
+        for i, ((_, sub), wake) in enumerate(zip(pairs, wakes)):
+            sweep.watch(sub, wake, lambda i=i: told.append(i))  # nobody listens to the FDs: only the sweep wakes
         await asyncio.sleep(1.0)  # five sweeps over fifty idle sockets
         assert sweep.woken == 0 and not any(w.is_set() for w in wakes)
 
@@ -41,6 +42,7 @@ async def test_idle_readers_stay_asleep_and_a_message_without_a_signal_wakes_its
         await wait_for(wakes[7].is_set, 2, "the sweep to find the message")
         assert time.monotonic() - started <= 0.5
         assert sweep.woken == 1 and sum(w.is_set() for w in wakes) == 1
+        assert told == [7]  # the owner is told (the bridge counts it: ..._bridge_read_sweep_wakeups_total)
 
         for wake in wakes:
             sweep.forget(wake)
