@@ -197,7 +197,7 @@ class HitRateApi:
     async def _run_native(self, query: NativeQuery, size: int) -> tuple:
         """A native query of a ``size``-byte body: on the loop where its worst case fits INLINE_BUDGET, else
         on the query threads."""
-        if inline_cost(size, query.call_args[2], query.chunks) <= INLINE_BUDGET:
+        if inline_cost(size, query.block_size, query.chunks) <= INLINE_BUDGET:
             return query.run()
         return await self._threads().run(query)
 

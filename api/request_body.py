@@ -23,6 +23,10 @@ class BodyRefused(Exception):
         self.status = status
 
 
+def _too_large(limit: int) -> BodyRefused:
+    return BodyRefused(413, f"request body exceeds the limit of {limit} bytes")
+
+
 async def _read(request: web.Request, limit: int) -> bytes:
     """``request.read()`` without two of its copies (into a bytearray, then into bytes: 20 us for a 240 KB
     body): what arrived is taken as the stream joins it, and joined once more only if it came in parts."""
@@ -30,7 +34,7 @@ async def _read(request: web.Request, limit: int) -> bytes:
     while chunk := await request.content.readany():
         size += len(chunk)
         if size > limit:
-            raise BodyRefused(413, f"request body exceeds the limit of {limit} bytes")
+            raise _too_large(limit)
         parts.append(chunk)
     return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
@@ -45,7 +49,7 @@ async def read_body(request: web.Request, limit: int, timeout: float | None) -> 
         if request.content.is_eof():  # all of it came with the headers (the usual): no wait, no deadline
             body = request.content.read_nowait(-1)
             if len(body) > limit:
-                raise BodyRefused(413, f"request body exceeds the limit of {limit} bytes")
+                raise _too_large(limit)
         else:
             async with within(timeout or None):
                 body = await _read(request, limit)

@@ -157,6 +157,11 @@ class NativeQuery:
         self._known = known
         self._ranks = ranks  # per pod, per tier: the ranks (or masters) of those workers, in that order
 
+    @property
+    def block_size(self) -> int:
+        """Tokens a block (among ``call_args``, which the native call takes as they are)."""
+        return self.call_args[2]
+
     @classmethod
     def prepare(cls, hasher: BlockHasher, tokens: bytes | memoryview | array, block_size: int, cache_salt: str,
                 pods: Sequence[str], tiers: Sequence[Tier | None], with_ranks: bool = False) -> "NativeQuery | None":
@@ -221,7 +226,7 @@ class NativeQuery:
 
     def result(self, out: tuple[int, int, list[list[int]]]) -> ScoreResult:
         n_tokens, hashed, lengths = out
-        n_blocks = n_tokens // self.call_args[2]
+        n_blocks = n_tokens // self.block_size
         if not n_blocks:
             return ScoreResult(0, hashed, [PodScore(pod, [0.0] * len(lengths), known)
                                            for pod, known in zip(self._pods, self._known)])

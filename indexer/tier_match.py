@@ -175,7 +175,7 @@ class NativeTierQuery:
 
     def result(self, out: tuple[int, int, list[list[int]]]) -> TierMatch:
         n_tokens, hashed, _ = out
-        match = TierMatch(n_tokens // self.native.call_args[2], hashed)
+        match = TierMatch(n_tokens // self.native.block_size, hashed)
         for pod, (l1_ranks, l3_ranks) in zip(self._pods, self.native.rank_lengths(out)):
             if self._l1 is not None and l1_ranks:
                 match.ranks[pod] = {rank: (n, n, n) for rank, n in l1_ranks.items()}
