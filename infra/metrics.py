@@ -156,7 +156,7 @@ class Metrics:
             registry=r)
         self.bridge_read_sweep_woken = Counter(
             p + "bridge_read_sweep_wakeups_total", "Subscriptions woken by the read sweep: a message libzmq's signal "
-            "did not announce, found within 5 s.", registry=r)
+            "did not announce, found late by up to the sweep's interval.", registry=r)
         self.bridge_resubscribes = Counter(
             p + "bridge_resubscribes_total", "SUB sockets made anew after libzmq gave a connection up (a message over "
             "ingest.l1.maxBatchBytes, or another protocol error).", registry=r)
