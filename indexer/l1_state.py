@@ -166,6 +166,9 @@ def checked_events(events) -> list[array | None]:
         if kind not in _BLOCK_KINDS:
             raise MalformedMessage(f"event {i}: unknown kind {kind!r}")
         hashes = ev.get("hashes")
+        if type(hashes) is array and hashes.typecode == "Q":  # read as uint64s already (event_codec.decode_packed)
+            out.append(hashes)
+            continue
         if type(hashes) is not list:
             raise MalformedMessage(f"event {i}: hashes is a {type(hashes).__name__}, not a list")
         try:

@@ -30,7 +30,7 @@ import uuid
 
 from nats.js.errors import NotFoundError
 
-from cache_indexer.infra.event_codec import decode
+from cache_indexer.infra.event_codec import decode, decode_packed
 from cache_indexer.infra.lease import Lease
 from cache_indexer.infra.loop_turns import LoopTurns
 from cache_indexer.infra.metrics import Metrics
@@ -255,7 +255,7 @@ class Indexer:
         state = self.l1
         lost = state.stats.lost_gaps
         try:
-            pieces, stored = run_slices(decode(msg.data)), _stored_ns(stored_ns)
+            pieces, stored = run_slices(decode_packed(msg.data)), _stored_ns(stored_ns)
         except Exception as exc:
             pieces, stored = [], None
             self._refused(seq, exc)
@@ -323,7 +323,7 @@ class Indexer:
     def _apply_read_back(self, state: L1State, raw, pod: str, rank: int) -> None:
         """A spilled message read back: applied as when it first came, to its worker alone."""
         try:
-            pieces = run_slices(decode(raw.data))
+            pieces = run_slices(decode_packed(raw.data))
             stored = int(raw.time.timestamp() * 1e9) if raw.time is not None else None
         except Exception as exc:
             self._refused(raw.seq, exc)

@@ -44,6 +44,7 @@ from nats.js import api
 from nats.js.errors import (KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError,
                             ObjectNotFoundError)
 
+from cache_indexer.infra.event_codec import plain
 from cache_indexer.infra.streams import RecordsKv, object_store, unsubscribe_quietly
 from cache_indexer.indexer.block_index import BlockIndex, Chunks
 from cache_indexer.indexer.l1_state import L1State
@@ -100,7 +101,7 @@ class L1Snapshot:
         media = {name: part for (name, _), part in zip(self.indexes[1:], parts[1:])}
         if media:
             header["media"] = media
-        head = msgpack.packb(header)
+        head = msgpack.packb(header, default=plain)  # held messages' hashes may be arrays (decode_packed)
         return [len(head).to_bytes(8, "little"), head, *arrays]
 
 

@@ -10,11 +10,17 @@ changed, bridges of two versions) is read as one.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgpack
 import msgspec
+
+try:  # built where a C compiler was (setup.py); else every payload goes through msgpack
+    from cache_indexer.infra._event_unpack import unpack as _unpack_packed
+except ImportError:  # pragma: no cover - exercised by the no-compiler CI step
+    _unpack_packed = None
 
 ENCODINGS = ("msgpack", "json")
 _JSON_FIRST = frozenset(b"{ \t\r\n")
@@ -82,3 +88,22 @@ def decode(data: bytes) -> Any:
     except Exception as exc:  # msgpack raises several kinds (ValueError, ExtraData, StackError, ...)
         raise MalformedEvent(f"neither JSON (an object starts with '{{') nor msgpack "
                              f"({exc or type(exc).__name__})") from None
+
+
+def decode_packed(data: bytes) -> Any:
+    """``decode``, except that each event's ``hashes`` may come as an ``array('Q')`` instead of a list (the
+    C reader, infra/_event_unpack.c, where built): what the indexers turn the lists into anyway, made
+    without an int object per hash. Such arrays are the readers' own: no encoder here takes them
+    (``plain`` makes them lists again)."""
+    if _unpack_packed is not None and data[:1] and data[0] not in _JSON_FIRST:
+        got = _unpack_packed(data)
+        if got is not None:
+            return got
+    return decode(data)
+
+
+def plain(obj: Any) -> Any:
+    """msgpack's ``default`` for what ``decode_packed`` returns: an ``array('Q')`` of hashes as a list."""
+    if isinstance(obj, array):
+        return obj.tolist()
+    raise TypeError(f"can not serialize {type(obj).__name__!r} object")

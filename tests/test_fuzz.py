@@ -413,3 +413,41 @@ def test_the_c_decoder_of_vllm_batches_equals_msgspecs_path(rng):
         # repr: a corrupted ts may be NaN, equal to itself only in print
         assert repr(got) == repr((want.ts, want.events, want.dp_rank)), raw[:200]
     assert taken >= n // 20, f"the C decoder took only {taken} of {n} cases (about a sixth is usual)"
+
+
+def test_the_c_reader_of_stream_payloads_equals_msgpack(rng):
+    """infra/_event_unpack.c reads whatever the L1 stream holds: on the bridge's messages mutated (the
+    byte-level mutations, headers corrupted as above, truncations), whatever it takes equals msgpack's
+    answer on the same bytes (its arrays as lists, every type the same), and whatever it does not take
+    (None) it leaves to msgpack without an exception of its own. Most cases it takes."""
+    from tests.test_event_codec import _as_lists, _unpack, arrays_only_under_hashes, l1_messages, same
+
+    unpack = _unpack()
+    corpus = [msgpack.packb(m) for m in l1_messages()]
+    taken = 0
+    for n in budget():
+        base = rng.choice(corpus)
+        op = rng.randrange(4) if n >= len(corpus) else -1
+        if op == 0:
+            raw = mutate(rng, base, corpus)
+        elif op == 1:
+            raw = corrupt_headers(rng, base)
+            if rng.random() < 0.5:
+                raw = corrupt_headers(rng, raw)
+        elif op == 2:
+            raw = base[:rng.randrange(len(base) + 1)]
+        elif op == 3:
+            raw = corrupt_headers(rng, base)[:rng.randrange(len(base) + 8)]
+        else:
+            raw = base
+        got = unpack(raw)
+        if got is None:
+            continue
+        taken += 1
+        try:
+            want = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception as exc:
+            raise AssertionError(f"C took {raw[:200]!r} which msgpack refuses: {exc!r}") from None
+        assert same(_as_lists(got), want), raw[:200]
+        assert arrays_only_under_hashes(got), raw[:200]
+    assert taken >= n // 20, f"the C reader took only {taken} of {n} cases"

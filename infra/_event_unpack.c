@@ -1,0 +1,271 @@
+/* The indexer's reader of L1 stream payloads in msgpack (infra/event_codec.py, decode_packed): the value
+ * msgpack.unpackb(data, raw=False, strict_map_key=False) gives, except that an array under a "hashes" key
+ * whose items are all integers in 0..2^64-1 comes as an array('Q') (what indexer/l1_state.checked_events
+ * makes of each event's hashes anyway) instead of a list of ints: one object per event instead of one per
+ * hash, and no conversion after.
+ *
+ * It reads the network's bytes (whatever the stream holds), so it takes only what it reads plainly: a map
+ * key other than a str, an ext type, a str that is not UTF-8, nesting deeper than MAX_DEPTH, a length past
+ * the end, or bytes left over give None, and the caller unpacks the payload with msgpack, which decides
+ * (and names the error). Every length is checked against the bytes left before anything is read or made
+ * of that size. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* the L1 messages nest 4 deep (message, events, event, hashes); deeper is unusual, msgpack decides */
+#define MAX_DEPTH 32
+
+typedef struct {
+    const unsigned char *p, *end;
+} Rd;
+
+static PyObject *array_type; /* array.array */
+static PyObject *hashes_key; /* "hashes" */
+
+static int need(const Rd *r, size_t n) { return (size_t)(r->end - r->p) < n; }
+
+static uint64_t be(const unsigned char *p, int n) {
+    if (n == 8) { /* a hash: most of a batch's bytes */
+        uint64_t v;
+        memcpy(&v, p, 8);
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        v = __builtin_bswap64(v);
+#endif
+        return v;
+    }
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v = v << 8 | p[i];
+    return v;
+}
+
+/* a length of w bytes after a header; -1: past the end */
+static int64_t rd_len(Rd *r, int w) {
+    if (need(r, (size_t)w)) return -1;
+    int64_t n = (int64_t)be(r->p, w);
+    r->p += w;
+    return n;
+}
+
+/* an integer's header at r->p: 1 and its value (*neg: below 0), 0: not an integer, -1: past the end */
+static int rd_int(Rd *r, uint64_t *u, int *neg) {
+    unsigned c = *r->p;
+    if (c <= 0x7f) { r->p++; *u = c; *neg = 0; return 1; }
+    if (c >= 0xe0) { r->p++; *u = (uint64_t)(int64_t)(int8_t)c; *neg = 1; return 1; }
+    int n, sign;
+    switch (c) {
+    case 0xcc: n = 1; sign = 0; break;
+    case 0xcd: n = 2; sign = 0; break;
+    case 0xce: n = 4; sign = 0; break;
+    case 0xcf: n = 8; sign = 0; break;
+    case 0xd0: n = 1; sign = 1; break;
+    case 0xd1: n = 2; sign = 1; break;
+    case 0xd2: n = 4; sign = 1; break;
+    case 0xd3: n = 8; sign = 1; break;
+    default: return 0;
+    }
+    if (need(r, 1 + (size_t)n)) return -1;
+    uint64_t v = be(r->p + 1, n);
+    r->p += 1 + n;
+    if (sign && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~(uint64_t)0 << (8 * n); /* sign-extend */
+    *u = v;
+    *neg = sign && (int64_t)v < 0;
+    return 1;
+}
+
+static PyObject *value(Rd *r, int depth);
+
+/* n items of an array whose header was read, as an array('Q') where all are integers in 0..2^64-1;
+ * NULL with no error set where one is not (r is left where it was: the caller reads them as a list) */
+static PyObject *u64_array(Rd *r, int64_t n) {
+    const unsigned char *start = r->p;
+    PyObject *raw = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 8);
+    if (raw == NULL) return NULL;
+    uint64_t *out = (uint64_t *)PyBytes_AS_STRING(raw);
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t u;
+        int neg;
+        if (need(r, 1) || rd_int(r, &u, &neg) != 1 || neg) {
+            Py_DECREF(raw);
+            r->p = start;
+            return NULL;
+        }
+        memcpy(out + i, &u, 8);
+    }
+    PyObject *a = PyObject_CallFunction(array_type, "sO", "Q", raw);
+    Py_DECREF(raw);
+    return a;
+}
+
+static PyObject *str_of(Rd *r, int64_t n) {
+    if (n < 0 || need(r, (size_t)n)) return NULL;
+    PyObject *s = PyUnicode_DecodeUTF8((const char *)r->p, (Py_ssize_t)n, NULL);
+    if (s == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return NULL;
+        PyErr_Clear(); /* not UTF-8: msgpack decides */
+        return NULL;
+    }
+    r->p += n;
+    return s;
+}
+
+static PyObject *list_of(Rd *r, int64_t n, int depth) {
+    if (n < 0 || (uint64_t)n > (uint64_t)(r->end - r->p)) return NULL; /* every item takes a byte */
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (list == NULL) return NULL;
+    for (int64_t i = 0; i < n; i++) {
+        PyObject *v = value(r, depth + 1);
+        if (v == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
+    }
+    return list;
+}
+
+/* an array's header at r->p: its item count, -1: not an array (or past the end) */
+static int64_t array_len(Rd *r) {
+    unsigned c = *r->p;
+    if ((c & 0xf0) == 0x90) { r->p++; return c & 0x0f; }
+    if (c == 0xdc || c == 0xdd) {
+        const unsigned char *at = r->p++;
+        int64_t n = rd_len(r, c == 0xdc ? 2 : 4);
+        if (n < 0) r->p = at;
+        return n;
+    }
+    return -1;
+}
+
+static PyObject *map_of(Rd *r, int64_t n, int depth) {
+    if (n < 0 || (uint64_t)n > (uint64_t)(r->end - r->p) / 2) return NULL; /* a key and a value: 2 bytes */
+    PyObject *d = PyDict_New();
+    if (d == NULL) return NULL;
+    for (int64_t i = 0; i < n; i++) {
+        if (need(r, 1)) goto fail;
+        unsigned c = *r->p++;
+        int64_t len;
+        if ((c & 0xe0) == 0xa0) len = c & 0x1f;
+        else if (c == 0xd9) len = rd_len(r, 1);
+        else if (c == 0xda) len = rd_len(r, 2);
+        else if (c == 0xdb) len = rd_len(r, 4);
+        else goto fail; /* a key other than a str: msgpack decides */
+        PyObject *k = str_of(r, len);
+        if (k == NULL) goto fail;
+        PyObject *v = NULL;
+        if (!need(r, 1) && PyUnicode_GET_LENGTH(k) == 6 && PyUnicode_Compare(k, hashes_key) == 0) {
+            const unsigned char *at = r->p;
+            int64_t items = array_len(r);
+            if (items >= 0 && (uint64_t)items <= (uint64_t)(r->end - r->p)) {
+                v = u64_array(r, items);
+                if (v == NULL && PyErr_Occurred()) {
+                    Py_DECREF(k);
+                    goto fail;
+                }
+            }
+            if (v == NULL) r->p = at; /* not all uint64s: a list, as any array */
+        }
+        if (v == NULL) v = value(r, depth + 1);
+        if (v == NULL) {
+            Py_DECREF(k);
+            goto fail;
+        }
+        int rc = PyDict_SetItem(d, k, v);
+        Py_DECREF(k);
+        Py_DECREF(v);
+        if (rc) goto fail;
+    }
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+/* one value: a new reference; NULL: an error set, or (none set) not read plainly */
+static PyObject *value(Rd *r, int depth) {
+    if (depth > MAX_DEPTH || need(r, 1)) return NULL;
+    unsigned c = *r->p;
+    if (c <= 0x7f || c >= 0xe0 || (c >= 0xcc && c <= 0xd3)) {
+        uint64_t u;
+        int neg;
+        if (rd_int(r, &u, &neg) != 1) return NULL;
+        return neg ? PyLong_FromLongLong((int64_t)u) : PyLong_FromUnsignedLongLong(u);
+    }
+    r->p++;
+    if ((c & 0xf0) == 0x80) return map_of(r, c & 0x0f, depth);
+    if ((c & 0xf0) == 0x90) return list_of(r, c & 0x0f, depth);
+    if ((c & 0xe0) == 0xa0) return str_of(r, c & 0x1f);
+    switch (c) {
+    case 0xc0: Py_RETURN_NONE;
+    case 0xc2: Py_RETURN_FALSE;
+    case 0xc3: Py_RETURN_TRUE;
+    case 0xc4: case 0xc5: case 0xc6: {
+        int64_t n = rd_len(r, c == 0xc4 ? 1 : c == 0xc5 ? 2 : 4);
+        if (n < 0 || need(r, (size_t)n)) return NULL;
+        PyObject *b = PyBytes_FromStringAndSize((const char *)r->p, (Py_ssize_t)n);
+        if (b != NULL) r->p += n;
+        return b;
+    }
+    case 0xca: {
+        if (need(r, 4)) return NULL;
+        uint32_t bits = (uint32_t)be(r->p, 4);
+        float f;
+        memcpy(&f, &bits, 4);
+        r->p += 4;
+        return PyFloat_FromDouble((double)f);
+    }
+    case 0xcb: {
+        if (need(r, 8)) return NULL;
+        uint64_t bits = be(r->p, 8);
+        double d;
+        memcpy(&d, &bits, 8);
+        r->p += 8;
+        return PyFloat_FromDouble(d);
+    }
+    case 0xd9: return str_of(r, rd_len(r, 1));
+    case 0xda: return str_of(r, rd_len(r, 2));
+    case 0xdb: return str_of(r, rd_len(r, 4));
+    case 0xdc: return list_of(r, rd_len(r, 2), depth);
+    case 0xdd: return list_of(r, rd_len(r, 4), depth);
+    case 0xde: return map_of(r, rd_len(r, 2), depth);
+    case 0xdf: return map_of(r, rd_len(r, 4), depth);
+    default: return NULL; /* ext types and 0xc1: msgpack decides */
+    }
+}
+
+static PyObject *unpack(PyObject *self, PyObject *arg) {
+    Py_buffer buf;
+    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0) return NULL;
+    Rd r = {(const unsigned char *)buf.buf, (const unsigned char *)buf.buf + buf.len};
+    PyObject *v = value(&r, 0);
+    PyBuffer_Release(&buf);
+    if (v == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    if (r.p != r.end) { /* bytes left over: msgpack refuses them */
+        Py_DECREF(v);
+        Py_RETURN_NONE;
+    }
+    return v;
+}
+
+static PyMethodDef methods[] = {
+    {"unpack", unpack, METH_O,
+     "msgpack.unpackb(data, raw=False, strict_map_key=False), with each all-uint64 array under a \"hashes\" "
+     "key as an array('Q'); None where msgpack is to decide."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_event_unpack", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__event_unpack(void) {
+    PyObject *arr = PyImport_ImportModule("array");
+    if (arr == NULL) return NULL;
+    array_type = PyObject_GetAttrString(arr, "array");
+    Py_DECREF(arr);
+    if (array_type == NULL) return NULL;
+    hashes_key = PyUnicode_InternFromString("hashes");
+    if (hashes_key == NULL) return NULL;
+    return PyModule_Create(&module);
+}
