@@ -50,6 +50,7 @@ from bench.dynamo import Dynamo, dynamo_python
 from bench.trace_engines import pod_host
 from bench.trace_model import Fleet, Tokens, argmin, assign_loras, chain, cost, load_trace, lora_key
 from cache_indexer.nats_server import NatsServer
+from cache_indexer.schemas.chart_values import NatsChartValues
 from cache_indexer.simulate.vllm_engine import batch_payload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +64,8 @@ PROBE_GIVE_UP = 30.0
 DEFAULTS = {"trace": str(SAMPLE), "format": "auto", "requests": 500, "speeds": [20.0, 60.0], "engines": 8, "ranks": 1,
             "blocks_per_engine": 50_000, "block_size": 16, "cpu_blocks": 0, "lora_share": 0.0, "loras": 4,
             "prefill_tps": 10_000.0, "tpot": 0.03, "policies": None, "dynamo": None,
-            "verify_requests": 200, "chart": None, "probe": True, "profile": None}
+            "verify_requests": 200, "chart": None, "probe": True, "profile": None,
+            "nats_go_max_procs": NatsChartValues.model_fields["goMaxProcs"].default}
 QUICK = {"requests": 200, "speeds": [60.0]}
 
 
@@ -127,8 +129,10 @@ def _metric(text: str | None, name: str) -> float:
 class Ours:
     """nats-server, a bridge and an indexer replica, each its own process, as the chart runs them."""
 
-    def __init__(self, tmp: Path, ports: list[list], ranks: int, block_size: int) -> None:
+    def __init__(self, tmp: Path, ports: list[list], ranks: int, block_size: int, go_max_procs: int = 0) -> None:
         self.tmp = tmp
+        #: nats-server's environment as the chart gives it (nats.goMaxProcs; 0: Go's own choice)
+        self.nats_env = {"GOMAXPROCS": str(go_max_procs)} if go_max_procs else None
         (tmp / "targets.yaml").write_text("vllm:\n" + "".join(
             f"  - ip: {host}\n    zmqPort: {pub}\n    replayPort: {rep}\n    dpRanks: {ranks}\n" for host, pub, rep in ports))
         self.block_size = block_size
@@ -137,7 +141,7 @@ class Ours:
         self.procs: dict[str, subprocess.Popen] = {}
 
     async def start(self, session: aiohttp.ClientSession) -> None:
-        self.nats = NatsServer(store_dir=str(self.tmp / "nats")).start()
+        self.nats = NatsServer(store_dir=str(self.tmp / "nats"), env=self.nats_env).start()
         common = ["--set", f"nats.url={self.nats.url}", "--set", "log.level=warning", "--set", "http.host=127.0.0.1"]
         self.procs["bridge"] = _spawn(["-m", "cache_indexer.cli", "bridge", *common, "--set",
                                        f"discovery.static.file={self.tmp / 'targets.yaml'}", "--set",
@@ -206,6 +210,7 @@ class Replay:
         self.tokens_of = Tokens(block_tokens)
         self.pods = [pod_host(i) for i in range(p["engines"])]
         self.ranks = p["ranks"]
+        self.go_max_procs = p["nats_go_max_procs"]
         self.fleet = Fleet(self.pods, self.ranks, p["blocks_per_engine"], self.bs, p["cpu_blocks"], p["prefill_tps"],
                            p["tpot"])
         self.pods_json = json.dumps(self.pods)
@@ -404,7 +409,7 @@ class Replay:
                 ports += json.loads(line[6:])
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
                 self.session = session
-                ours = Ours(tmp, ports, self.ranks, self.bs)
+                ours = Ours(tmp, ports, self.ranks, self.bs, self.go_max_procs)
                 await ours.start(session)
                 self.ours_url = f"http://127.0.0.1:{ours.port}"
                 if self.use_dynamo:
@@ -686,7 +691,8 @@ def params(**overrides) -> dict:
 
 
 def run(quick: bool = False, **overrides) -> dict:
-    p = params(**({**QUICK, **overrides} if quick else overrides))
+    given = {k: v for k, v in overrides.items() if v is not None}  # (an option not given is None)
+    p = params(**({**QUICK, **given} if quick else given))
     res = _namespaced(p) if p["dynamo"] and os.environ.get(NETNS_ENV) != "1" else _run_all(p)
     if p.get("chart") is not False:
         res["chart"] = chart(res, p.get("chart"))
@@ -709,7 +715,8 @@ def table(res: dict) -> str:
     lines = [f"Trace `{Path(p['trace']).name}`: first {res['trace_requests']:,} requests ({res['trace_span_s']:.0f} s of "
              f"trace, {res['block_tokens']} tokens an id); {p['engines']:,} engines x {p['ranks']} rank(s) x "
              f"{p['blocks_per_engine']:,} GPU blocks of {p['block_size']} tokens{extras}; prefill "
-             f"{p['prefill_tps']:,.0f} tokens/s, {p['tpot'] * 1e3:.0f} ms an output token.", "",
+             f"{p['prefill_tps']:,.0f} tokens/s, {p['tpot'] * 1e3:.0f} ms an output token; nats-server's GOMAXPROCS "
+             f"{p.get('nats_go_max_procs') or 'Go default'}.", "",
              "| policy | speed | prefix-hit rate | prefill tokens saved | agreement with perfect | answers exact | "
              "freshness p50 / p99 / max (probes) | query p50 / p99 | replay lag p99 / max |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -857,6 +864,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--profile", metavar="DIR", help="py-spy the bridge, the indexer and the engines over each replay: "
                                                      "collapsed stacks in DIR (needs py-spy)")
+    ap.add_argument("--nats-go-max-procs", type=int, dest="nats_go_max_procs",
+                    help="nats-server's GOMAXPROCS (default: the chart's nats.goMaxProcs, "
+                         f"{DEFAULTS['nats_go_max_procs']}; 0: Go's own choice)")
     ap.add_argument("--quick", action="store_true", help="200 requests at 60x")
     return ap
 

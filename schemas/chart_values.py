@@ -193,6 +193,10 @@ class NatsChartValues(_Closed):
     auth: NatsAuthValues = NatsAuthValues()
     resources: dict[str, KubeObject] = setting({}, "Resources of the sub-chart's containers (nats, reloader, "
                                                    "natsBox).")
+    goMaxProcs: int = setting(1, """Threads nats-server runs Go code on (`GOMAXPROCS`); 0: Go's own choice, the
+        node's cores or the container's CPU limit. This NATS takes many small messages one at a time: with
+        more threads than it needs, Go wakes an idle one for nearly every message (docs/operations.md,
+        sizing).""", ge=0, le=1024)
 
 
 for _name in CHART_NATS_SETTINGS:  # the same fields, descriptions and types as schemas/config.py's

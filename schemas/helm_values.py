@@ -31,6 +31,7 @@ NATS_CHART_KEYS = frozenset({
     "service", "serviceAccount", "statefulSet", "tlsCA",
     "auth",  # ours: authorization of the bundled NATS (the chart's nats.auth)
     "resources",  # ours: resources of its containers (the chart's nats.resources)
+    "goMaxProcs",  # ours: nats-server's GOMAXPROCS (the chart's nats.goMaxProcs)
 })
 
 #: Deprecated name -> the setting's name. The documented product's names (``blockKey.prefixCachingHashAlgo``,

@@ -12,7 +12,7 @@ import re
 import pytest
 import yaml
 
-from tests.chart_render import (CHART, by_kind, chart_with_nats, config_of, needs_nats_chart, render,
+from tests.chart_render import (CHART, by_kind, chart_with_nats, config_of, container_env, needs_nats_chart, render,
                                 umbrella)
 from tests.conftest import DATA, ROOT
 
@@ -580,3 +580,29 @@ def test_a_text_setting_given_as_a_number_passes_the_schema(chart):
     cfg = Config.model_validate(config_of(render(chart, {"blockKey": {"pythonHashSeed": 0}})))
     assert cfg.blockKey.pythonHashSeed == "0"
     assert not _schema_errors({"blockKey": {"pythonHashSeed": 42}, "ingest": {"l1": {"topic": 7}}})
+
+
+@needs_nats_chart
+def test_the_bundled_nats_runs_go_on_the_threads_nats_go_max_procs_names(tmp_path):
+    """``nats.goMaxProcs`` (1 by default) is the NATS container's GOMAXPROCS, which a real nats-server
+    started with that environment reports in /varz; 0 leaves Go's own choice (no variable), and the
+    container's other variables (the passwords) stay either way."""
+    import urllib.request
+
+    from cache_indexer.nats_server import NatsServer
+
+    chart = chart_with_nats(tmp_path)
+
+    def env(values):
+        return container_env(render(chart, values), "StatefulSet", "cache-indexer-nats")
+
+    default, wide, goes = env(None), env({"nats": {"goMaxProcs": 4}}), env({"nats": {"goMaxProcs": 0}})
+    assert default["GOMAXPROCS"] == "1" and wide["GOMAXPROCS"] == "4" and "GOMAXPROCS" not in goes
+    assert default["CACHE_INDEXER_BRIDGE_PASSWORD"] and goes["CACHE_INDEXER_BRIDGE_PASSWORD"]
+    for given, want in ((default, 1), (wide, 4)):
+        server = NatsServer(env={"GOMAXPROCS": given["GOMAXPROCS"]}).start()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.monitor_port}/varz", timeout=10) as r:
+                assert json.loads(r.read())["gomaxprocs"] == want
+        finally:
+            server.close()

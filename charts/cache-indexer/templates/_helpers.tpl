@@ -261,8 +261,12 @@ authorization:
 {{- end -}}
 {{- end -}}
 
-{{/* The NATS container's environment: the passwords its configuration reads (sub-chart context). */}}
-{{- define "cache-indexer.natsServerAuthEnv" -}}
+{{/* The NATS container's environment (sub-chart context): GOMAXPROCS (nats.goMaxProcs), and the passwords its
+     configuration reads. */}}
+{{- define "cache-indexer.natsServerEnv" -}}
+{{- with .Values.goMaxProcs }}
+GOMAXPROCS: {{ . | quote }}
+{{- end }}
 {{- if (.Values.auth | default dict).enabled -}}
 {{- $secret := include "cache-indexer.natsAuthSecret" (dict "auth" .Values.auth "release" .Release.Name) -}}
 {{- range $role := list "bridge" "indexer" "admin" }}
