@@ -80,6 +80,7 @@ static PyObject *value(Rd *r, int depth);
  * NULL with no error set where one is not (r is left where it was: the caller reads them as a list) */
 static PyObject *u64_array(Rd *r, int64_t n) {
     const unsigned char *start = r->p;
+    if ((uint64_t)n > (uint64_t)(PY_SSIZE_T_MAX / 8)) return NULL; /* (32-bit builds) a list, msgpack decides */
     PyObject *raw = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 8);
     if (raw == NULL) return NULL;
     uint64_t *out = (uint64_t *)PyBytes_AS_STRING(raw);
