@@ -190,6 +190,12 @@ async def test_gap_is_filled_from_the_replay_socket(stack):
     assert stack.bridge_metrics.bridge_gaps._value.get() == 1
 
 
+def _by_label(counter) -> dict:
+    """A labelled counter's non-zero values by their label."""
+    return {next(iter(s.labels.values()), ""): s.value for s in counter.collect()[0].samples
+            if s.name.endswith("_total") and s.value}
+
+
 async def test_a_gap_longer_than_the_engines_send_high_water_mark_is_filled_in_rounds(stack):
     """Issue 16 #4: the replay ROUTER drops past its send high-water mark without a word; a 3,000-batch gap
     became a "gap-beyond-replay" reset although the buffer held it all. Asked again from the last seq
@@ -207,8 +213,14 @@ async def test_a_gap_longer_than_the_engines_send_high_water_mark_is_filled_in_r
         await eng.publish([stored(hashes)], send=False)  # lost live: only the replay buffer has them
     await eng.publish([stored(CHAIN[1:2], parent=CHAIN[0])])
     await wait_for(lambda: stack.bridge_metrics.bridge_replays.labels("ok")._value.get() >= 1, 30, "the replay")
-    await until_ratio(stack, POD, 2 / 8, timeout=30,  # 300k entries: seconds on 2 busy cores
-                      what="the batch after the gap applied on top of the history")
+    try:
+        await until_ratio(stack, POD, 2 / 8, timeout=30,  # 300k entries: seconds on 2 busy cores
+                          what="the batch after the gap applied on top of the history")
+    except AssertionError as exc:  # (failed once in CI under load: what the bridge did, for whoever sees it next)
+        m = stack.bridge_metrics
+        raise AssertionError(f"{exc}: replays {_by_label(m.bridge_replays)}, resets {_by_label(m.bridge_resets)}, "
+                             f"gaps {m.bridge_gaps._value.get()}, batches {_by_label(m.bridge_batches)}, "
+                             f"entries {stack.replica.indexer.l1.index.entries()}") from None
     state = stack.replica.indexer.l1
     await wait_for(lambda: state.index.entries() == 3000 * 100 + 2, 30, "every batch of the gap in the index")
     resets = {s.labels["reason"] for s in stack.bridge_metrics.bridge_resets.collect()[0].samples
