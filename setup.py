@@ -24,6 +24,6 @@ setup(ext_modules=[Extension("cache_indexer.schemas._blockhash", ["schemas/_bloc
                    Extension("cache_indexer.bridge._zmq_drain", ["bridge/_zmq_drain.c"], optional=True,
                              extra_compile_args=["-O3"], libraries=_dl),
                    Extension("cache_indexer.bridge._vllm_decode", ["bridge/_vllm_decode.c"], optional=True,
-                             extra_compile_args=["-O3"]),
+                             depends=["infra/msgpack_read.h"], extra_compile_args=["-O3"]),
                    Extension("cache_indexer.infra._event_unpack", ["infra/_event_unpack.c"], optional=True,
-                             extra_compile_args=["-O3"])])
+                             depends=["infra/msgpack_read.h"], extra_compile_args=["-O3"])])

@@ -14,104 +14,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../infra/msgpack_read.h"
+
 #define MAX_BLOCK_SIZE (1 << 16)
 #define MAX_GROUP_IDX 63
 #define MEDIUM_MAX 64
 
-typedef struct {
-    const unsigned char *p, *end;
-} Rd;
-
 static PyObject *k_kind, *k_medium, *k_hashes, *k_parent, *k_block_size, *k_lora_name, *k_group_idx;
 static PyObject *v_stored, *v_removed, *v_cleared;
-
-static int need(Rd *r, size_t n) { return (size_t)(r->end - r->p) >= n ? 0 : -1; }
-
-static uint64_t be(const unsigned char *p, int n) {
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
-    return v;
-}
-
-/* a length of n bytes, big-endian; -1: truncated */
-static int64_t rd_len(Rd *r, int n) {
-    if (need(r, n)) return -1;
-    int64_t v = (int64_t)be(r->p, n);
-    r->p += n;
-    return v;
-}
-
-static int64_t rd_array(Rd *r) {
-    if (need(r, 1)) return -1;
-    unsigned c = *r->p++;
-    if ((c & 0xf0) == 0x90) return c & 0x0f;
-    if (c == 0xdc) return rd_len(r, 2);
-    if (c == 0xdd) return rd_len(r, 4);
-    return -1;
-}
-
-static int64_t rd_map(Rd *r) {
-    if (need(r, 1)) return -1;
-    unsigned c = *r->p++;
-    if ((c & 0xf0) == 0x80) return c & 0x0f;
-    if (c == 0xde) return rd_len(r, 2);
-    if (c == 0xdf) return rd_len(r, 4);
-    return -1;
-}
-
-/* a str's bytes (not validated); -1: not a str or truncated */
-static int rd_str(Rd *r, const char **s, Py_ssize_t *n) {
-    if (need(r, 1)) return -1;
-    unsigned c = *r->p++;
-    int64_t len;
-    if ((c & 0xe0) == 0xa0) len = c & 0x1f;
-    else if (c == 0xd9) len = rd_len(r, 1);
-    else if (c == 0xda) len = rd_len(r, 2);
-    else if (c == 0xdb) len = rd_len(r, 4);
-    else return -1;
-    if (len < 0 || need(r, (size_t)len)) return -1;
-    *s = (const char *)r->p;
-    *n = (Py_ssize_t)len;
-    r->p += len;
-    return 0;
-}
-
-static int take_nil(Rd *r) {
-    if (r->p < r->end && *r->p == 0xc0) {
-        r->p++;
-        return 1;
-    }
-    return 0;
-}
-
-/* an integer as its 64-bit pattern, and whether it is negative; -1: not an integer */
-static int rd_int(Rd *r, uint64_t *u, int *neg) {
-    if (need(r, 1)) return -1;
-    unsigned c = *r->p++;
-    *neg = 0;
-    if (c <= 0x7f) { *u = c; return 0; }
-    if (c >= 0xe0) { *u = (uint64_t)(int64_t)(int8_t)c; *neg = 1; return 0; }
-    int n;
-    int sign;
-    switch (c) {
-    case 0xcc: n = 1; sign = 0; break;
-    case 0xcd: n = 2; sign = 0; break;
-    case 0xce: n = 4; sign = 0; break;
-    case 0xcf: n = 8; sign = 0; break;
-    case 0xd0: n = 1; sign = 1; break;
-    case 0xd1: n = 2; sign = 1; break;
-    case 0xd2: n = 4; sign = 1; break;
-    case 0xd3: n = 8; sign = 1; break;
-    default: return -1;
-    }
-    if (need(r, n)) return -1;
-    uint64_t v = be(r->p, n);
-    r->p += n;
-    if (sign && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~(uint64_t)0 << (8 * n);  /* sign-extend */
-    *u = v;
-    *neg = sign && (int64_t)v < 0;
-    return 0;
-}
 
 /* a block hash, normalised as schemas.block_hash does: an int's uint64 form, or the last 8 bytes of a
  * digest big-endian; NULL with no error set: not one */

@@ -14,65 +14,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "msgpack_read.h"
+
 /* the L1 messages nest 4 deep (message, events, event, hashes); deeper is unusual, msgpack decides */
 #define MAX_DEPTH 32
 
-typedef struct {
-    const unsigned char *p, *end;
-} Rd;
-
 static PyObject *array_type; /* array.array */
 static PyObject *hashes_key; /* "hashes" */
-
-static int need(const Rd *r, size_t n) { return (size_t)(r->end - r->p) < n; }
-
-static uint64_t be(const unsigned char *p, int n) {
-    if (n == 8) { /* a hash: most of a batch's bytes */
-        uint64_t v;
-        memcpy(&v, p, 8);
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-        v = __builtin_bswap64(v);
-#endif
-        return v;
-    }
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++) v = v << 8 | p[i];
-    return v;
-}
-
-/* a length of w bytes after a header; -1: past the end */
-static int64_t rd_len(Rd *r, int w) {
-    if (need(r, (size_t)w)) return -1;
-    int64_t n = (int64_t)be(r->p, w);
-    r->p += w;
-    return n;
-}
-
-/* an integer's header at r->p: 1 and its value (*neg: below 0), 0: not an integer, -1: past the end */
-static int rd_int(Rd *r, uint64_t *u, int *neg) {
-    unsigned c = *r->p;
-    if (c <= 0x7f) { r->p++; *u = c; *neg = 0; return 1; }
-    if (c >= 0xe0) { r->p++; *u = (uint64_t)(int64_t)(int8_t)c; *neg = 1; return 1; }
-    int n, sign;
-    switch (c) {
-    case 0xcc: n = 1; sign = 0; break;
-    case 0xcd: n = 2; sign = 0; break;
-    case 0xce: n = 4; sign = 0; break;
-    case 0xcf: n = 8; sign = 0; break;
-    case 0xd0: n = 1; sign = 1; break;
-    case 0xd1: n = 2; sign = 1; break;
-    case 0xd2: n = 4; sign = 1; break;
-    case 0xd3: n = 8; sign = 1; break;
-    default: return 0;
-    }
-    if (need(r, 1 + (size_t)n)) return -1;
-    uint64_t v = be(r->p + 1, n);
-    r->p += 1 + n;
-    if (sign && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~(uint64_t)0 << (8 * n); /* sign-extend */
-    *u = v;
-    *neg = sign && (int64_t)v < 0;
-    return 1;
-}
 
 static PyObject *value(Rd *r, int depth);
 
@@ -87,7 +35,7 @@ static PyObject *u64_array(Rd *r, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t u;
         int neg;
-        if (need(r, 1) || rd_int(r, &u, &neg) != 1 || neg) {
+        if (rd_int(r, &u, &neg) || neg) {
             Py_DECREF(raw);
             r->p = start;
             return NULL;
@@ -99,16 +47,14 @@ static PyObject *u64_array(Rd *r, int64_t n) {
     return a;
 }
 
-static PyObject *str_of(Rd *r, int64_t n) {
-    if (n < 0 || need(r, (size_t)n)) return NULL;
-    PyObject *s = PyUnicode_DecodeUTF8((const char *)r->p, (Py_ssize_t)n, NULL);
-    if (s == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return NULL;
-        PyErr_Clear(); /* not UTF-8: msgpack decides */
-        return NULL;
-    }
-    r->p += n;
-    return s;
+/* a str (rd_str), decoded; NULL with no error set: not a str, cut short, or not UTF-8 (msgpack decides) */
+static PyObject *str_at(Rd *r) {
+    const char *s;
+    Py_ssize_t n;
+    if (rd_str(r, &s, &n)) return NULL;
+    PyObject *u = PyUnicode_DecodeUTF8(s, n, NULL);
+    if (u == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) PyErr_Clear();
+    return u;
 }
 
 static PyObject *list_of(Rd *r, int64_t n, int depth) {
@@ -126,38 +72,17 @@ static PyObject *list_of(Rd *r, int64_t n, int depth) {
     return list;
 }
 
-/* an array's header at r->p: its item count, -1: not an array (or past the end) */
-static int64_t array_len(Rd *r) {
-    unsigned c = *r->p;
-    if ((c & 0xf0) == 0x90) { r->p++; return c & 0x0f; }
-    if (c == 0xdc || c == 0xdd) {
-        const unsigned char *at = r->p++;
-        int64_t n = rd_len(r, c == 0xdc ? 2 : 4);
-        if (n < 0) r->p = at;
-        return n;
-    }
-    return -1;
-}
-
 static PyObject *map_of(Rd *r, int64_t n, int depth) {
     if (n < 0 || (uint64_t)n > (uint64_t)(r->end - r->p) / 2) return NULL; /* a key and a value: 2 bytes */
     PyObject *d = PyDict_New();
     if (d == NULL) return NULL;
     for (int64_t i = 0; i < n; i++) {
-        if (need(r, 1)) goto fail;
-        unsigned c = *r->p++;
-        int64_t len;
-        if ((c & 0xe0) == 0xa0) len = c & 0x1f;
-        else if (c == 0xd9) len = rd_len(r, 1);
-        else if (c == 0xda) len = rd_len(r, 2);
-        else if (c == 0xdb) len = rd_len(r, 4);
-        else goto fail; /* a key other than a str: msgpack decides */
-        PyObject *k = str_of(r, len);
+        PyObject *k = str_at(r); /* a key other than a str: msgpack decides */
         if (k == NULL) goto fail;
         PyObject *v = NULL;
         if (!need(r, 1) && PyUnicode_GET_LENGTH(k) == 6 && PyUnicode_Compare(k, hashes_key) == 0) {
             const unsigned char *at = r->p;
-            int64_t items = array_len(r);
+            int64_t items = rd_array(r);
             if (items >= 0 && (uint64_t)items <= (uint64_t)(r->end - r->p)) {
                 v = u64_array(r, items);
                 if (v == NULL && PyErr_Occurred()) {
@@ -190,13 +115,13 @@ static PyObject *value(Rd *r, int depth) {
     if (c <= 0x7f || c >= 0xe0 || (c >= 0xcc && c <= 0xd3)) {
         uint64_t u;
         int neg;
-        if (rd_int(r, &u, &neg) != 1) return NULL;
+        if (rd_int(r, &u, &neg)) return NULL;
         return neg ? PyLong_FromLongLong((int64_t)u) : PyLong_FromUnsignedLongLong(u);
     }
+    if ((c & 0xe0) == 0xa0 || (c >= 0xd9 && c <= 0xdb)) return str_at(r);
     r->p++;
     if ((c & 0xf0) == 0x80) return map_of(r, c & 0x0f, depth);
     if ((c & 0xf0) == 0x90) return list_of(r, c & 0x0f, depth);
-    if ((c & 0xe0) == 0xa0) return str_of(r, c & 0x1f);
     switch (c) {
     case 0xc0: Py_RETURN_NONE;
     case 0xc2: Py_RETURN_FALSE;
@@ -224,9 +149,6 @@ static PyObject *value(Rd *r, int depth) {
         r->p += 8;
         return PyFloat_FromDouble(d);
     }
-    case 0xd9: return str_of(r, rd_len(r, 1));
-    case 0xda: return str_of(r, rd_len(r, 2));
-    case 0xdb: return str_of(r, rd_len(r, 4));
     case 0xdc: return list_of(r, rd_len(r, 2), depth);
     case 0xdd: return list_of(r, rd_len(r, 4), depth);
     case 0xde: return map_of(r, rd_len(r, 2), depth);

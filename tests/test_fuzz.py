@@ -372,21 +372,9 @@ def corrupt_headers(rng: random.Random, data: bytes) -> bytes:
     return head + bytes([code]) + (v % (1 << (8 * w))).to_bytes(w, "big") + tail
 
 
-def test_the_c_decoder_of_vllm_batches_equals_msgspecs_path(rng):
-    """bridge/_vllm_decode.c reads the network's bytes: on the vLLM event corpus mutated (the byte-level
-    mutations above, every header's length corrupted or widened to its 16/32-bit form, integers in every
-    width and sign, truncations), whatever it takes equals msgspec's path (``decode_strict``) on the same
-    bytes, and whatever it does not take (None) it leaves without an exception. Most of the cases it
-    takes, so both paths are held equal on real answers, not only on refusals."""
-    import msgspec
-
-    from cache_indexer.bridge import vllm_events
-    needs_native(vllm_events._native is not None, "the bridge's C decoder of vLLM batches")
-    # the engines' payloads, and batches with what they seldom hold (digests, unknown fields of every kind,
-    # removal runs across media and groups, 16-bit lengths): tests/data/fuzz/vllm_batches
-    corpus = [p.read_bytes() for p in sorted([*(DATA / "vllm" / "events").glob("*.bin"),
-                                              *(DATA / "fuzz" / "vllm_batches").glob("*.bin")])]
-    taken = 0
+def msgpack_cases(rng: random.Random, corpus: list[bytes]):
+    """(n, payload) for FUZZ_SECONDS: the corpus as it is first, then each case one of its payloads
+    mutated byte-wise, with one or two headers corrupted, cut short, or both."""
     for n in budget():
         base = rng.choice(corpus)
         op = rng.randrange(4) if n >= len(corpus) else -1
@@ -402,6 +390,25 @@ def test_the_c_decoder_of_vllm_batches_equals_msgspecs_path(rng):
             raw = corrupt_headers(rng, base)[:rng.randrange(len(base) + 8)]
         else:
             raw = base
+        yield n, raw
+
+
+def test_the_c_decoder_of_vllm_batches_equals_msgspecs_path(rng):
+    """bridge/_vllm_decode.c reads the network's bytes: on the vLLM event corpus mutated (the byte-level
+    mutations above, every header's length corrupted or widened to its 16/32-bit form, integers in every
+    width and sign, truncations), whatever it takes equals msgspec's path (``decode_strict``) on the same
+    bytes, and whatever it does not take (None) it leaves without an exception. Most of the cases it
+    takes, so both paths are held equal on real answers, not only on refusals."""
+    import msgspec
+
+    from cache_indexer.bridge import vllm_events
+    needs_native(vllm_events._native is not None, "the bridge's C decoder of vLLM batches")
+    # the engines' payloads, and batches with what they seldom hold (digests, unknown fields of every kind,
+    # removal runs across media and groups, 16-bit lengths): tests/data/fuzz/vllm_batches
+    corpus = [p.read_bytes() for p in sorted([*(DATA / "vllm" / "events").glob("*.bin"),
+                                              *(DATA / "fuzz" / "vllm_batches").glob("*.bin")])]
+    taken = 0
+    for n, raw in msgpack_cases(rng, corpus):
         got = vllm_events._native(raw)
         if got is None:
             continue
@@ -425,21 +432,7 @@ def test_the_c_reader_of_stream_payloads_equals_msgpack(rng):
     unpack = _unpack()
     corpus = [msgpack.packb(m) for m in l1_messages()]
     taken = 0
-    for n in budget():
-        base = rng.choice(corpus)
-        op = rng.randrange(4) if n >= len(corpus) else -1
-        if op == 0:
-            raw = mutate(rng, base, corpus)
-        elif op == 1:
-            raw = corrupt_headers(rng, base)
-            if rng.random() < 0.5:
-                raw = corrupt_headers(rng, raw)
-        elif op == 2:
-            raw = base[:rng.randrange(len(base) + 1)]
-        elif op == 3:
-            raw = corrupt_headers(rng, base)[:rng.randrange(len(base) + 8)]
-        else:
-            raw = base
+    for n, raw in msgpack_cases(rng, corpus):
         got = unpack(raw)
         if got is None:
             continue
