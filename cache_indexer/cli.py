@@ -38,7 +38,8 @@ CONFIG_ENV = "CACHE_INDEXER_CONFIG"
 Step = Callable[[], Awaitable[None]]
 #: The C accelerators setup.py builds (optional: without them the pure-Python paths run)
 NATIVE_MODULES = (
-    "cache_indexer.schemas._blockhash", "cache_indexer.indexer._prefix_walk", "cache_indexer.indexer._native_index", "cache_indexer.bridge._zmq_drain", "cache_indexer.bridge._vllm_decode")
+    "cache_indexer.schemas._blockhash", "cache_indexer.indexer._prefix_walk", "cache_indexer.indexer._native_index", "cache_indexer.bridge._zmq_drain", "cache_indexer.bridge._vllm_decode",
+    "cache_indexer.infra._event_unpack")
 
 
 def setup_logging(cfg: Config) -> None:
