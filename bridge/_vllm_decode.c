@@ -225,25 +225,11 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     int64_t top = rd_array(r);
     if (top != 2 && top != 3) goto punt;
     if (take_nil(r)) ts = Py_NewRef(Py_None);
-    else if (need(r, 1) == 0 && (*r->p == 0xcb || *r->p == 0xca)) {
-        unsigned c = *r->p++;
-        if (c == 0xcb) {
-            if (need(r, 8)) goto punt;
-            uint64_t bits = be(r->p, 8);
-            double d;
-            memcpy(&d, &bits, 8);
-            r->p += 8;
-            ts = PyFloat_FromDouble(d);
-        } else {
-            if (need(r, 4)) goto punt;
-            uint32_t bits = (uint32_t)be(r->p, 4);
-            float f;
-            memcpy(&f, &bits, 4);
-            r->p += 4;
-            ts = PyFloat_FromDouble((double)f);
-        }
-        if (ts == NULL) goto fail;
-    } else goto punt;
+    else {
+        double d;
+        if (rd_float(r, &d)) goto punt;
+        if ((ts = PyFloat_FromDouble(d)) == NULL) goto fail;
+    }
 
     int64_t n_events = rd_array(r);
     if (n_events < 0 || (uint64_t)n_events > (uint64_t)(r->end - r->p)) goto punt;

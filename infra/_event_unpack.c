@@ -80,7 +80,7 @@ static PyObject *map_of(Rd *r, int64_t n, int depth) {
         PyObject *k = str_at(r); /* a key other than a str: msgpack decides */
         if (k == NULL) goto fail;
         PyObject *v = NULL;
-        if (!need(r, 1) && PyUnicode_GET_LENGTH(k) == 6 && PyUnicode_Compare(k, hashes_key) == 0) {
+        if (PyUnicode_GET_LENGTH(k) == 6 && PyUnicode_Compare(k, hashes_key) == 0) {
             const unsigned char *at = r->p;
             int64_t items = rd_array(r);
             if (items >= 0 && (uint64_t)items <= (uint64_t)(r->end - r->p)) {
@@ -119,6 +119,10 @@ static PyObject *value(Rd *r, int depth) {
         return neg ? PyLong_FromLongLong((int64_t)u) : PyLong_FromUnsignedLongLong(u);
     }
     if ((c & 0xe0) == 0xa0 || (c >= 0xd9 && c <= 0xdb)) return str_at(r);
+    if (c == 0xca || c == 0xcb) {
+        double d;
+        return rd_float(r, &d) ? NULL : PyFloat_FromDouble(d);
+    }
     r->p++;
     if ((c & 0xf0) == 0x80) return map_of(r, c & 0x0f, depth);
     if ((c & 0xf0) == 0x90) return list_of(r, c & 0x0f, depth);
@@ -132,22 +136,6 @@ static PyObject *value(Rd *r, int depth) {
         PyObject *b = PyBytes_FromStringAndSize((const char *)r->p, (Py_ssize_t)n);
         if (b != NULL) r->p += n;
         return b;
-    }
-    case 0xca: {
-        if (need(r, 4)) return NULL;
-        uint32_t bits = (uint32_t)be(r->p, 4);
-        float f;
-        memcpy(&f, &bits, 4);
-        r->p += 4;
-        return PyFloat_FromDouble((double)f);
-    }
-    case 0xcb: {
-        if (need(r, 8)) return NULL;
-        uint64_t bits = be(r->p, 8);
-        double d;
-        memcpy(&d, &bits, 8);
-        r->p += 8;
-        return PyFloat_FromDouble(d);
     }
     case 0xdc: return list_of(r, rd_len(r, 2), depth);
     case 0xdd: return list_of(r, rd_len(r, 4), depth);

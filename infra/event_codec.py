@@ -95,7 +95,7 @@ def decode_packed(data: bytes) -> Any:
     C reader, infra/_event_unpack.c, where built): what the indexers turn the lists into anyway, made
     without an int object per hash. Such arrays are the readers' own: no encoder here takes them
     (``plain`` makes them lists again)."""
-    if _unpack_packed is not None and data[:1] and data[0] not in _JSON_FIRST:
+    if _unpack_packed is not None and encoding_of(data) == "msgpack":
         got = _unpack_packed(data)
         if got is not None:
             return got

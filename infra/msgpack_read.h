@@ -75,6 +75,24 @@ static inline int rd_str(Rd *r, const char **s, Py_ssize_t *n) {
     return 0;
 }
 
+/* a float32 or float64, as a double; -1: not a float, or truncated (nothing read) */
+static inline int rd_float(Rd *r, double *out) {
+    if (need(r, 1)) return -1;
+    int n = *r->p == 0xcb ? 8 : *r->p == 0xca ? 4 : 0;
+    if (n == 0 || need(r, 1 + (size_t)n)) return -1;
+    uint64_t bits = be(r->p + 1, n);
+    r->p += 1 + n;
+    if (n == 8) {
+        memcpy(out, &bits, 8);
+    } else {
+        uint32_t bits32 = (uint32_t)bits;
+        float f;
+        memcpy(&f, &bits32, 4);
+        *out = (double)f;
+    }
+    return 0;
+}
+
 /* 1 (and past it) where a nil is next, else 0 */
 static inline int take_nil(Rd *r) {
     if (r->p < r->end && *r->p == 0xc0) {
