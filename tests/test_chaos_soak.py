@@ -135,14 +135,16 @@ async def held(session: aiohttp.ClientSession, port: int, docs: list[list[int]])
         return None
 
 
-async def shard_leases(url: str, bucket: str) -> tuple[int, dict[str, str]]:
-    """(the sharded bridges that are members, shard -> the bridge holding its lease, ``host-pid-suffix``)."""
+async def shard_leases(url: str, bucket: str) -> tuple[list[str], dict[str, str]]:
+    """(the names of the sharded bridges that are members, sorted; shard -> the bridge holding its lease).
+    A bridge's name is ``host-pid-suffix``."""
     nc = await nats.connect(url)
-    members, owners = 0, {}
+    members, owners = [], {}
     try:
         kv = await nc.jetstream().key_value(bucket)
         for k in await kv.keys():
-            members += k.startswith("member.")
+            if k.startswith("member."):
+                members.append(k[len("member."):])
             if k.startswith("own."):
                 try:
                     owners[k[len("own."):]] = (await kv.get(k)).value.decode()
@@ -152,7 +154,7 @@ async def shard_leases(url: str, bucket: str) -> tuple[int, dict[str, str]]:
         pass
     finally:
         await nc.close()
-    return members, owners
+    return sorted(members), owners
 
 
 async def _shared(url: str, bucket: str, bridges: int, targets: int) -> None:
@@ -162,7 +164,7 @@ async def _shared(url: str, bucket: str, bridges: int, targets: int) -> None:
     stable, last = 0, None
     for _ in range(120):
         members, owners = await shard_leases(url, bucket)
-        if members == bridges and len(owners) == targets:
+        if len(members) == bridges and len(owners) == targets:
             stable, last = (stable + 1 if owners == last else 1), owners
         else:
             stable, last = 0, None

@@ -24,10 +24,9 @@ from nats.js import api
 import nats
 from cache_indexer.replica import Replica
 from cache_indexer.bridge.removals import POD
-from cache_indexer.bridge.shard_leases import MEMBER, owner
-from cache_indexer.infra.streams import kv_bucket
+from cache_indexer.bridge.shard_leases import owner
 from tests.conftest import free_port, make_config, metric_value, wait_for
-from tests.test_chaos_soak import CHAINS, Engine, answers
+from tests.test_chaos_soak import CHAINS, Engine, answers, shard_leases
 from tests.test_recovery import spawn, stop_all, write_config
 
 PODS = [f"127.0.0.{91 + i}" for i in range(12)]
@@ -55,20 +54,6 @@ async def _publishers_by_pod(nats_url: str, stream: str) -> dict[str, list[str]]
         await nc.close()
 
 
-async def _members(nats_url: str, bucket: str) -> list[str]:
-    """The live bridges' names (their member keys in the lease bucket)."""
-    nc = await nats.connect(nats_url)
-    try:
-        kv = await kv_bucket(nc.jetstream(), bucket)
-        try:
-            keys = await kv.keys()
-        except Exception:  # nats-py raises when the bucket holds no key yet
-            return []
-        return sorted(k[len(MEMBER):] for k in keys if k.startswith(MEMBER))
-    finally:
-        await nc.close()
-
-
 async def test_three_sharded_bridges_share_12_engines_and_survive_a_sigkill_mid_burst(nats_url, stream_prefix, tmp_path):
     rng = random.Random(15)
     ctx = zmq.asyncio.Context()
@@ -92,7 +77,7 @@ async def test_three_sharded_bridges_share_12_engines_and_survive_a_sigkill_mid_
 
             async def spread() -> bool:
                 s = await shares()
-                members = await _members(nats_url, cfg.nats.lease.bucket)
+                members, _ = await shard_leases(nats_url, cfg.nats.lease.bucket)
                 if None in s or len(members) != 3:
                     return False
                 by_pid = {int(m.rsplit("-", 2)[1]): m for m in members}

@@ -48,7 +48,7 @@ def _targets(engines: list[Engine], masters: dict[str, FakeMaster]) -> str:
 async def _leases(nats_url: str, bucket: str) -> tuple[int, dict[str, int]]:
     """(the bridges that are members, shard lease -> the pid of the bridge holding it)."""
     members, holders = await shard_leases(nats_url, bucket)
-    return members, {shard: int(holder.rsplit("-", 2)[1]) for shard, holder in holders.items()}
+    return len(members), {shard: int(holder.rsplit("-", 2)[1]) for shard, holder in holders.items()}
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
