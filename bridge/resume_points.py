@@ -13,7 +13,9 @@ So the bridge also keeps, per pod, a record in the records bucket (``infra.strea
 stream stored whole (acked, and every message before it of that worker acked too: a resume point never
 passes a hole), the engine's epoch, vLLM's timestamp of that batch and the stream sequence that stored it.
 A worker's first position is written at once, later ones at most every ``interval`` seconds
-(``ingest.l1.resumeInterval``), only for pods whose position moved.
+(``ingest.l1.resumeInterval``), only for pods whose position moved, or at once where the worker has
+run ``RECORD_LAG_MAX`` batches past its last write (a burst: the record must stay within what the
+engine's buffer reaches back to).
 A bridge resumes from the record:
 the stream's last message may lie past one that never made it (stored late, or lost with a killed
 bridge), the record never does; what followed it is published again from the engine's buffer and
@@ -55,6 +57,13 @@ KEY_PREFIX = "bridge.resume."
 #: by the indexers), so an interval of seconds loses nothing while the buffer (vLLM: 10,000 batches)
 #: lasts longer than that.
 WRITE_EVERY = L1IngestConfig.model_fields["resumeInterval"].default
+#: How many batches a worker's position may run past its last write before it is written at once, not at
+#: the interval. A bridge killed before the write is followed by one that resumes from the record, and the
+#: batches since must still be in the engine's replay buffer (vLLM's keeps 10,000): an engine that
+#: published more than its buffer within the interval and then went idle was reset at the next bridge,
+#: its history lost, once the snapshot writer had purged the burst's messages. A busy worker's writes are
+#: then at most one per this many batches (1.6% of its messages; a trace's engines reach the interval first).
+RECORD_LAG_MAX = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +97,12 @@ class ResumePoints:
         #: likewise per (pod, rank) removed alone (bridge: a rank unregistered, dpRanks shrunk)
         self._forgotten_ranks: dict[str, dict[int, int]] = {}
         self._task: asyncio.Task | None = None
-        #: workers this bridge has recorded at least once: a worker's first position is written at once
-        #: (a bridge killed within the interval would otherwise leave it with no record at all, and a purge
-        #: then takes the stream's message too), later ones at most every ``interval``
-        self._recorded: set[tuple[str, int]] = set()
-        self._first = asyncio.Event()
+        #: (generation, seq) of each worker's last position written: a worker's first position is written at
+        #: once (a bridge killed within the interval would otherwise leave it with no record at all, and a
+        #: purge then takes the stream's message too), and so is one ``RECORD_LAG_MAX`` past its last write
+        #: or of another generation; others at most every ``interval``
+        self._written: dict[tuple[str, int], tuple[int, int]] = {}
+        self._due = asyncio.Event()
         #: a position moved (set with every pod marked dirty): the write loop sleeps on it while there is nothing
         #: to write, instead of waking every ``interval`` for nothing
         self._moved = asyncio.Event()
@@ -121,8 +131,9 @@ class ResumePoints:
             ranks[rank] = pos
             self._dirty.add(pod)
             self._moved.set()
-            if (pod, rank) not in self._recorded:
-                self._first.set()
+            written = self._written.get((pod, rank))
+            if written is None or written[0] != pos.gen or pos.seq - written[1] >= RECORD_LAG_MAX:
+                self._due.set()
 
     def generations(self, pod: str, rank: int | None = None) -> list[int]:
         """The generations this bridge knows a position of for the pod (or one rank of it)."""
@@ -199,7 +210,7 @@ class ResumePoints:
         acked once yet (the record would otherwise take it back, and the next bridge resume it)."""
         ranks = self._positions.get(pod, {})
         pos = ranks.pop(rank, None)
-        self._recorded.discard((pod, rank))
+        self._written.pop((pod, rank), None)
         gen = max(pos.gen if pos is not None else -1, before - 1)
         mine = self._forgotten_ranks.setdefault(pod, {})
         mine[rank] = max(gen, mine.get(rank, -1))
@@ -212,7 +223,7 @@ class ResumePoints:
         """The pod left: its record keeps only the removal's mark, and acks still in flight for it are
         ignored (as ``forget_rank``)."""
         ranks = self._positions.pop(pod, {})
-        self._recorded = {key for key in self._recorded if key[0] != pod}
+        self._written = {key: at for key, at in self._written.items() if key[0] != pod}
         self._forgotten[pod] = max([p.gen for p in ranks.values()] + [self._forgotten.get(pod, -1), before - 1])
         self._dirty.add(pod)
         await self.write()
@@ -241,6 +252,8 @@ class ResumePoints:
                 record["retiredRanks"] = dict(self._forgotten_ranks[pod])
             if not ranks and len(record) == 3:
                 continue
+            # counted as written from now: the acks that come during the write wait for the next RECORD_LAG_MAX
+            self._written.update(((pod, r), (p.gen, p.seq)) for r, p in ranks.items())
             writes.append(self._put(kv, pod, msgpack.packb(record), list(ranks)))
         if len(writes) == 1:
             await writes[0]
@@ -251,10 +264,10 @@ class ResumePoints:
         try:
             await kv.put(record_key(pod), value)
         except Exception as exc:
+            for rank in ranks:  # not written after all: the next ack asks for a write at once
+                self._written.pop((pod, rank), None)
             self._again(pod)
             self._warn("resume record of %s not written (%s)", pod, exc)
-            return
-        self._recorded.update((pod, rank) for rank in ranks)
 
     def _again(self, *pods: str) -> None:
         """Records not written: tried again by the write loop (woken, if it sleeps for want of any)."""
@@ -270,12 +283,12 @@ class ResumePoints:
                     self._moved.clear()
                     await self._moved.wait()
                 wait = last + self.interval - loop.time()
-                if wait > 0 and not self._first.is_set():  # a worker's first position is written at once
+                if wait > 0 and not self._due.is_set():  # a first position, or one far ahead: at once
                     try:
-                        await asyncio.wait_for(self._first.wait(), wait)
+                        await asyncio.wait_for(self._due.wait(), wait)
                     except asyncio.TimeoutError:
                         pass
-                self._first.clear()
+                self._due.clear()
                 last = loop.time()
                 await self.write()
             except asyncio.CancelledError:

@@ -306,6 +306,48 @@ async def test_a_workers_first_position_is_recorded_at_once():
         await points.stop()
 
 
+async def test_a_position_that_ran_far_past_its_last_write_is_recorded_at_once():
+    """CI's chaos soak (sharded, seed 558473181): the record's first write caught the idle engine's burst of
+    600 batches at seq 93, the next was due an interval later; the engine's holder was killed within it, the
+    snapshot writer purged the burst's messages, and the next bridge resumed from 93 while the engine's
+    buffer kept only 500-599: a gap beyond the replay, and chains 0-499 lost. A worker's position is now
+    also written at once when it is ``RECORD_LAG_MAX`` batches past its last write, so a bridge killed at
+    any moment leaves a record that the engine's buffer reaches back to."""
+    from cache_indexer.bridge.resume_points import RECORD_LAG_MAX, Position, ResumePoints
+    from tests.test_sequencing_model import MemoryKV
+
+    class CountingKV(MemoryKV):
+        puts = 0
+
+        async def put(self, key: str, value: bytes) -> None:
+            CountingKV.puts += 1
+            await asyncio.sleep(0.003)
+            await super().put(key, value)
+    kv = CountingKV()
+    points = ResumePoints(None, "meta", interval=3600)
+    points._store._kv = kv
+    points.stream_id = "s"
+    points.start()
+
+    def recorded() -> int:
+        return msgpack.unpackb(kv.data[record_key("127.0.0.91")], strict_map_key=False)["ranks"][0][1]
+    try:
+        points.update("127.0.0.91", 0, Position(1, 0, "-", 1.0, 1))
+        await wait_for(lambda: record_key("127.0.0.91") in kv.data, 5, "the first position recorded at once")
+        for seq in range(1, 600):  # the burst's acks, a few to a read of the connection
+            points.update("127.0.0.91", 0, Position(1, seq, "-", 1.0 + seq, 1 + seq))
+            if seq % 4 == 0:
+                await asyncio.sleep(0.001)  # a write takes a round trip, during which more acks come
+        await wait_for(lambda: recorded() > 599 - RECORD_LAG_MAX, 5, "the burst's end recorded within the lag bound")
+        assert kv.puts <= 1 + 600 // RECORD_LAG_MAX, f"{kv.puts} writes: one per RECORD_LAG_MAX batches at most"
+        before = recorded()
+        points.update("127.0.0.91", 0, Position(1, 600, "-", 601.0, 601))  # one batch more: the interval's
+        await asyncio.sleep(0.05)
+        assert recorded() == before, "a position close to its last write waits for the interval"
+    finally:
+        await points.stop()
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("then", ["idle", "one-more-batch"])
 async def test_an_oversized_batch_and_the_chains_sent_during_the_recovery_all_reach_the_index(stack, then):
