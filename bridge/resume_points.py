@@ -62,8 +62,12 @@ WRITE_EVERY = L1IngestConfig.model_fields["resumeInterval"].default
 #: batches since must still be in the engine's replay buffer (vLLM's keeps 10,000): an engine that
 #: published more than its buffer within the interval and then went idle was reset at the next bridge,
 #: its history lost, once the snapshot writer had purged the burst's messages. A busy worker's writes are
-#: then at most one per this many batches (1.6% of its messages; a trace's engines reach the interval first).
+#: then at most one per this many batches (1.6% of its messages; a trace's engines reach the interval
+#: first); a write writes every pod that moved, so a quiet pod beside a busy one goes at that pace too.
 RECORD_LAG_MAX = 64
+#: After a failed write, when the write loop tries again (and the earliest it writes at once again: a
+#: refusing NATS would otherwise get a put per ack).
+RETRY_AFTER = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +110,8 @@ class ResumePoints:
         #: a position moved (set with every pod marked dirty): the write loop sleeps on it while there is nothing
         #: to write, instead of waking every ``interval`` for nothing
         self._moved = asyncio.Event()
+        #: a put of the write loop's last write failed: it waits RETRY_AFTER, then tries again
+        self._failed = False
         self._warn = ThrottledWarning(log)
 
     def start(self) -> None:
@@ -236,6 +242,13 @@ class ResumePoints:
             return
         pods, self._dirty = self._dirty, set()
         try:
+            await self._write(pods)
+        except asyncio.CancelledError:  # stop() cancelled the loop mid-write: its own write takes these pods
+            self._again(*pods)
+            raise
+
+    async def _write(self, pods: set[str]) -> None:
+        try:
             kv = await self._store()
         except Exception as exc:
             self._again(*pods)
@@ -266,6 +279,8 @@ class ResumePoints:
         except Exception as exc:
             for rank in ranks:  # not written after all: the next ack asks for a write at once
                 self._written.pop((pod, rank), None)
+            self._failed = True
+            self._due.set()  # tried again after RETRY_AFTER, not only at the next ack (an idle worker has none)
             self._again(pod)
             self._warn("resume record of %s not written (%s)", pod, exc)
 
@@ -290,7 +305,10 @@ class ResumePoints:
                         pass
                 self._due.clear()
                 last = loop.time()
+                self._failed = False
                 await self.write()
+                if self._failed:  # NATS refused: no write at once for a while (the interval's still comes)
+                    await asyncio.sleep(min(RETRY_AFTER, self.interval))
             except asyncio.CancelledError:
                 raise
             except Exception:  # never the end of the loop: the records would silently stop moving

@@ -312,7 +312,8 @@ async def test_a_position_that_ran_far_past_its_last_write_is_recorded_at_once()
     snapshot writer purged the burst's messages, and the next bridge resumed from 93 while the engine's
     buffer kept only 500-599: a gap beyond the replay, and chains 0-499 lost. A worker's position is now
     also written at once when it is ``RECORD_LAG_MAX`` batches past its last write, so a bridge killed at
-    any moment leaves a record that the engine's buffer reaches back to."""
+    any moment leaves a record that an engine's buffer reaches back to where it holds more than that and
+    the batches in flight (vLLM's: 10,000)."""
     from cache_indexer.bridge.resume_points import RECORD_LAG_MAX, Position, ResumePoints
     from tests.test_sequencing_model import MemoryKV
 
@@ -340,12 +341,74 @@ async def test_a_position_that_ran_far_past_its_last_write_is_recorded_at_once()
                 await asyncio.sleep(0.001)  # a write takes a round trip, during which more acks come
         await wait_for(lambda: recorded() > 599 - RECORD_LAG_MAX, 5, "the burst's end recorded within the lag bound")
         assert kv.puts <= 1 + 600 // RECORD_LAG_MAX, f"{kv.puts} writes: one per RECORD_LAG_MAX batches at most"
-        before = recorded()
-        points.update("127.0.0.91", 0, Position(1, 600, "-", 601.0, 601))  # one batch more: the interval's
+        before = recorded()  # 536..599: the last write may have caught the burst anywhere in that range
+        nxt = before + RECORD_LAG_MAX - 1  # the farthest a position runs without a write at once (>= 599)
+        points.update("127.0.0.91", 0, Position(1, nxt, "-", 1.0 + nxt, 1000 + nxt))  # the interval's
         await asyncio.sleep(0.05)
         assert recorded() == before, "a position close to its last write waits for the interval"
     finally:
         await points.stop()
+
+
+async def test_a_failed_record_write_is_tried_again_within_a_second_and_not_at_every_ack():
+    """From a review of the write at once: a position counts as written when its write is issued, so when
+    that write failed and the engine then went idle, no ack asked again and the record waited for the
+    interval (the soak's window: a kill and a purge within it); and with a NATS that refuses at once, every
+    ack asked for a put. Now a failed write is tried again after ``RETRY_AFTER``, acks or not, and no sooner."""
+    from cache_indexer.bridge.resume_points import RETRY_AFTER, Position, ResumePoints
+    from tests.test_sequencing_model import MemoryKV
+
+    class RefusingKV(MemoryKV):
+        refuse, puts = True, 0
+
+        async def put(self, key: str, value: bytes) -> None:
+            RefusingKV.puts += 1
+            if RefusingKV.refuse:
+                raise ConnectionError("no responders")
+            await super().put(key, value)
+    kv = RefusingKV()
+    points = ResumePoints(None, "meta", interval=3600)
+    points._store._kv = kv
+    points.stream_id = "s"
+    points.start()
+    try:
+        t0 = asyncio.get_running_loop().time()
+        for seq in range(300):  # acks while every put is refused
+            points.update("127.0.0.91", 0, Position(1, seq, "-", 1.0 + seq, 1 + seq))
+            await asyncio.sleep(0.001)
+        took = asyncio.get_running_loop().time() - t0
+        assert kv.puts <= 2 + took / RETRY_AFTER, f"{kv.puts} puts for 300 acks in {took:.2f} s while refused"
+        RefusingKV.refuse = False  # NATS back; the engine idle from now on: no ack asks again
+        await wait_for(lambda: record_key("127.0.0.91") in kv.data, 3 * RETRY_AFTER, "the record written again")
+        assert msgpack.unpackb(kv.data[record_key("127.0.0.91")], strict_map_key=False)["ranks"][0][1] == 299
+    finally:
+        await points.stop()
+
+
+async def test_a_graceful_stop_during_a_record_write_still_writes_that_pod():
+    """From the same review: stop() cancels the write loop, and a pod whose write it cancelled had left the
+    pods to write already, so stop()'s own write skipped it (writes now come during bursts, so a stop lands
+    on one more often)."""
+    from cache_indexer.bridge.resume_points import Position, ResumePoints
+    from tests.test_sequencing_model import MemoryKV
+
+    class StallingKV(MemoryKV):
+        stall = True
+
+        async def put(self, key: str, value: bytes) -> None:
+            if StallingKV.stall:
+                StallingKV.stall = False
+                await asyncio.sleep(3600)  # the first write hangs until cancelled
+            await super().put(key, value)
+    kv = StallingKV()
+    points = ResumePoints(None, "meta", interval=3600)
+    points._store._kv = kv
+    points.stream_id = "s"
+    points.start()
+    points.update("127.0.0.91", 0, Position(1, 5, "-", 6.0, 6))
+    await wait_for(lambda: not StallingKV.stall, 5, "the first write under way")
+    await points.stop()
+    assert msgpack.unpackb(kv.data[record_key("127.0.0.91")], strict_map_key=False)["ranks"][0][1] == 5
 
 
 @pytest.mark.timeout(90)
