@@ -157,6 +157,11 @@ async def shard_leases(url: str, bucket: str) -> tuple[list[str], dict[str, str]
     return sorted(members), owners
 
 
+def holder_pid(name: str) -> int:
+    """The process id in a bridge's name (``host-pid-suffix``): which spawned bridge it is."""
+    return int(name.rsplit("-", 2)[1])
+
+
 async def _shared(url: str, bucket: str, bridges: int, targets: int) -> None:
     """Wait until every bridge is a member, every target's lease is held, and who holds what stays put over
     a lease round (a bridge may hold none: the shares are drawn by hash; a shard moving later moves

@@ -280,28 +280,41 @@ async def test_a_frame_over_max_batch_bytes_is_a_gap_and_the_subscription_comes_
     assert stack.bridge.is_ready()
 
 
+def _write_loop_on(kv):
+    """The bridge's resume points writing to ``kv`` (tests/test_sequencing_model.py's MemoryKV, or one that
+    fails or stalls), their write loop started, the interval an hour: only a write at once is seen."""
+    from cache_indexer.bridge.resume_points import ResumePoints
+
+    points = ResumePoints(None, "meta", interval=3600)
+    points._store._kv = kv
+    points.stream_id = "s"
+    points.start()
+    return points
+
+
+def _recorded_ranks(kv, pod: str = "127.0.0.91") -> dict:
+    """The ranks of the pod's resume record as ``kv`` holds it: rank -> [gen, seq, epoch, ts, stream seq]."""
+    return msgpack.unpackb(kv.data[record_key(pod)], strict_map_key=False)["ranks"]
+
+
 async def test_a_workers_first_position_is_recorded_at_once():
     """CI's chaos soak (seed 2287974246): the first bridge was killed 0.9 s after the idle engine's 600
     batches were acked, before the records' one-second write; the snapshot writer then purged those
     messages, and the next bridge, with neither record nor message, started the engine anew. A worker's
     first position is now written at once (later ones wait for the interval, here an hour)."""
-    from cache_indexer.bridge.resume_points import Position, ResumePoints
+    from cache_indexer.bridge.resume_points import Position
     from tests.test_sequencing_model import MemoryKV
 
     kv = MemoryKV()
-    points = ResumePoints(None, "meta", interval=3600)
-    points._store._kv = kv
-    points.stream_id = "s"
-    points.start()
+    points = _write_loop_on(kv)
     try:
         points.update("127.0.0.91", 0, Position(1, 599, "-", 1.5, 20))
         await wait_for(lambda: record_key("127.0.0.91") in kv.data, 5, "the first position recorded at once")
         points.update("127.0.0.91", 1, Position(1, 7, "-", 2.5, 21))  # another rank's first: at once too
 
-        def ranks() -> dict:
-            return msgpack.unpackb(kv.data[record_key("127.0.0.91")], strict_map_key=False)["ranks"]
-        await wait_for(lambda: set(ranks()) == {0, 1}, 5, "the second rank's first position recorded at once")
-        assert ranks()[0][1] == 599
+        await wait_for(lambda: set(_recorded_ranks(kv)) == {0, 1}, 5,
+                       "the second rank's first position recorded at once")
+        assert _recorded_ranks(kv)[0][1] == 599
     finally:
         await points.stop()
 
@@ -314,7 +327,7 @@ async def test_a_position_that_ran_far_past_its_last_write_is_recorded_at_once()
     also written at once when it is ``RECORD_LAG_MAX`` batches past its last write, so a bridge killed at
     any moment leaves a record that an engine's buffer reaches back to where it holds more than that and
     the batches in flight (vLLM's: 10,000)."""
-    from cache_indexer.bridge.resume_points import RECORD_LAG_MAX, Position, ResumePoints
+    from cache_indexer.bridge.resume_points import RECORD_LAG_MAX, Position
     from tests.test_sequencing_model import MemoryKV
 
     class CountingKV(MemoryKV):
@@ -325,13 +338,10 @@ async def test_a_position_that_ran_far_past_its_last_write_is_recorded_at_once()
             await asyncio.sleep(0.003)
             await super().put(key, value)
     kv = CountingKV()
-    points = ResumePoints(None, "meta", interval=3600)
-    points._store._kv = kv
-    points.stream_id = "s"
-    points.start()
+    points = _write_loop_on(kv)
 
     def recorded() -> int:
-        return msgpack.unpackb(kv.data[record_key("127.0.0.91")], strict_map_key=False)["ranks"][0][1]
+        return _recorded_ranks(kv)[0][1]
     try:
         points.update("127.0.0.91", 0, Position(1, 0, "-", 1.0, 1))
         await wait_for(lambda: record_key("127.0.0.91") in kv.data, 5, "the first position recorded at once")
@@ -355,7 +365,7 @@ async def test_a_failed_record_write_is_tried_again_within_a_second_and_not_at_e
     that write failed and the engine then went idle, no ack asked again and the record waited for the
     interval (the soak's window: a kill and a purge within it); and with a NATS that refuses at once, every
     ack asked for a put. Now a failed write is tried again after ``RETRY_AFTER``, acks or not, and no sooner."""
-    from cache_indexer.bridge.resume_points import RETRY_AFTER, Position, ResumePoints
+    from cache_indexer.bridge.resume_points import RETRY_AFTER, Position
     from tests.test_sequencing_model import MemoryKV
 
     class RefusingKV(MemoryKV):
@@ -367,10 +377,7 @@ async def test_a_failed_record_write_is_tried_again_within_a_second_and_not_at_e
                 raise ConnectionError("no responders")
             await super().put(key, value)
     kv = RefusingKV()
-    points = ResumePoints(None, "meta", interval=3600)
-    points._store._kv = kv
-    points.stream_id = "s"
-    points.start()
+    points = _write_loop_on(kv)
     try:
         t0 = asyncio.get_running_loop().time()
         for seq in range(300):  # acks while every put is refused
@@ -380,7 +387,7 @@ async def test_a_failed_record_write_is_tried_again_within_a_second_and_not_at_e
         assert kv.puts <= 2 + took / RETRY_AFTER, f"{kv.puts} puts for 300 acks in {took:.2f} s while refused"
         RefusingKV.refuse = False  # NATS back; the engine idle from now on: no ack asks again
         await wait_for(lambda: record_key("127.0.0.91") in kv.data, 3 * RETRY_AFTER, "the record written again")
-        assert msgpack.unpackb(kv.data[record_key("127.0.0.91")], strict_map_key=False)["ranks"][0][1] == 299
+        assert _recorded_ranks(kv)[0][1] == 299
     finally:
         await points.stop()
 
@@ -389,7 +396,7 @@ async def test_a_graceful_stop_during_a_record_write_still_writes_that_pod():
     """From the same review: stop() cancels the write loop, and a pod whose write it cancelled had left the
     pods to write already, so stop()'s own write skipped it (writes now come during bursts, so a stop lands
     on one more often)."""
-    from cache_indexer.bridge.resume_points import Position, ResumePoints
+    from cache_indexer.bridge.resume_points import Position
     from tests.test_sequencing_model import MemoryKV
 
     class StallingKV(MemoryKV):
@@ -401,14 +408,11 @@ async def test_a_graceful_stop_during_a_record_write_still_writes_that_pod():
                 await asyncio.sleep(3600)  # the first write hangs until cancelled
             await super().put(key, value)
     kv = StallingKV()
-    points = ResumePoints(None, "meta", interval=3600)
-    points._store._kv = kv
-    points.stream_id = "s"
-    points.start()
+    points = _write_loop_on(kv)
     points.update("127.0.0.91", 0, Position(1, 5, "-", 6.0, 6))
     await wait_for(lambda: not StallingKV.stall, 5, "the first write under way")
     await points.stop()
-    assert msgpack.unpackb(kv.data[record_key("127.0.0.91")], strict_map_key=False)["ranks"][0][1] == 5
+    assert _recorded_ranks(kv)[0][1] == 5
 
 
 @pytest.mark.timeout(90)

@@ -26,7 +26,7 @@ from cache_indexer.replica import Replica
 from cache_indexer.bridge.removals import POD
 from cache_indexer.bridge.shard_leases import owner
 from tests.conftest import free_port, make_config, metric_value, wait_for
-from tests.test_chaos_soak import CHAINS, Engine, answers, shard_leases
+from tests.test_chaos_soak import CHAINS, Engine, answers, holder_pid, shard_leases
 from tests.test_recovery import spawn, stop_all, write_config
 
 PODS = [f"127.0.0.{91 + i}" for i in range(12)]
@@ -80,7 +80,7 @@ async def test_three_sharded_bridges_share_12_engines_and_survive_a_sigkill_mid_
                 members, _ = await shard_leases(nats_url, cfg.nats.lease.bucket)
                 if None in s or len(members) != 3:
                     return False
-                by_pid = {int(m.rsplit("-", 2)[1]): m for m in members}
+                by_pid = {holder_pid(m): m for m in members}
                 if set(by_pid) != {b.pid for b in bridges}:
                     return False
                 placed.clear()
@@ -120,7 +120,7 @@ async def test_three_sharded_bridges_share_12_engines_and_survive_a_sigkill_mid_
         assert set(runs) == set(PODS)
         for pod, seq in runs.items():
             assert len(seq) == len(set(seq)), f"{pod} was published by a bridge that had handed it over: {seq}"
-        published = {int(b.rsplit("-", 2)[1]) for seq in runs.values() for b in seq}
+        published = {holder_pid(b) for seq in runs.values() for b in seq}
         assert {b.pid for i, b in enumerate(bridges) if placed[i]} <= published <= {b.pid for b in bridges}, \
             "every bridge published for its share"
     finally:

@@ -26,7 +26,7 @@ from nats.js.errors import NotFoundError
 from cache_indexer.replica import Replica
 from cache_indexer.infra.streams import subject_token
 from tests.conftest import free_port, make_config, metric_value, wait_for
-from tests.test_chaos_soak import CHAINS, Engine, answers, shard_leases
+from tests.test_chaos_soak import CHAINS, Engine, answers, holder_pid, shard_leases
 from tests.test_mooncake import FakeMaster, key, l3_held
 from tests.test_recovery import spawn, stop_all, write_config
 
@@ -48,7 +48,7 @@ def _targets(engines: list[Engine], masters: dict[str, FakeMaster]) -> str:
 async def _leases(nats_url: str, bucket: str) -> tuple[int, dict[str, int]]:
     """(the bridges that are members, shard lease -> the pid of the bridge holding it)."""
     members, holders = await shard_leases(nats_url, bucket)
-    return len(members), {shard: int(holder.rsplit("-", 2)[1]) for shard, holder in holders.items()}
+    return len(members), {shard: holder_pid(holder) for shard, holder in holders.items()}
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
