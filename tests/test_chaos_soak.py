@@ -118,21 +118,21 @@ def _targets(path, engines: list["Engine"], listed: dict[str, int]) -> None:
     os.replace(tmp, path)
 
 
-async def held(session: aiohttp.ClientSession, port: int, docs: list[list[int]]) -> list[dict] | None:
+async def held(session: aiohttp.ClientSession, port: int, docs: list[list[int]]) -> list[dict] | str:
     """Per document, (pod, rank) -> the blocks from block 0 a replica answers it holds (``POST /query``);
-    None while it cannot answer."""
+    while it cannot answer, why not (a status and its body, or the client's error)."""
     out = []
     try:
         for doc in docs:
             body = {"token_ids": doc, "model_name": "m", "block_size": BS}
             async with session.post(f"http://127.0.0.1:{port}/query", json=body) as r:
                 if r.status != 200:
-                    return None
+                    return f"POST /query answered {r.status}: {(await r.read())[:300]!r}"
                 found = (await r.json())["instances"]
             out.append({(pod, int(rank)): n // BS for pod, inst in found.items() for rank, n in inst["dp"].items() if n})
         return out
-    except aiohttp.ClientError:
-        return None
+    except aiohttp.ClientError as exc:
+        return f"POST /query failed: {type(exc).__name__}: {exc}"
 
 
 async def shard_leases(url: str, bucket: str) -> tuple[list[str], dict[str, str]]:
@@ -341,7 +341,10 @@ async def test_chaos_soak_kill_9_of_bridge_indexer_and_nats_loses_nothing(stream
                 try:
                     await wait_for(converged, 90, "")
                 except AssertionError:
-                    got = await held(session, port, docs) or []
+                    got = await held(session, port, docs)
+                    if isinstance(got, str):  # (once in a soak loop, shown as an empty diff)
+                        raise AssertionError(f"replica on {port} does not answer after {log} (seed {seed}): "
+                                             f"{got}") from None
                     diff = [(i, w, g) for i, (w, g) in enumerate(zip(want, got)) if w != g]
                     raise AssertionError(f"replica on {port} differs from the engines after {log} (seed {seed}, "
                                          f"{batches} batches): (doc, truth, answer) {diff[:6]}") from None
