@@ -86,11 +86,26 @@ def _line_of(root: yaml.Node | None, loc: tuple) -> int | None:
     return node.start_mark.line + 1 if node is not None else line
 
 
+#: libyaml's safe loader where PyYAML has it (its wheels do), else the pure-Python one: at 1,000 pods the
+#: pure-Python parse took the bridge's event loop for about a second at start and at each edit of the file
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _parse(text: str) -> tuple[yaml.Node | None, object]:
+    """The document's node tree (for the lines of errors) and its data, from one parse."""
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+        return root, loader.construct_document(root) if root is not None else None
+    finally:
+        loader.dispose()
+
+
 def load_targets(path: str | Path) -> TargetsFile:
     text = Path(path).read_text()
     try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text) or {}
+        root, data = _parse(text)
+        data = data or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)

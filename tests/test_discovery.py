@@ -10,6 +10,7 @@ import os
 
 import msgpack
 import pytest
+import yaml
 from kubernetes_asyncio import client
 
 from cache_indexer.bridge.k8s_discovery import KubernetesDiscovery
@@ -448,9 +449,16 @@ async def test_mooncake_masters_by_label_and_port_name(kube):
         await d.stop()
 
 
-def test_targets_errors_name_the_file_and_line(tmp_path):
+_LOADERS = pytest.mark.parametrize("loader", ["CSafeLoader", "SafeLoader"])
+
+
+@_LOADERS
+def test_targets_errors_name_the_file_and_line(tmp_path, monkeypatch, loader):
+    """Both parsers (libyaml's, and the pure-Python one where PyYAML lacks it) name the same lines."""
+    from cache_indexer.bridge import static_targets
     from cache_indexer.bridge.static_targets import TargetsError, load_targets
 
+    monkeypatch.setattr(static_targets, "_Loader", getattr(yaml, loader))
     f = tmp_path / "targets.yaml"
     f.write_text("vllm:\n  - ip: 127.0.0.1\n  - ip: 127.0.0.2\n    dpRanks: zero\n")
     with pytest.raises(TargetsError, match=rf"{f}:4: vllm.1.dpRanks"):
@@ -490,3 +498,36 @@ async def test_a_bad_reload_keeps_the_last_good_targets_and_is_counted(tmp_path,
         await bridge.stop()
         await engine.close()
         ctx.term()
+
+
+@_LOADERS
+def test_a_fleet_sized_targets_file_reads_the_same_with_either_parser(tmp_path, monkeypatch, loader):
+    """1,000 pods written in every form the format allows (names, hosts, IPv6, ports in hex, ranks, masters)
+    read back as the same targets whichever parser reads them: libyaml's, which the bridge uses where PyYAML
+    has it, or the pure-Python one."""
+    from cache_indexer.bridge import static_targets
+    from cache_indexer.bridge.static_targets import TargetsFile, load_targets
+
+    pods = []
+    for i in range(1000):
+        pod = {"ip": f"10.{i // 250}.{i % 250}.7" if i % 7 else f"fd00::{i:x}"}
+        if i % 3 == 0:
+            pod["name"] = f"vllm-{i}"
+        if i % 5 == 0:
+            pod["host"] = f"vllm-{i}.infer.svc"
+        if i % 4 == 0:
+            pod["zmqPort"] = 6000 + i
+            pod["replayPort"] = 7000 + i
+        if i % 6 == 0:
+            pod["dpRanks"] = 1 + i % 8
+        pods.append(pod)
+    text = yaml.safe_dump({"vllm": pods, "mooncakeMasters": [{"host": "127.0.0.9", "httpPort": 9003},
+                                                              {"host": "fd00::9", "name": "mc-1"}]})
+    text = text.replace("zmqPort: 6000\n", "zmqPort: 0x1770\n")  # an int YAML 1.1 writes in hex
+    f = tmp_path / "targets.yaml"
+    f.write_text(text)
+    monkeypatch.setattr(static_targets, "_Loader", getattr(yaml, loader))
+    got = load_targets(f)
+    assert got == TargetsFile.model_validate(yaml.load(text, Loader=yaml.SafeLoader))
+    assert len(got.vllm) == 1000 and got.vllm[0].zmqPort == 6000
+    assert len(got.endpoints()) == sum(p.get("dpRanks", 1) for p in pods)
