@@ -310,10 +310,10 @@ class L1IngestConfig(_Section):
                                      tuning=True)
     resumeInterval: Duration = setting(
         10.0, """How often the bridge writes the resume records of the pods whose position moved (a worker's first
-        position is written at once, as is one 64 batches past its last write, and every one at a graceful stop). Each is a write to NATS; a bridge killed
-        in between is followed by one that resumes from the last record and publishes the engine's batches since
-        again from its buffer (deduplicated): keep it well below `nats.l1Stream.duplicateWindow` and the time
-        an engine's replay buffer lasts.""", gt=0, le=60, tuning=True)
+        position is written at once, as is one 64 batches past its last write, and every one at a graceful
+        stop). Each is a write to NATS; a bridge killed in between is followed by one that resumes from the last
+        record and publishes the engine's batches since again from its buffer (deduplicated): keep it well
+        below `nats.l1Stream.duplicateWindow` and the time an engine's replay buffer lasts.""", gt=0, le=60, tuning=True)
 
     @model_validator(mode="after")
     def _batch_fits_budget(self) -> "L1IngestConfig":

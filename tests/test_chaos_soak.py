@@ -32,6 +32,7 @@ import pytest
 import yaml
 import zmq.asyncio
 
+from cache_indexer.bridge.shard_leases import MEMBER, OWN
 from cache_indexer.nats_server import NatsServer
 from cache_indexer.simulate.vllm_engine import VllmPublisher, removed, stored
 from cache_indexer.schemas.block_hash import BlockHasher
@@ -143,11 +144,11 @@ async def shard_leases(url: str, bucket: str) -> tuple[list[str], dict[str, str]
     try:
         kv = await nc.jetstream().key_value(bucket)
         for k in await kv.keys():
-            if k.startswith("member."):
-                members.append(k[len("member."):])
-            if k.startswith("own."):
+            if k.startswith(MEMBER):
+                members.append(k[len(MEMBER):])
+            if k.startswith(OWN):
                 try:
-                    owners[k[len("own."):]] = (await kv.get(k)).value.decode()
+                    owners[k[len(OWN):]] = (await kv.get(k)).value.decode()
                 except Exception:  # released meanwhile
                     continue
     except Exception:  # no bucket or no keys yet
