@@ -57,8 +57,9 @@ TAIL_DEPTH = 10_000
 @dataclass(slots=True)
 class Replayed:
     """What one replay brought: contiguous batches, the budget bytes they hold until ``release``, whether
-    the replay stopped for want of room (the engine may hold more after the last), and whether the engine
-    answered whole, up to its end marker (an empty answer then means it holds nothing from there on)."""
+    the replay stopped for want of room (the engine may hold more after the last), and whether the engine's
+    end marker came (an empty answer then means it holds nothing from there on; a tail dropped on the way
+    before the marker still looks whole)."""
     budget: ReceiveBudget
     batches: list[tuple[int, bytes]] = field(default_factory=list)
     taken: int = 0
@@ -268,21 +269,22 @@ class L1Sequencer:
 
     async def publish_buffered(self, want: int, replayed: Replayed | None) -> None:
         """Publish what the engine's buffer holds from ``want`` on, chunk by chunk within the budget,
-        up to its first hole (a live batch after it resolves that gap)."""
+        up to its first hole (a live batch after it resolves that gap). An answer without its end marker
+        was cut short on the way: asked on from its last batch."""
         async def take(start: int, replayed: Replayed) -> bool:
             stretch = replayed.after(start - 1)
             if not stretch or stretch[0][0] != start:
                 return False
             await self._publish_replayed(stretch)
-            return replayed.cut
+            return replayed.cut or not replayed.complete
         await self._through_buffer(want, replayed, take, empty_is_failure=False)
 
     async def replay_tail(self, upto: int) -> bool:
         """The batches after the last published up to ``upto``, which the subscriber dropped for want of
         room, from the engine's buffer. True once they are published, or settled: a buffer that moved on
-        past them starts a new generation from what it holds (``gap-beyond-replay``). False when the
-        engine did not give them (no answer, the cooldown after a failed replay, a short answer): the
-        caller asks again later, as an engine that goes idle after a burst sends no live batch whose gap
+        past them starts a new generation from what it holds (``gap-beyond-replay``); an answer cut short
+        is asked on from its last batch. False when the engine did not give them (no answer, the cooldown
+        after a failed replay): the caller asks again later, as an engine that goes idle after a burst sends no live batch whose gap
         would bring them (seen at 2,000 ranks: a fleet's fill ended with 9M of 50M entries held)."""
         async def take(start: int, replayed: Replayed) -> bool:
             stretch = replayed.after(start - 1)
@@ -291,7 +293,7 @@ class L1Sequencer:
             if stretch[0][0] != start:
                 await self._reset(stretch[0][0], "gap-beyond-replay")
             await self._publish_replayed(stretch)
-            return replayed.cut
+            return self.last < upto  # an answer cut short: ask on
         if self.last is not None and self.last < upto:
             await self._through_buffer(self.last + 1, None, take, empty_is_failure=False)
         return self.last is None or self.last >= upto
@@ -299,8 +301,8 @@ class L1Sequencer:
     async def _through_buffer(self, want: int, replayed: Replayed | None,
                               take: Callable[[int, Replayed], Awaitable[bool]], empty_is_failure: bool = True) -> None:
         """The chunk loop over the engine's buffer: ask it from ``want`` (the first answer may be at hand),
-        let ``take(want, answer)`` publish from the answer and say whether to go on (it was cut for want
-        of room), and ask again from the seq after the last published. Each answer is released after."""
+        let ``take(want, answer)`` publish from the answer and say whether to go on (it was cut short: for
+        want of room, or on the way), and ask again from the seq after the last published. Each answer is released after."""
         while True:
             if replayed is None:
                 replayed = await self._replay(want, empty_is_failure)
@@ -409,21 +411,26 @@ class L1Sequencer:
                       replayed: Replayed | None = None) -> None:
         """Publish the batches from ``want_from`` up to the live one from the engine's buffer (chunk by
         chunk within the budget), then the live one. A new generation (reset) first when ``new_gen``, or
-        where the buffer no longer holds the next seq wanted (``gap-beyond-replay``)."""
+        where the buffer no longer holds the next seq wanted (``gap-beyond-replay``). An answer that ends
+        before the live one is asked on from its last batch: the engine's ROUTER drops past its send
+        high-water mark and may have room again for the end marker, so an answer can look whole without
+        its tail (a buffer only ever loses its oldest batches)."""
         want, reset_reason = want_from, (reason if new_gen else None)
+        checked = replayed  # the incarnation check's answer, from the seq published last
 
         async def take(start: int, replayed: Replayed) -> bool:
             nonlocal want, reset_reason
             stretch = [b for b in replayed.batches if start <= b[0] < live_seq]
-            cut = replayed.cut and (not stretch or stretch[-1][0] < live_seq - 1)
-            if not stretch or (not cut and stretch[-1][0] != live_seq - 1):
-                return False  # the buffer does not hold every batch up to the live one: reset at the live one
+            if not stretch:  # none before the live one: reset at it; unless the incarnation check's answer
+                # was cut short right after the seq published last: ask on (once: the next answer is from start)
+                return (replayed is checked and bool(replayed.batches)
+                        and replayed.batches[-1][0] == start - 1 == self.last)
             if reset_reason or stretch[0][0] != start:
                 await self._reset(stretch[0][0], reset_reason or "gap-beyond-replay")
                 reset_reason = None
             await self._publish_replayed(stretch)
             want = self.last + 1
-            return cut
+            return want < live_seq  # an answer cut short (no room, or a tail its ROUTER dropped): ask on
         if want < live_seq:
             await self._through_buffer(want, replayed, take)
         elif replayed is not None:

@@ -229,6 +229,24 @@ async def test_a_gap_longer_than_the_engines_send_high_water_mark_is_filled_in_r
     assert stack.bridge_metrics.bridge_replays.labels("round")._value.get() >= 1, "the answer came in rounds"
 
 
+async def test_an_answer_whose_tail_was_dropped_before_its_end_marker_is_asked_on(stack):
+    """CI at stop 43: the engine's ROUTER dropped the last batches of an answer past its high-water mark and
+    had room again for the end marker. The answer looked whole but ended before the live batch, and the
+    worker was reset (gap-beyond-replay) with the whole gap still in the buffer. The bridge publishes what
+    came and asks on from there."""
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:1])])
+    await until_ratio(stack, POD, 1 / 8)
+    for k in range(1, 7):  # seq 1..6 lost live
+        await eng.publish([stored(CHAIN[k:k + 1], parent=CHAIN[k - 1])], send=False)
+    eng.replay_tail_lost = 3  # the answer from seq 0 brings 0..4 and the end marker
+    await eng.publish([stored(CHAIN[7:8], parent=CHAIN[6])])
+    await until_ratio(stack, POD, 1.0, what="the whole gap published from the engine's buffer")
+    assert eng.replay_requests[-2:] == [0, 5], eng.replay_requests
+    assert _by_label(stack.bridge_metrics.bridge_resets) == {"subscribed": 1}
+
+
 async def test_gap_beyond_the_replay_buffer_resets_the_worker(stack):
     eng = stack.engine(POD, buffer_steps=2)
     await stack.connect((eng, POD, 0))

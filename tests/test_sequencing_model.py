@@ -6,7 +6,7 @@ points (bridge/resume_points.py), indexer/l1_state.py and the snapshot encoding.
 them is modelled: JetStream (stored in order, ``Nats-Msg-Id`` deduplicated, purged behind snapshots),
 the bridge's publisher (a message stays in flight until the model stores it, in any order; a crash loses
 what is in flight), the KV bucket, and vLLM engines (seq from 0, a replay buffer of bounded size, a
-restart empties both); two pods, the second with two DP ranks. Steps: engines publish (stores of new
+restart empties both, answers cut short as a ROUTER past its high-water mark cuts them); two pods, the second with two DP ranks. Steps: engines publish (stores of new
 chains, evictions, AllBlocksCleared; live or lost on the way; into the buffer alone while no bridge
 subscribes), engines restart, in-flight messages are stored late, out of order, or again past the
 duplicate window, the bridge is killed (in-flight messages and unwritten resume records lost) or stopped
@@ -145,6 +145,8 @@ class Engine:
         self.held: Counter[int] = Counter()
         self.ts = itertools.count(1)
         self.states: list[frozenset[int]] = [frozenset()]
+        #: the next replay answer short: (batches kept, whether the end marker still came)
+        self.short: tuple[int, bool] | None = None
 
     def publish(self, events: list[dict]) -> tuple[int, bytes]:
         seq, self.seq = self.seq, self.seq + 1
@@ -180,7 +182,11 @@ class Bridge:
 
     def subscribe(self, e: Engine) -> L1Sequencer:
         async def replay(start: int, empty_is_failure: bool) -> Replayed:
-            return Replayed(self.budget, [b for b in e.buffer if b[0] >= start], complete=True)
+            held = [b for b in e.buffer if b[0] >= start]
+            if e.short is not None and len(held) > e.short[0]:  # as the replay client returns what a
+                (keep, marker), e.short = e.short, None          # ROUTER past its high-water mark let through
+                return Replayed(self.budget, held[:keep], complete=marker)
+            return Replayed(self.budget, held, complete=True)
         ep = Endpoint(e.pod, e.rank, f"tcp://{e.pod}:{5557 + e.rank}", f"tcp://{e.pod}:{5567 + e.rank}")
         seq = self.seqs[e.key] = L1Sequencer(ep, self.l1, self.metrics, replay, self.max_batches, 1 << 20)
         self.l1.watch_refusals(e.pod, e.rank, seq.refused)
@@ -329,6 +335,13 @@ class Sequencing(RuleBasedStateMachine):
         self.restarted.add(e.key)
         if e.key in self.bridge.seqs:
             self.bridge.seqs[e.key].reconnected = True
+
+    @rule(i=st.integers(0, len(WORKERS) - 1), keep=st.integers(1, 3), marker=st.booleans())
+    def engine_answers_short(self, i, keep, marker):
+        """The engine's next replay answer longer than ``keep`` batches brings only its first ``keep``: its
+        ROUTER dropped the rest past its send high-water mark, and the end marker came or was dropped too
+        (the first batch of an answer always comes: the pipe to a new request is empty)."""
+        self.engines[i].short = (keep, marker)
 
     # -- discovery: flaps, removals, DP ranks ------------------------------------------------------------
     def subscribed(self, key: tuple[str, int]) -> bool:

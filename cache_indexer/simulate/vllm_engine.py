@@ -60,6 +60,9 @@ class VllmPublisher:
         self.replay_cut = replay_cut
         #: the next this many replay requests get no answer at all (an engine too busy to answer in time)
         self.replay_deaf = 0
+        #: the next answer loses its last this many batches but not its end marker: a ROUTER whose pipe was
+        #: full at those (past its send high-water mark) and had room again when the marker came
+        self.replay_tail_lost = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         #: batches published since this object was made, across engine restarts (tests wait on it)
@@ -113,15 +116,16 @@ class VllmPublisher:
             if self.replay_deaf > 0:
                 self.replay_deaf -= 1
                 continue
-            sent = 0
-            for seq, payload in list(self.buffer):
-                if seq >= start:
-                    if sent == self.replay_cut:
-                        break
-                    body = [seq.to_bytes(8, "big"), payload] if self.legacy_replay else [self.topic, seq.to_bytes(8, "big"), payload]
-                    await self.router.send_multipart([client, b"", *body])
-                    sent += 1
-            if sent == self.replay_cut:
+            held = [(seq, payload) for seq, payload in self.buffer if seq >= start]
+            cut = self.replay_cut is not None and len(held) >= self.replay_cut
+            if cut:
+                held = held[:self.replay_cut]
+            elif self.replay_tail_lost:
+                held, self.replay_tail_lost = held[:max(0, len(held) - self.replay_tail_lost)], 0
+            for seq, payload in held:
+                body = [seq.to_bytes(8, "big"), payload] if self.legacy_replay else [self.topic, seq.to_bytes(8, "big"), payload]
+                await self.router.send_multipart([client, b"", *body])
+            if cut:
                 continue
             end = [END_SEQ, b""] if self.legacy_replay else [b"", END_SEQ, b""]
             await self.router.send_multipart([client, b"", *end])
