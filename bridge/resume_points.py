@@ -250,8 +250,8 @@ class ResumePoints:
     async def _write(self, pods: set[str]) -> None:
         try:
             kv = await self._store()
-        except Exception as exc:
-            self._again(*pods)
+        except Exception as exc:  # the bucket did not open (NATS away)
+            self._retry(*pods)
             self._warn("resume records not written (%s)", exc)
             return
         writes = []
@@ -279,10 +279,15 @@ class ResumePoints:
         except Exception as exc:
             for rank in ranks:  # not written after all: the next ack asks for a write at once
                 self._written.pop((pod, rank), None)
-            self._failed = True
-            self._due.set()  # tried again after RETRY_AFTER, not only at the next ack (an idle worker has none)
-            self._again(pod)
+            self._retry(pod)
             self._warn("resume record of %s not written (%s)", pod, exc)
+
+    def _retry(self, *pods: str) -> None:
+        """Records NATS did not take: tried again after RETRY_AFTER, not only at the next ack (an idle
+        worker has none) or the interval."""
+        self._failed = True
+        self._due.set()
+        self._again(*pods)
 
     def _again(self, *pods: str) -> None:
         """Records not written: tried again by the write loop (woken, if it sleeps for want of any)."""

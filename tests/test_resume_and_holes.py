@@ -392,6 +392,29 @@ async def test_a_failed_record_write_is_tried_again_within_a_second_and_not_at_e
         await points.stop()
 
 
+async def test_a_record_write_whose_bucket_did_not_open_is_tried_again_within_a_second():
+    """As a refused put, a bucket that could not be opened (NATS away at the first write) is tried again
+    after ``RETRY_AFTER``, not at the next interval: the pods' records had waited for it."""
+    from cache_indexer.bridge.resume_points import RETRY_AFTER, Position
+    from tests.test_sequencing_model import MemoryKV
+
+    kv, refused = MemoryKV(), [True]
+
+    async def store():
+        if refused[0]:
+            raise ConnectionError("no responders")
+        return kv
+    points = _write_loop_on(kv)
+    points._store = store
+    try:
+        points.update("127.0.0.91", 0, Position(1, 0, "-", 1.0, 1))  # a first position: written at once
+        await asyncio.sleep(0.05)
+        refused[0] = False  # NATS back; the engine idle: no ack asks again
+        await wait_for(lambda: record_key("127.0.0.91") in kv.data, 3 * RETRY_AFTER, "the record written again")
+    finally:
+        await points.stop()
+
+
 async def test_a_graceful_stop_during_a_record_write_still_writes_that_pod():
     """From the same review: stop() cancels the write loop, and a pod whose write it cancelled had left the
     pods to write already, so stop()'s own write skipped it (writes now come during bursts, so a stop lands
