@@ -284,8 +284,9 @@ class L1Sequencer:
         room, from the engine's buffer. True once they are published, or settled: a buffer that moved on
         past them starts a new generation from what it holds (``gap-beyond-replay``); an answer cut short
         is asked on from its last batch. False when the engine did not give them (no answer, the cooldown
-        after a failed replay): the caller asks again later, as an engine that goes idle after a burst sends no live batch whose gap
-        would bring them (seen at 2,000 ranks: a fleet's fill ended with 9M of 50M entries held)."""
+        after a failed replay): the caller asks again later, as an engine that goes idle after a burst
+        sends no live batch whose gap would bring them (seen at 2,000 ranks: a fleet's fill ended with 9M
+        of 50M entries held)."""
         async def take(start: int, replayed: Replayed) -> bool:
             stretch = replayed.after(start - 1)
             if not stretch:
@@ -302,7 +303,8 @@ class L1Sequencer:
                               take: Callable[[int, Replayed], Awaitable[bool]], empty_is_failure: bool = True) -> None:
         """The chunk loop over the engine's buffer: ask it from ``want`` (the first answer may be at hand),
         let ``take(want, answer)`` publish from the answer and say whether to go on (it was cut short: for
-        want of room, or on the way), and ask again from the seq after the last published. Each answer is released after."""
+        want of room, or on the way), and ask again from the seq after the last published. Each answer is
+        released after."""
         while True:
             if replayed is None:
                 replayed = await self._replay(want, empty_is_failure)

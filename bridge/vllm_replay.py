@@ -76,9 +76,9 @@ class VllmReplayClient:
         vLLM 0.33) without a word, so a long answer arrives with holes (measured: 2,451 of 3,000, end
         marker included) or cut short. The unbroken stretch from the seq asked for is kept, and the engine is
         asked again from the first seq missing, until a round is whole up to its end marker (or looks it: a
-        tail dropped before the marker is the sequencer's to ask on for), the buffer no
-        longer reaches back that far, a round brings nothing new, the budget is full (``cut``: the caller
-        asks again after publishing), or REPLAY_MAX_ROUNDS rounds were asked."""
+        tail dropped before the marker is the sequencer's to ask on for), the buffer no longer reaches back
+        that far, a round brings nothing new, the budget is full (``cut``: the caller asks again after
+        publishing), or REPLAY_MAX_ROUNDS rounds were asked."""
         out = Replayed(self.budget)
         if not self.ep.replay:
             return out
