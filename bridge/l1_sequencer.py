@@ -258,7 +258,11 @@ class L1Sequencer:
         """A new generation from the first batch ``replayed`` holds, then the rest of the buffer. Live batches
         queued meanwhile up to the new last are the same ones again, not a restart."""
         start = replayed.batches[0][0]
-        await self._reset(start, reason)
+        try:
+            await self._reset(start, reason)
+        except BaseException:
+            replayed.release()
+            raise
         self.last = self.last_live = start - 1
         await self.publish_buffered(start, replayed)
 
@@ -269,14 +273,24 @@ class L1Sequencer:
 
     async def publish_buffered(self, want: int, replayed: Replayed | None) -> None:
         """Publish what the engine's buffer holds from ``want`` on, chunk by chunk within the budget,
-        up to its first hole (a live batch after it resolves that gap). An answer without its end marker
-        was cut short on the way: asked on from its last batch."""
+        up to its first hole (a live batch after it resolves that gap). An answer cut short on the way is
+        asked on from its last batch: one without its end marker, and once, to confirm, one that looks
+        whole or ends right before ``want`` (a tail dropped before the marker looks whole, and the quiet
+        engine a catch-up is for sends no live batch whose gap would bring it)."""
+        confirmed = False
+
         async def take(start: int, replayed: Replayed) -> bool:
+            nonlocal confirmed
             stretch = replayed.after(start - 1)
             if not stretch or stretch[0][0] != start:
-                return False
+                ask = not confirmed and bool(replayed.batches) and replayed.batches[-1][0] == start - 1
+                confirmed = True
+                return ask
             await self._publish_replayed(stretch)
-            return replayed.cut or not replayed.complete
+            if replayed.cut or not replayed.complete:
+                return True
+            ask, confirmed = not confirmed, True
+            return ask
         await self._through_buffer(want, replayed, take, empty_is_failure=False)
 
     async def replay_tail(self, upto: int) -> bool:

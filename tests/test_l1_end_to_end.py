@@ -175,6 +175,28 @@ async def test_an_idle_engine_is_caught_up_when_a_bridge_resumes_it(stack):
     assert stack.bridge_metrics.bridge_resets.labels("gap-beyond-replay")._value.get() == 0
 
 
+async def test_an_idle_engine_whose_catch_up_answer_lost_its_tail_is_caught_up_all_the_same(stack):
+    """From a review of the fix above: a catch-up (a resumed subscription, a first contact) is for an engine
+    gone quiet, whose next live batch may not come for hours; an answer that lost its tail but kept its
+    end marker left it behind until then. The bridge asks once more to confirm a whole-looking answer."""
+    from cache_indexer.bridge.service import Bridge
+
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:2])])
+    await until_ratio(stack, POD, 2 / 8)
+    await stack.bridge.stop()
+    for k in range(2, 8):  # nobody subscribed: only the replay buffer has them
+        await eng.publish([stored(CHAIN[k:k + 1], parent=CHAIN[k - 1])])
+    eng.replay_tail_lost = 2  # the catch-up's answer from seq 0 brings 0..4 and the end marker
+    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)  # the engine now stays quiet
+    await stack.bridge.start()
+    await stack.connect((eng, POD, 0))
+    await until_ratio(stack, POD, 1.0, what="caught up without any new live batch")
+    assert eng.replay_requests[-2:] == [0, 5], eng.replay_requests
+    assert stack.bridge_metrics.bridge_resets.labels("gap-beyond-replay")._value.get() == 0
+
+
 async def test_gap_is_filled_from_the_replay_socket(stack):
     eng = stack.engine(POD)
     await stack.connect((eng, POD, 0))

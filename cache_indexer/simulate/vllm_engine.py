@@ -121,7 +121,8 @@ class VllmPublisher:
             if cut:
                 held = held[:self.replay_cut]
             elif self.replay_tail_lost:
-                held, self.replay_tail_lost = held[:max(0, len(held) - self.replay_tail_lost)], 0
+                # (the first batch always comes: the pipe to a new request is empty)
+                held, self.replay_tail_lost = held[:max(1, len(held) - self.replay_tail_lost)], 0
             for seq, payload in held:
                 body = [seq.to_bytes(8, "big"), payload] if self.legacy_replay else [self.topic, seq.to_bytes(8, "big"), payload]
                 await self.router.send_multipart([client, b"", *body])
