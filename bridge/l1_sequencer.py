@@ -73,6 +73,10 @@ class Replayed:
     def after(self, seq: int) -> list[tuple[int, bytes]]:
         return [b for b in self.batches if b[0] > seq]
 
+    def ends_before(self, seq: int) -> bool:
+        """Whether its last batch is the one right before ``seq`` (an answer that may have been cut there)."""
+        return bool(self.batches) and self.batches[-1][0] == seq - 1
+
 
 #: The engine's replay buffer: (start seq, whether an empty answer is a failure) -> what it holds from there.
 ReplaySource = Callable[[int, bool], Awaitable[Replayed]]
@@ -283,13 +287,13 @@ class L1Sequencer:
             nonlocal confirmed
             stretch = replayed.after(start - 1)
             if not stretch or stretch[0][0] != start:
-                ask = not confirmed and bool(replayed.batches) and replayed.batches[-1][0] == start - 1
-                confirmed = True
-                return ask
-            await self._publish_replayed(stretch)
-            if replayed.cut or not replayed.complete:
-                return True
-            ask, confirmed = not confirmed, True
+                ask = not confirmed and replayed.ends_before(start)
+            else:
+                await self._publish_replayed(stretch)
+                if replayed.cut or not replayed.complete:
+                    return True
+                ask = not confirmed
+            confirmed = True
             return ask
         await self._through_buffer(want, replayed, take, empty_is_failure=False)
 
@@ -439,8 +443,7 @@ class L1Sequencer:
             stretch = [b for b in replayed.batches if start <= b[0] < live_seq]
             if not stretch:  # none before the live one: reset at it; unless the incarnation check's answer
                 # was cut short right after the seq published last: ask on (once: the next answer is from start)
-                return (replayed is checked and bool(replayed.batches)
-                        and replayed.batches[-1][0] == start - 1 == self.last)
+                return replayed is checked and start - 1 == self.last and replayed.ends_before(start)
             if reset_reason or stretch[0][0] != start:
                 await self._reset(stretch[0][0], reset_reason or "gap-beyond-replay")
                 reset_reason = None

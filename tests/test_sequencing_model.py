@@ -6,10 +6,10 @@ points (bridge/resume_points.py), indexer/l1_state.py and the snapshot encoding.
 them is modelled: JetStream (stored in order, ``Nats-Msg-Id`` deduplicated, purged behind snapshots),
 the bridge's publisher (a message stays in flight until the model stores it, in any order; a crash loses
 what is in flight), the KV bucket, and vLLM engines (seq from 0, a replay buffer of bounded size, a
-restart empties both, answers cut short as a ROUTER past its high-water mark cuts them); two pods, the second with two DP ranks. Steps: engines publish (stores of new
-chains, evictions, AllBlocksCleared; live or lost on the way; into the buffer alone while no bridge
-subscribes), engines restart, in-flight messages are stored late, out of order, or again past the
-duplicate window, the bridge is killed (in-flight messages and unwritten resume records lost) or stopped
+restart empties both, answers cut short as a ROUTER past its high-water mark cuts them); two pods, the
+second with two DP ranks. Steps: engines publish (stores of new chains, evictions, AllBlocksCleared; live
+or lost on the way; into the buffer alone while no bridge subscribes), engines restart, in-flight
+messages are stored late, out of order, or again past the duplicate window, the bridge is killed (in-flight messages and unwritten resume records lost) or stopped
 gracefully and replaced, resume records are written, snapshots are taken and the stream purged behind
 them, the indexer restarts from the snapshot, time passes; and discovery (issue 36): a pod leaves (its
 subscribers stop) and comes back within ``removalGrace`` (a new subscription resumes from the record or
