@@ -2,22 +2,23 @@
 driven through arbitrary interleavings against a reference model of what the engines hold.
 
 The product's own decision code runs: bridge/l1_sequencer.py, bridge/l1_publisher.py with its resume
-points (bridge/resume_points.py), indexer/l1_state.py and the snapshot encoding. Only the I/O around
-them is modelled: JetStream (stored in order, ``Nats-Msg-Id`` deduplicated, purged behind snapshots),
-the bridge's publisher (a message stays in flight until the model stores it, in any order; a crash loses
-what is in flight), the KV bucket, and vLLM engines (seq from 0, a replay buffer of bounded size, a
-restart empties both, answers cut short as a ROUTER past its high-water mark cuts them); two pods, the
-second with two DP ranks. Steps: engines publish (stores of new chains, evictions, AllBlocksCleared; live
-or lost on the way; into the buffer alone while no bridge subscribes), engines restart, in-flight
-messages are stored late, out of order, or again past the duplicate window, the bridge is killed (in-flight messages and unwritten resume records lost) or stopped
-gracefully and replaced, resume records are written, snapshots are taken and the stream purged behind
-them, the indexer restarts from the snapshot, time passes; and discovery (issue 36): a pod leaves (its
-subscribers stop) and comes back within ``removalGrace`` (a new subscription resumes from the record or
-the stream) or after it (``pod_removed`` first, maybe still in flight when it is back: a new generation),
-one DP rank is unlisted (``rank_removed``) and listed again (a new generation), and a new subscription
-meets its engine quiet with history in its buffer (first contact), with a live batch already waiting, or
-with one that raced the catch-up. Bridges are replaced around all of it: a pod away is inherited as
-leaving, a ``pod_removed`` lost in flight is published again when the new grace ends.
+points (bridge/resume_points.py), indexer/l1_state.py and the snapshot encoding. Only the I/O around them
+is modelled: JetStream (stored in order, ``Nats-Msg-Id`` deduplicated, purged behind snapshots), the
+bridge's publisher (a message stays in flight until the model stores it, in any order; a crash loses what
+is in flight), the KV bucket, and vLLM engines (seq from 0, a replay buffer of bounded size, a restart
+empties both, answers cut short as a ROUTER past its high-water mark cuts them); two pods, the second
+with two DP ranks. Steps: engines publish (stores of new chains, evictions, AllBlocksCleared; live or
+lost on the way; into the buffer alone while no bridge subscribes), engines restart, in-flight messages
+are stored late, out of order, or again past the duplicate window, the bridge is killed (in-flight
+messages and unwritten resume records lost) or stopped gracefully and replaced, resume records are
+written, snapshots are taken and the stream purged behind them, the indexer restarts from the snapshot,
+time passes; and discovery (issue 36): a pod leaves (its subscribers stop) and comes back within
+``removalGrace`` (a new subscription resumes from the record or the stream) or after it (``pod_removed``
+first, maybe still in flight when it is back: a new generation), one DP rank is unlisted
+(``rank_removed``) and listed again (a new generation), and a new subscription meets its engine quiet
+with history in its buffer (first contact), with a live batch already waiting, or with one that raced the
+catch-up. Bridges are replaced around all of it: a pod away is inherited as leaving, a ``pod_removed``
+lost in flight is published again when the new grace ends.
 
 At every quiet point (everything in flight stored, everything applied): with replay buffers larger than
 the run, the index equals what each subscribed engine holds, and no generation was started but for an
