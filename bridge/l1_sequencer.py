@@ -277,23 +277,22 @@ class L1Sequencer:
 
     async def publish_buffered(self, want: int, replayed: Replayed | None) -> None:
         """Publish what the engine's buffer holds from ``want`` on, chunk by chunk within the budget,
-        up to its first hole (a live batch after it resolves that gap). An answer cut short on the way is
-        asked on from its last batch: one without its end marker, and once, to confirm, one that looks
-        whole or ends right before ``want`` (a tail dropped before the marker looks whole, and the quiet
-        engine a catch-up is for sends no live batch whose gap would bring it)."""
-        confirmed = False
+        up to its first hole (a live batch after it resolves that gap). Every answer that brings batches
+        is asked on from its last: one cut for want of room or without its end marker, and one that looks
+        whole, since a tail dropped before the marker looks whole and the quiet engine a catch-up is for
+        sends no live batch whose gap would bring it; so is, once, an answer that ends right before
+        ``want`` (the incarnation check's, cut after its first batch). An answer that brings nothing ends
+        it; each round that goes on publishes at least one batch."""
+        asked_past_end = False
 
         async def take(start: int, replayed: Replayed) -> bool:
-            nonlocal confirmed
+            nonlocal asked_past_end
             stretch = replayed.after(start - 1)
-            if not stretch or stretch[0][0] != start:
-                ask = not confirmed and replayed.ends_before(start)
-            else:
+            if stretch and stretch[0][0] == start:
                 await self._publish_replayed(stretch)
-                if replayed.cut or not replayed.complete:
-                    return True
-                ask = not confirmed
-            confirmed = True
+                return True
+            ask = not asked_past_end and replayed.ends_before(start)
+            asked_past_end = True
             return ask
         await self._through_buffer(want, replayed, take, empty_is_failure=False)
 

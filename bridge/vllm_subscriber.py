@@ -304,7 +304,7 @@ class VllmSubscriber:
                     await asyncio.wait_for(self._queued.wait(), FIRST_CONTACT_QUIET)
                 except asyncio.TimeoutError:
                     pass
-        await self.sequencer.catch_up(first_contact=not self._queue)
+        await self._guarded(self.sequencer.catch_up(first_contact=not self._queue), "catching up on first contact")
         while True:
             if self._catch_up_due:  # subscribed anew: what the engine's buffer holds after the last published
                 self._catch_up_due = False

@@ -188,13 +188,61 @@ async def test_an_idle_engine_whose_catch_up_answer_lost_its_tail_is_caught_up_a
     await stack.bridge.stop()
     for k in range(2, 8):  # nobody subscribed: only the replay buffer has them
         await eng.publish([stored(CHAIN[k:k + 1], parent=CHAIN[k - 1])])
-    eng.replay_tail_lost = 2  # the catch-up's answer from seq 0 brings 0..4 and the end marker
+    eng.replay_tail_lost = [2]  # the catch-up's answer from seq 0 brings 0..4 and the end marker
     stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)  # the engine now stays quiet
     await stack.bridge.start()
     await stack.connect((eng, POD, 0))
     await until_ratio(stack, POD, 1.0, what="caught up without any new live batch")
-    assert eng.replay_requests[-2:] == [0, 5], eng.replay_requests
+    assert eng.replay_requests[-3:] == [0, 5, 7], eng.replay_requests
     assert stack.bridge_metrics.bridge_resets.labels("gap-beyond-replay")._value.get() == 0
+
+
+async def test_an_idle_engine_whose_catch_up_answers_lost_their_tails_twice_is_caught_up_all_the_same(stack):
+    """From a second review: the confirmation was asked once, so a second answer that lost its tail (the
+    confirming one, or any answer after a first cut short for want of room) was taken as the end, and the
+    quiet engine stayed behind until its next live batch. Every answer that brings batches is asked on
+    from its end; the one that brings nothing ends the catch-up."""
+    from cache_indexer.bridge.service import Bridge
+
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:2])])
+    await until_ratio(stack, POD, 2 / 8)
+    await stack.bridge.stop()
+    for k in range(2, 8):  # nobody subscribed: only the replay buffer has them (seqs 1..6)
+        await eng.publish([stored(CHAIN[k:k + 1], parent=CHAIN[k - 1])])
+    eng.replay_tail_lost = [2, 1]  # from 0: 0..4 and the end marker; from 5: 5 and the end marker
+    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)  # the engine now stays quiet
+    await stack.bridge.start()
+    await stack.connect((eng, POD, 0))
+    await until_ratio(stack, POD, 1.0, what="caught up without any new live batch")
+    assert eng.replay_requests[-4:] == [0, 5, 6, 7], eng.replay_requests
+    assert stack.bridge_metrics.bridge_resets.labels("gap-beyond-replay")._value.get() == 0
+
+
+async def test_a_first_contact_that_fails_midway_leaves_the_subscription_reading(stack, monkeypatch, caplog):
+    """From a second review: a subscription's first catch-up ran outside its loop's guard, so a failure in
+    it (here a replay round that raises after the first answer was published) ended the loop for good, and
+    the engine's live batches queued unread with nothing said but Python's "exception never retrieved".
+    It is logged like the later catch-ups', and the loop goes on."""
+    from cache_indexer.bridge.l1_sequencer import L1Sequencer
+
+    plain, asked = L1Sequencer._replay, []
+
+    async def failing_once(self, start, empty_is_failure=True):
+        asked.append(start)
+        if len(asked) == 2:
+            raise RuntimeError("injected: the replay socket failed in the middle of a catch-up")
+        return await plain(self, start, empty_is_failure)
+    monkeypatch.setattr(L1Sequencer, "_replay", failing_once)
+    eng = stack.engine(POD)
+    await eng.publish([stored(CHAIN[:2])])  # before the bridge subscribed: only the buffer has it
+    await stack.connect((eng, POD, 0))
+    await until_ratio(stack, POD, 2 / 8, what="the first contact's answer published")
+    await wait_for(lambda: len(asked) >= 2, 10, "the failing round")
+    await eng.publish([stored(CHAIN[2:4], parent=CHAIN[1])])
+    await until_ratio(stack, POD, 4 / 8, what="a live batch after the failed catch-up")
+    assert "catching up on first contact failed" in caplog.text
 
 
 async def test_gap_is_filled_from_the_replay_socket(stack):
@@ -262,7 +310,7 @@ async def test_an_answer_whose_tail_was_dropped_before_its_end_marker_is_asked_o
     await until_ratio(stack, POD, 1 / 8)
     for k in range(1, 7):  # seq 1..6 lost live
         await eng.publish([stored(CHAIN[k:k + 1], parent=CHAIN[k - 1])], send=False)
-    eng.replay_tail_lost = 3  # the answer from seq 0 brings 0..4 and the end marker
+    eng.replay_tail_lost = [3]  # the answer from seq 0 brings 0..4 and the end marker
     await eng.publish([stored(CHAIN[7:8], parent=CHAIN[6])])
     await until_ratio(stack, POD, 1.0, what="the whole gap published from the engine's buffer")
     assert eng.replay_requests[-2:] == [0, 5], eng.replay_requests

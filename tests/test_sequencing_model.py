@@ -146,8 +146,13 @@ class Engine:
         self.held: Counter[int] = Counter()
         self.ts = itertools.count(1)
         self.states: list[frozenset[int]] = [frozenset()]
-        #: the next replay answer short: (batches kept, whether the end marker still came)
-        self.short: tuple[int, bool] | None = None
+        #: the next replay answers short, in order: (batches kept, whether the end marker still came)
+        self.short: deque[tuple[int, bool]] = deque()
+        #: a batch of this engine may have reached no bridge by a way a catch-up covers (lost live while
+        #: subscribed), or the engine restarted (a new process that has not passed the seq published last is
+        #: told by its next live batch, not by a catch-up): the index may lag it until the engine publishes
+        #: again. Otherwise the index must hold its truth without a live batch.
+        self.unseen = self.restart_unseen = False
 
     def publish(self, events: list[dict]) -> tuple[int, bytes]:
         seq, self.seq = self.seq, self.seq + 1
@@ -184,8 +189,8 @@ class Bridge:
     def subscribe(self, e: Engine) -> L1Sequencer:
         async def replay(start: int, empty_is_failure: bool) -> Replayed:
             held = [b for b in e.buffer if b[0] >= start]
-            if e.short is not None and len(held) > e.short[0]:  # as the replay client returns what a
-                (keep, marker), e.short = e.short, None          # ROUTER past its high-water mark let through
+            if e.short and len(held) > e.short[0][0]:  # as the replay client returns what a ROUTER
+                keep, marker = e.short.popleft()        # past its high-water mark let through
                 return Replayed(self.budget, held[:keep], complete=marker)
             return Replayed(self.budget, held, complete=True)
         ep = Endpoint(e.pod, e.rank, f"tcp://{e.pod}:{5557 + e.rank}", f"tcp://{e.pod}:{5567 + e.rank}")
@@ -308,6 +313,7 @@ class Sequencing(RuleBasedStateMachine):
         else:
             self.run(sequencer.on_message(seq, payload))
         self.run(self.bridge.quiet())
+        e.unseen = e.restart_unseen = False  # its gap, if any, filled from the buffer
 
     @rule(i=st.integers(0, len(WORKERS) - 1), kind=st.sampled_from(["store", "store", "store", "evict", "clear"]),
           n=st.integers(1, 4), live=st.booleans(), twice=st.booleans())
@@ -316,8 +322,11 @@ class Sequencing(RuleBasedStateMachine):
         subscribes to (its pod or rank not listed) publishes into its buffer alone."""
         e = self.engines[i]
         batch = self._event(e, kind, n, twice)
-        if batch is not None and live and e.key in self.bridge.seqs:
-            self._deliver(e, *batch)
+        if batch is not None and e.key in self.bridge.seqs:
+            if live:
+                self._deliver(e, *batch)
+            else:
+                e.unseen = True
 
     @rule(i=st.integers(0, len(WORKERS) - 1), count=st.integers(2, 6))
     def engine_bursts(self, i, count):
@@ -331,6 +340,7 @@ class Sequencing(RuleBasedStateMachine):
         the subscriber's socket monitor reports (the sequencer then checks the next batch's incarnation)."""
         e = self.engines[i]
         e.restart()
+        e.restart_unseen = True
         self.resumed.discard(e.key)
         self.recorded.discard(e.key)
         self.restarted.add(e.key)
@@ -342,7 +352,7 @@ class Sequencing(RuleBasedStateMachine):
         """The engine's next replay answer longer than ``keep`` batches brings only its first ``keep``: its
         ROUTER dropped the rest past its send high-water mark, and the end marker came or was dropped too
         (the first batch of an answer always comes: the pipe to a new request is empty)."""
-        self.engines[i].short = (keep, marker)
+        self.engines[i].short.append((keep, marker))
 
     # -- discovery: flaps, removals, DP ranks ------------------------------------------------------------
     def subscribed(self, key: tuple[str, int]) -> bool:
@@ -371,6 +381,7 @@ class Sequencing(RuleBasedStateMachine):
         if batch is not None:
             self._deliver(e, *batch)
         self.run(self.bridge.quiet())
+        e.unseen = False  # the catch-up published what the engine's buffer holds
 
     @precondition(lambda self: self.present)
     @rule(p=st.integers(0, 10**6))
@@ -548,6 +559,8 @@ class Sequencing(RuleBasedStateMachine):
         for key in keys:
             self.bridge.subscribe(self.by_key[key])
         self.run(self.bridge.resume_all())
+        for key in keys:  # each caught up from what its engine's buffer holds
+            self.by_key[key].unseen = False
         for headers in lost:  # a pod_removed lost in flight: the pod is inherited (the targets record),
             pod = headers["Kv-Pod"]  # leaving, and removed when its (new) grace ends
             if headers["Kv-Type"] == "pod_removed" and pod not in self.present:
@@ -673,18 +686,28 @@ class Sequencing(RuleBasedStateMachine):
 
     @rule()
     def at_a_quiet_point_the_index_is_the_engines_truth(self):
-        """A quiet point: each subscribed engine's latest batch arrives live (one lost on the way with
-        nothing after it cannot be seen by anyone until the engine publishes again), everything in flight
-        is stored, everything stored is applied. A pod away within its grace keeps what its index held
+        """A quiet point: everything in flight is stored and applied, and a subscribed engine with nothing
+        unseen (``Engine.unseen``) is whole in the index already: a catch-up is for engines that stay quiet.
+        Then each subscribed engine's latest batch arrives live (one lost on the way with nothing after it
+        cannot be seen by anyone until the engine publishes again), and again all is stored and applied. A pod away within its grace keeps what its index held
         when it was last watched (some state its engine went through); a pod or rank removed holds nothing."""
         self.quiet_points += 1
         rng = random.Random(self.quiet_points)  # the order things are stored in: replayable
+        whole = self.buffer >= 100000 and not self.refusals
+        if whole:  # first without a live batch: a quiet engine the bridge caught up is whole already
+            self.store_all(rng)
+            self.apply_stored()
+            for e in self.engines:
+                if e.key in self.bridge.seqs and not e.unseen and not e.restart_unseen:
+                    wid = self.state.workers.get(e.pod, e.rank)
+                    index = set() if wid is None else {h for h, m in self.state.blocks.items() if m >> wid & 1}
+                    assert index == e.holds(), (f"{e.pod} rank {e.rank}, quiet and caught up: index {sorted(index)} "
+                                                f"!= engine {sorted(e.holds())}")
         for i, e in enumerate(self.engines):
             if e.key in self.bridge.seqs:
                 self.engine_publishes(i, "store", 1, True, False)
         self.store_all(rng)
         self.apply_stored()
-        whole = self.buffer >= 100000 and not self.refusals
         for e in self.engines:
             wid = self.state.workers.get(e.pod, e.rank)
             index = set() if wid is None else {h for h, m in self.state.blocks.items() if m >> wid & 1}

@@ -60,9 +60,10 @@ class VllmPublisher:
         self.replay_cut = replay_cut
         #: the next this many replay requests get no answer at all (an engine too busy to answer in time)
         self.replay_deaf = 0
-        #: the next answer loses its last this many batches but not its end marker: a ROUTER whose pipe was
-        #: full at those (past its send high-water mark) and had room again when the marker came
-        self.replay_tail_lost = 0
+        #: the next answers lose their last this many batches each (one count an answer, in order) but not
+        #: their end marker: a ROUTER whose pipe was full at those (past its send high-water mark) and had
+        #: room again when the marker came
+        self.replay_tail_lost: list[int] = []
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         #: batches published since this object was made, across engine restarts (tests wait on it)
@@ -122,7 +123,7 @@ class VllmPublisher:
                 held = held[:self.replay_cut]
             elif self.replay_tail_lost:
                 # (the first batch always comes: the pipe to a new request is empty)
-                held, self.replay_tail_lost = held[:max(1, len(held) - self.replay_tail_lost)], 0
+                held = held[:max(1, len(held) - self.replay_tail_lost.pop(0))]
             for seq, payload in held:
                 body = [seq.to_bytes(8, "big"), payload] if self.legacy_replay else [self.topic, seq.to_bytes(8, "big"), payload]
                 await self.router.send_multipart([client, b"", *body])
