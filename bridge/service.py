@@ -66,6 +66,9 @@ _HEADER_ROOM = 1024
 DISCONNECTED_UNREADY_AFTER = 60.0
 #: Sockets the bridge's ZMQ context may open (two per engine rank, and libzmq's own)
 MAX_ZMQ_SOCKETS = 65536
+#: Seconds before subscriptions that could not start (an endpoint libzmq refuses, no file descriptors
+#: left, NATS away for the resume position) are tried again; discovery's next change tries them too.
+SUBSCRIBE_RETRY = 5.0
 
 
 class Bridge:
@@ -116,6 +119,8 @@ class Bridge:
         self.master_discovery: KubernetesDiscovery | None = None
         self.pollers: dict[MasterTarget, MooncakePoller] = {}
         self._restoring: asyncio.Task | None = None
+        #: subscriptions whose start failed are tried again by this task, after SUBSCRIBE_RETRY
+        self._resubscribing: asyncio.Task | None = None
         self._last_restore = float("-inf")
         self.l3: L3Publisher | None = None
         self._http = None
@@ -156,7 +161,7 @@ class Bridge:
         if self.cfg.ingest.sharded:
             ttl = self.cfg.nats.lease.ttl
             self.shards = ShardLeases(js, self.cfg.nats.lease.bucket, holder, ttl, self.cfg.nats.replicas,
-                                      self._on_owned)
+                                      self._on_owned, metrics=self.metrics)
             self.removals = PendingRemovals(js, self.cfg.nats, self.l1, self.l3, lambda s: s in self.shards.owned,
                                             check_every=ttl / 4, publish_every=ttl)
             self.shards.start()
@@ -194,7 +199,14 @@ class Bridge:
                 else:
                     await self._stop_sources()
             except Exception:  # this loop must outlive any one change, or leadership is no longer followed
-                log.exception("following the bridge lease failed")
+                self.metrics.task_errors.labels("bridge-lease").inc()
+                log.exception("following the bridge lease failed; trying again in %.0fs", SUBSCRIBE_RETRY)
+                try:  # a half-made start is undone, then the change is taken again
+                    await self._stop_sources()
+                except Exception:
+                    log.exception("stopping the bridge's sources failed")
+                await asyncio.sleep(SUBSCRIBE_RETRY)
+                self.lease.changed.set()
 
     def _record_verdict(self, pod: str, ok: bool, advice: str) -> None:
         """A pod's blockKey verdict changed: recorded for explain (a task of its own: the check runs in
@@ -227,6 +239,9 @@ class Bridge:
 
     async def _stop_sources(self) -> None:
         """Stop discovering and subscribing, without declaring any pod removed (standby)."""
+        if self._resubscribing:
+            await cancel_and_wait(self._resubscribing)
+            self._resubscribing = None
         if self._watch_task:
             await cancel_and_wait(self._watch_task)
             self._watch_task = None
@@ -275,18 +290,24 @@ class Bridge:
         while True:
             try:
                 found = targets.changed()
-                if found is not None:
+            except Exception as exc:
+                found = None
+                self.metrics.targets_reload_errors.inc()
+                log.error("targets file %s: %s (keeping the last good targets)", targets.path, exc)
+            if found is not None:
+                try:
                     for path in targets.vanished:  # the configured file; an extra one comes and goes
                         log.log(logging.WARNING if path == targets.path else logging.INFO,
                                 "targets file %s was removed: unsubscribing every pod and master it listed", path)
                     await self.set_endpoints(found.endpoints())
                     if self.cfg.ingest.l3.enabled:
                         await self.set_masters([m.target(self.cfg.ingest.l3.scheme) for m in found.mooncakeMasters])
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.metrics.targets_reload_errors.inc()
-                log.error("targets file %s: %s (keeping the last good targets)", targets.path, exc)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # read and valid, but not applied whole: applied again at the next look
+                    targets.again()
+                    self.metrics.task_errors.labels("static-targets").inc()
+                    log.exception("applying targets file %s failed; trying again", targets.path)
             await asyncio.sleep(interval)
 
     async def _recorded_ranks(self) -> dict[str, set[int]]:
@@ -468,15 +489,40 @@ class Bridge:
         for ep in [e for e in self.subscribers if e not in wanted]:
             await self.subscribers.pop(ep).stop()
             log.info("unsubscribed %s rank %d (%s)", ep.pod, ep.rank, ep.pub, extra={"pod": ep.pod, "rank": ep.rank})
+        failed = 0
         for ep in endpoints:
             if ep not in self.subscribers:
                 sub = VllmSubscriber(self.ctx, ep, self.cfg.ingest.l1, self.l1, self.metrics, self._replay_slots,
                                      self.block_key_check, self.receive_budget)
-                await sub.resume_from_stream()
-                sub.start()
+                try:  # one endpoint that cannot start must not keep the others (nor the removals after) waiting
+                    await sub.resume_from_stream()
+                    sub.start()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    failed += 1
+                    self.metrics.task_errors.labels("vllm-subscribe").inc()
+                    log.error("subscribing to %s rank %d at %s failed (%s); trying again in %.0fs", ep.pod, ep.rank,
+                              ep.pub, exc, SUBSCRIBE_RETRY, extra={"pod": ep.pod, "rank": ep.rank})
+                    continue
                 self.subscribers[ep] = sub
                 log.info("subscribed %s rank %d at %s (replay %s)", ep.pod, ep.rank, ep.pub, ep.replay or "off",
                          extra={"pod": ep.pod, "rank": ep.rank})
+        if failed and (self._resubscribing is None or self._resubscribing.done()):
+            self._resubscribing = asyncio.create_task(self._subscribe_again(), name="bridge-resubscribe")
+
+    async def _subscribe_again(self) -> None:
+        """What could not start is tried again after SUBSCRIBE_RETRY (what is wanted then: discovery may
+        have moved on), until every wanted endpoint has its subscription."""
+        await asyncio.sleep(SUBSCRIBE_RETRY)
+        self._resubscribing = None
+        try:
+            await self._subscribe_to(self._mine(self._endpoints))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.metrics.task_errors.labels("vllm-subscribe").inc()
+            log.exception("subscribing again failed")
 
     def _stream_missing(self) -> None:
         """A publish found no stream: look (at most every few seconds) and recreate what was lost."""
@@ -560,6 +606,8 @@ class Bridge:
             await cancel_and_wait(self._lease_task)
         if self._restoring:
             await cancel_and_wait(self._restoring)
+        if self._resubscribing:
+            await cancel_and_wait(self._resubscribing)
         await self._stop_sources()
         if self.lease:
             await self.lease.stop()

@@ -144,6 +144,10 @@ class StaticTargets:
             return None
         return (st.st_mtime_ns, st.st_size)
 
+    def again(self) -> None:
+        """What ``changed()`` returned last could not be applied: the next call reads the files anew."""
+        self._stamps = {p: None if stamp is None else (-1, -1) for p, stamp in self._stamps.items()}
+
     def changed(self) -> TargetsFile | None:
         stamps = {p: self._stamp(p) for p in self.paths}
         if stamps == self._stamps:

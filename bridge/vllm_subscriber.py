@@ -98,10 +98,12 @@ class VllmSubscriber:
         self.sequencer.start_over()
 
     def start(self) -> None:
+        """Raises what the socket's making raised (an endpoint libzmq refuses, no file descriptors
+        left), with nothing started or counted."""
+        self._open()
         self.sink.watch_refusals(self.ep.pod, self.ep.rank, self._on_refused)
         self.disconnected_since = time.monotonic()
         self.metrics.subscriptions_disconnected.inc()  # until its first connection
-        self._open()
         self._task = asyncio.create_task(self._loop(), name=f"vllm-sub-{self.ep.pod}-{self.ep.rank}")
         self._monitor_task = asyncio.create_task(self._watch_connection(), name=f"vllm-mon-{self.ep.pod}-{self.ep.rank}")
         self.metrics.subscriptions.inc()
@@ -109,15 +111,23 @@ class VllmSubscriber:
     def _open(self) -> None:
         """The SUB socket (with its monitor) and the task reading it ahead into the queue."""
         sock = self.ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, self.cfg.rcvHwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.maxBatchBytes)  # libzmq disconnects a peer that sends more
-        sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.cfg.backoffInitial * 1000)))
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.cfg.backoffMax * 1000)))
-        sock.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-                                                | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED)
-        sock.connect(self.ep.pub)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, self.cfg.rcvHwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.maxBatchBytes)  # libzmq disconnects a peer that sends more
+            sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.cfg.backoffInitial * 1000)))
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.cfg.backoffMax * 1000)))
+            sock.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                                    | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED)
+            sock.connect(self.ep.pub)
+        except BaseException:  # nothing half made is left open
+            if self._monitor is not None:
+                sock.disable_monitor()
+                self._monitor.close(0)
+                self._monitor = None
+            sock.close(0)
+            raise
         self._sock = sock
         self._reader = asyncio.create_task(self._read(), name=f"vllm-read-{self.ep.pod}-{self.ep.rank}")
 
@@ -130,6 +140,21 @@ class VllmSubscriber:
         if self._monitor is not None:
             self._monitor.close(0)
             self._monitor = None
+
+    async def _reopen(self) -> None:
+        """The socket made anew; a failure (no file descriptors left, say) is logged, counted and tried
+        again after the reconnect backoff: without a socket the engine is never heard again."""
+        delay = self.cfg.backoffInitial
+        while True:
+            try:
+                self._open()
+                return
+            except Exception as exc:
+                self.metrics.task_errors.labels("vllm-subscription").inc()
+                self.log.error("%s rank %d: making the socket to %s anew failed (%s); trying again in %.1fs",
+                               self.ep.pod, self.ep.rank, self.ep.pub, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, max(self.cfg.backoffMax, self.cfg.backoffInitial))
 
     async def _watch_connection(self) -> None:
         """Follows the SUB socket's connection. libzmq reconnects by itself after a connection drops, and
@@ -151,7 +176,7 @@ class VllmSubscriber:
                                  "ingest.l1.maxBatchBytes=%d, or another protocol error): subscribing again", self.ep.pod,
                                  self.ep.rank, self.ep.pub, self.cfg.maxBatchBytes)
                 await self._close_socket()
-                self._open()
+                await self._reopen()
                 dropped_at = None
                 resubscribed = True
                 continue
@@ -351,6 +376,7 @@ class VllmSubscriber:
         except asyncio.CancelledError:
             raise
         except Exception:
+            self.metrics.task_errors.labels("vllm-subscription").inc()
             self.log.exception("%s rank %d: %s failed", self.ep.pod, self.ep.rank, what)
             return None
 

@@ -20,7 +20,7 @@ Component = Literal["bridge", "indexer"]
 #: Exported by every process: its HTTP server, event loop, NATS connection and records, its build.
 SHARED = frozenset({
     "build_info", "http_header_timeouts", "http_headers_too_large", "loop_lag", "loop_lag_max", "loop_step",
-    "loop_step_max", "streams_recreated", "nats_disconnects", "registration_errors"})
+    "loop_step_max", "streams_recreated", "nats_disconnects", "registration_errors", "task_errors"})
 #: Exported by indexer replicas only: the hit-rate API, the index, ingest from the streams, snapshots.
 INDEXER = frozenset({
     "http_requests", "http_latency", "hashed_blocks", "best_hit_ratio", "unknown_candidates",
@@ -192,6 +192,9 @@ class Metrics:
         self.l3_keys = Gauge(p + "l3_keys", "Keys tracked per Mooncake master.", ["master"], registry=r)
         self.l3_poll_seconds = Histogram(p + "l3_poll_seconds", "Duration of one Mooncake master poll.",
                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
+        self.task_errors = Counter(p + "task_errors_total",
+                                   "Failures a long-lived task caught, logged and went on from (tried again), by task: "
+                                   "one that keeps rising names work that is not getting done.", ["task"], registry=r)
         self.targets_reload_errors = Counter(p + "targets_reload_errors_total",
                                              "Static targets file versions that could not be used (kept the last good).",
                                              registry=r)

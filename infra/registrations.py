@@ -25,6 +25,7 @@ from cache_indexer.infra.ordered_feed import OrderedFeed
 from cache_indexer.infra.streams import RecordsKv
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.schemas.events import MAX_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,9 @@ PREFIX = "registration."
 #: An instance id: Dynamo's u64 (written in decimal), or a name of these characters. Neither can be a
 #: pod address (no dots, no colons), so a registered instance never takes a discovered pod's place.
 INSTANCE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-#: A ZMQ TCP endpoint an engine binds: tcp://host:port (a bracketed IPv6 host included)
-ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+#: A ZMQ TCP endpoint an engine binds: tcp://host:port (a bracketed IPv6 host included; a name starting
+#: with "-", "_" or "." libzmq's connect refuses)
+ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9_.-]*):([0-9]{1,5})")
 MAX_DP_RANK = 1023
 #: How long the bucket's present values may take to come in before the watch is started again (a
 #: watch whose end-of-values marker never comes would leave registrations unread for ever)
@@ -90,8 +92,8 @@ class Registration:
             m = ZMQ_ENDPOINT.fullmatch(value or "")
             if not m or not 0 < int(m.group(2)) < 65536:
                 return f"{name} {value!r}: a ZMQ TCP endpoint, tcp://host:port"
-        if self.block_size <= 0:
-            return f"block_size {self.block_size}: a positive number of tokens"
+        if not 0 < self.block_size <= MAX_BLOCK_SIZE:
+            return f"block_size {self.block_size}: a number of tokens from 1 to {MAX_BLOCK_SIZE}"
         return None
 
 

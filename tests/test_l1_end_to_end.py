@@ -550,6 +550,31 @@ async def test_pod_leaving_discovery_is_dropped_through_the_stream(stack):
     assert (await stack.ratios([POD2], TOKENS, BS)) == [0.5]
 
 
+async def test_an_endpoint_libzmq_refuses_keeps_neither_the_others_nor_a_removal_waiting(stack, caplog):
+    """From a review: one endpoint whose subscription could not start (a host libzmq refuses, no file
+    descriptors left) ended the bridge's reconcile there: the endpoints listed after it were never
+    subscribed, and a pod that left in that round was never removed. Each endpoint now starts on its own;
+    one that cannot is logged, counted and tried again."""
+    from cache_indexer.bridge.endpoint import Endpoint
+
+    stack.cfg.ingest.l1.removalGrace = 0.3
+    bad = Endpoint(pod="127.0.0.77", rank=0, pub="tcp://-engine-7:5557", replay=None)  # a typo in a targets file
+    a, b = stack.engine(POD), stack.engine(POD2)
+    await stack.bridge.set_endpoints([bad, a.endpoint(POD, 0), b.endpoint(POD2, 0)])
+    await a.wait_subscribed()
+    await b.wait_subscribed()
+    await a.publish([stored(CHAIN[:8])])
+    await b.publish([stored(CHAIN[:4])])
+    await until_ratio(stack, POD, 1.0)
+    await until_ratio(stack, POD2, 0.5)
+    assert stack.bridge_metrics.task_errors.labels("vllm-subscribe")._value.get() >= 1
+    assert "subscribing to 127.0.0.77 rank 0 at tcp://-engine-7:5557 failed" in caplog.text
+    await stack.bridge.set_endpoints([bad, b.endpoint(POD2, 0)])  # POD leaves discovery
+    await until_ratio(stack, POD, 0.0, what="the pod that left removed")
+    m = stack.bridge_metrics  # the endpoint that never started counts in neither gauge
+    assert (m.subscriptions._value.get(), m.subscriptions_disconnected._value.get()) == (1, 0)
+
+
 @pytest.mark.parametrize("bridge_restart", [False, True])
 async def test_a_pod_back_after_a_readiness_flap_is_indexed_again(stack, bridge_restart):
     """Issue 16 #2: the pod leaves discovery and comes back with the same engine; the indexers retired

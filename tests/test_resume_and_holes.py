@@ -280,6 +280,41 @@ async def test_a_frame_over_max_batch_bytes_is_a_gap_and_the_subscription_comes_
     assert stack.bridge.is_ready()
 
 
+async def test_a_socket_that_cannot_be_made_anew_is_tried_again_and_the_engine_heard(stack, monkeypatch, caplog):
+    """From a review: the socket made anew after libzmq gave a connection up was made outside any guard,
+    so one failure (out of file descriptors, say) ended the connection's watch with nothing logged, and
+    the subscription was left with no socket: the engine was never heard again. The failure is logged,
+    counted and tried again after the reconnect backoff."""
+    import errno
+
+    import zmq
+
+    from cache_indexer.bridge.vllm_subscriber import VllmSubscriber
+
+    plain, opens = VllmSubscriber._open, []
+
+    def failing_once(self):
+        opens.append(self.ep.pod)
+        if len(opens) == 2:  # the first reopen
+            raise zmq.ZMQError(errno.EMFILE)
+        return plain(self)
+    monkeypatch.setattr(VllmSubscriber, "_open", failing_once)
+    pod = PODS[1]
+    eng = stack.engine(pod, buffer_steps=10000)
+    await stack.connect((eng, pod, 0))
+    hs = chain(6, 1300)
+    await eng.publish([stored(hs[:2], block_size=BS)])
+    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(hs[:2]), 20, "before")
+    await eng.publish_payload(batch_payload([stored(hs[2:3], block_size=BS)]) + b"\x00" * (2 << 20))
+    await wait_for(lambda: len(opens) >= 3, 20, "the socket made anew after the failed try")
+    await eng.wait_subscribed(10)
+    for i in range(3, 6):
+        await eng.publish([stored(hs[i:i + 1], parent=hs[i - 1], block_size=BS)])
+    await wait_for(lambda: set(hs[3:]) <= worker_blocks(stack.replica.indexer, pod), 20, "the engine heard again")
+    assert stack.bridge_metrics.task_errors.labels("vllm-subscription")._value.get() == 1
+    assert "making the socket to" in caplog.text
+
+
 def _write_loop_on(kv):
     """The bridge's resume points writing to ``kv`` (tests/test_sequencing_model.py's MemoryKV, or one that
     fails or stalls), their write loop started, the interval an hour: only a write at once is seen."""
