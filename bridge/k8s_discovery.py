@@ -203,6 +203,7 @@ class KubernetesDiscovery:
         #: counters of lists and watches (infra.metrics), labelled by what this discovers
         self._counted = (metrics.discovery_lists.labels(kind), metrics.discovery_watches.labels(kind)) \
             if metrics is not None else None
+        self._errors = metrics.task_errors.labels("k8s-discovery") if metrics is not None else None
         self._task: asyncio.Task | None = None
         self._last: list[Endpoint] | None = None
         self._dirty = False
@@ -232,8 +233,9 @@ class KubernetesDiscovery:
         async with self._publish_lock:  # the list's publish and the events' never interleave
             eps = sorted((t for pod in self.pods.values() for t in self.mapper(pod)), key=repr)
             if eps != self._last:
-                self._last = eps
+                self._last = None  # published once on_change took it: a failure is published again
                 await self.on_change(eps)
+                self._last = eps
 
     def _changed(self) -> None:
         """A watch event: the targets are published once the events at hand are read. A burst (a rolling
@@ -252,7 +254,8 @@ class KubernetesDiscovery:
                 await self._publish()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the next event publishes again; never a silent end
+            except Exception:  # the next event or round publishes again; never a silent end
+                self._count()
                 log.exception("kubernetes discovery: publishing the targets failed")
 
     def _keep(self, pods: dict[str, object], pod) -> None:
@@ -268,16 +271,24 @@ class KubernetesDiscovery:
             return
         pods[uid] = pod
 
+    def _count(self) -> None:
+        if self._errors is not None:
+            self._errors.inc()
+
     async def _loop(self) -> None:
-        api = client.CoreV1Api(await self._client())
+        api = None
         loop = asyncio.get_running_loop()
         backoff = self.backoff_initial
         listed_at = -float("inf")
         while True:
             try:
+                if api is None:  # in the guard: no kube config yet must not end discovery silently
+                    api = client.CoreV1Api(await self._client())
                 if self.resource_version is None:
                     listed_at = loop.time()
                     await self._list(api)
+                elif self._last is None:  # the last publish failed: again, once a round
+                    self._changed()
                 if await self._watch(api):
                     backoff = self.backoff_initial
                     continue
@@ -293,9 +304,14 @@ class KubernetesDiscovery:
                 log.warning("kubernetes discovery (%s): %s right after a list; listing again in %.1fs",
                             label_selector(self.selector), exc, backoff)
             except Exception as exc:
+                self._count()
                 after = "listing" if self.resource_version is None else f"resuming from {self.resource_version}"
-                log.warning("kubernetes discovery (%s): %s; %s in %.1fs", label_selector(self.selector),
-                            str(exc) or type(exc).__name__, after, backoff)
+                if api is None:  # once a backoff (it doubles up to backoff_max): throttled
+                    log.error("kubernetes discovery (%s): no API client (%s: %s); trying again in %.1fs",
+                              label_selector(self.selector), type(exc).__name__, exc, backoff)
+                else:
+                    log.warning("kubernetes discovery (%s): %s; %s in %.1fs", label_selector(self.selector),
+                                str(exc) or type(exc).__name__, after, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.backoff_max)
 

@@ -39,13 +39,14 @@ def owner(target: str, members: list[str]) -> str:
 
 class ShardLeases:
     def __init__(self, js, bucket: str, holder: str, ttl: float, replicas: int,
-                 on_owned: Callable[[set[str]], Awaitable[None]]) -> None:
+                 on_owned: Callable[[set[str]], Awaitable[None]], metrics=None) -> None:
         self.js = js
         self.bucket = bucket
         self.holder = holder
         self.ttl = ttl
         self.replicas = replicas
         self.on_owned = on_owned  # called with the targets owned, after every change
+        self._told: set[str] | None = set()  # what on_owned last took (None: its last call failed)
         self.wanted: set[str] = set()  # every target discovery lists now
         self.owned: dict[str, int] = {}  # target -> revision of its lease
         self.members: list[str] = [holder]
@@ -53,6 +54,8 @@ class ShardLeases:
         self._task: asyncio.Task | None = None
         self._poke = asyncio.Event()
         self._failed = ThrottledWarning(log)
+        self._told_failed_at = -float("inf")  # when a failed on_owned was last logged
+        self._errors = metrics.task_errors.labels("shard-leases") if metrics is not None else None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="bridge-shards")
@@ -85,6 +88,7 @@ class ShardLeases:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NATS away, typically: once per ttl/4 until it is back, so throttled
+                self._count()
                 self._failed("shard leases: a round failed (%s: %s); the targets owned are kept until their TTL",
                              type(exc).__name__, exc)
             try:
@@ -101,10 +105,11 @@ class ShardLeases:
         self.members = sorted(await self._live_members() | {self.holder})
         before = set(self.owned)
         mine = {t for t in self.wanted if self.is_owner(t)}
-        for target in [t for t in self.owned if t not in mine]:  # moved or gone: stop first, then release
-            rev = self.owned.pop(target)
-            await self.on_owned(set(self.owned))
-            await self._release(target, rev)
+        gone = {t: self.owned.pop(t) for t in list(self.owned) if t not in mine}  # moved or gone
+        told = not gone or await self._tell()
+        if gone and told:  # stopped first, then released (else not renewed: they expire after the TTL)
+            for target, rev in gone.items():
+                await self._release(target, rev)
         for target, rev in list(self.owned.items()):
             try:
                 self.owned[target] = await kv.update(OWN + subject_token(target), self.holder.encode(), last=rev)
@@ -119,7 +124,34 @@ class ShardLeases:
         if set(self.owned) != before:
             log.info("bridge %s owns %d of %d targets (%d bridges)", self.holder, len(self.owned), len(self.wanted),
                      len(self.members))
+        if told and set(self.owned) != self._told:
+            await self._tell()
+
+    async def _tell(self) -> bool:
+        """on_owned with the targets owned now. A failure is logged, counted and tried again next round
+        (by then nothing else changes, so nothing else would call it), the round goes on: the leases
+        owned are renewed meanwhile."""
+        try:
             await self.on_owned(set(self.owned))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._told = None  # what it did of it is unknown: the next round calls it whatever changed
+            self._count()
+            now = asyncio.get_running_loop().time()
+            throttled = now - self._told_failed_at < 30.0  # retried every ttl/4
+            if not throttled:
+                self._told_failed_at = now
+            log.log(logging.DEBUG if throttled else logging.ERROR, "shard leases: following the %d targets owned "
+                    "failed (%s: %s); tried again next round", len(self.owned), type(exc).__name__, exc,
+                    exc_info=not throttled)
+            return False
+        self._told = set(self.owned)
+        return True
+
+    def _count(self) -> None:
+        if self._errors is not None:
+            self._errors.inc()
 
     async def _live_members(self) -> set[str]:
         """The member keys present (a watch of ``member.>`` alone: the bucket also holds a lease per

@@ -227,6 +227,79 @@ async def test_errors_back_off_and_resume_without_listing(discovery):
     assert len(gaps) >= 3 and gaps[1] >= 0.18 and gaps[2] >= 0.36, f"no backoff: {gaps}"
 
 
+async def test_a_kube_config_that_cannot_be_loaded_is_retried_logged_and_counted(kube, tmp_path, monkeypatch, caplog):
+    """No service account and no kubeconfig yet (a pod started before its token was mounted): the task
+    must outlive it, say so and count it, and discover once the config is there (it ended silently)."""
+    import logging
+
+    from kubernetes_asyncio.config import kube_config
+
+    kubeconfig = tmp_path / "kubeconfig"
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.setattr(client.Configuration, "_default", client.Configuration._default)  # loading sets it
+    kube.add(make_pod("a", "127.0.0.69"))
+    seen, metrics = Seen(), Metrics()
+    d = KubernetesDiscovery(DiscoveryConfig(mode="kubernetes", namespace="infer", refreshInterval=30), seen,
+                            metrics=metrics)
+    d.backoff_initial = d.backoff_max = 0.1
+    errors = metrics.task_errors.labels("k8s-discovery")
+    d.start()
+    try:
+        await wait_for(lambda: errors._value.get() >= 2, 10, "the failures counted")
+        assert not d._task.done()
+        assert any(r.levelno == logging.ERROR and "kubernetes discovery" in r.getMessage() for r in caplog.records)
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": kube.url}}],
+            "users": [{"name": "fake", "user": {"token": "t"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}))
+        await wait_for(lambda: seen.pods() == {("127.0.0.69", 0)}, 10, "discovered once the config is there")
+    finally:
+        await d.stop()
+
+
+async def test_a_failed_publish_is_made_again(kube, caplog):
+    """A publish the bridge failed to take is made again: by the next round when no event comes, by the
+    next event even when it leaves the targets as they were (both were dropped: recorded as published)."""
+    import logging
+
+    calls: list[set] = []
+    fail = [True]
+
+    async def on_change(eps) -> None:
+        calls.append({e.pod for e in eps})
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("injected: the bridge's reconcile failed")
+
+    metrics = Metrics()
+    d = KubernetesDiscovery(DiscoveryConfig(mode="kubernetes", namespace="infer", refreshInterval=30), on_change,
+                            api_client(kube), metrics=metrics)
+    d.backoff_initial = 0.1
+    errors = metrics.task_errors.labels("k8s-discovery")
+    kube.add(make_pod("a", "127.0.0.70"))
+    d.start()
+    try:
+        await wait_for(lambda: len(calls) >= 2, 10, "the list's failed publish made again (no event)")
+        assert calls[:2] == [{"127.0.0.70"}] * 2 and errors._value.get() == 1
+        await wait_for(lambda: kube.watching, 10, "watch open")
+        fail[0] = True
+        b = make_pod("b", "127.0.0.71")
+        kube.add(b)
+        await wait_for(lambda: len(calls) >= 3 and not fail[0], 10, "the event's publish (failed)")
+        await wait_for(lambda: errors._value.get() == 2, 10, "the failure counted")
+        touched = copy.deepcopy(b)
+        touched["metadata"]["annotations"]["touched"] = "1"  # an event, the same targets
+        kube.modify(touched)
+        await wait_for(lambda: len(calls) >= 4, 10, "the failed publish made again")
+        assert calls[-1] == {"127.0.0.70", "127.0.0.71"} and not d._task.done()
+        assert any("injected" in r.getMessage() or (r.exc_info and "injected" in str(r.exc_info[1]))
+                   for r in caplog.records if r.levelno >= logging.WARNING)
+    finally:
+        await d.stop()
+
+
 async def test_changes_while_no_watch_is_open_are_all_seen(kube):
     """Between two watches (the server ended one, the next is not answered yet) pods are created, deleted,
     made unready, flap (unready and ready again, one with a restart): the resumed watch delivers each."""

@@ -130,3 +130,39 @@ async def test_three_sharded_bridges_share_12_engines_and_survive_a_sigkill_mid_
         for e in engines:
             await e.pub.close()
         ctx.term()
+
+
+async def test_a_failed_on_owned_is_tried_again_logged_and_counted(nats_url, stream_prefix, caplog):
+    """The bridge failing to follow its shards (say EMFILE starting a subscriber) is told again next
+    round, on taking and on handing over: it was told once only, and held (renewed) a shard it served not."""
+    import logging
+
+    from cache_indexer.bridge.shard_leases import ShardLeases
+    from cache_indexer.infra.metrics import Metrics
+
+    nc = await nats.connect(nats_url)
+    told: list[set[str]] = []
+    fail = [True]
+
+    async def on_owned(owned: set[str]) -> None:
+        told.append(set(owned))
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("injected: starting a subscriber failed")
+
+    metrics = Metrics()
+    errors = metrics.task_errors.labels("shard-leases")
+    leases = ShardLeases(nc.jetstream(), f"{stream_prefix}-shards", "bridge-1", 2.0, 1, on_owned, metrics=metrics)
+    leases.start()
+    try:
+        leases.want({"pod:10.0.0.1"})
+        await wait_for(lambda: told[-2:] == [{"pod:10.0.0.1"}] * 2, 10, "the failed on_owned made again")
+        assert errors._value.get() == 1 and not leases._task.done()
+        assert any(r.levelno == logging.ERROR and "injected" in r.getMessage() for r in caplog.records)
+        fail[0] = True
+        leases.want(set())
+        await wait_for(lambda: told[-2:] == [set()] * 2 and not fail[0], 10, "the hand-over made again")
+        assert errors._value.get() == 2 and not leases.owned
+    finally:
+        await leases.stop()
+        await nc.close()
