@@ -196,12 +196,13 @@ class Indexer:
         await self._feed.start(self.applied_seq + 1)
 
     async def _follow_l3(self) -> None:
-        """L3 is replayed whole: its subjects are compacted by the bridge's rollups, not by snapshots."""
+        """L3 is replayed whole: its subjects are compacted by the bridge's rollups, not by snapshots. The
+        stream counts as followed only once its feed started: until then ``_track_lag`` tries again."""
         await self._l3_feed.stop()
         info = await ensure_l3_stream(self.js, self.cfg.nats)
-        self._l3_stream_id = stream_id(info)
         self.l3_target_seq = info.state.last_seq if info.state.messages else 0
         await self._l3_feed.start(1)
+        self._l3_stream_id = stream_id(info)
 
     async def _on_l3(self, seq: int, stored_ns: int, pending: int, msg) -> None:
         if seq <= self.l3_applied_seq:
@@ -435,23 +436,36 @@ class Indexer:
 
     # -- observability ------------------------------------------------------------------------------
     async def _track_lag(self) -> None:
+        """A failed round is counted, logged and tried again the next one: this task must outlive NATS
+        hiccups, or a recreated stream would stay unfollowed and the gauges frozen."""
+        l3_stream = self.cfg.nats.l3Stream.name
         while True:
             try:
-                info = await self._stream_as_followed("l1", self._l1_stream_id)
-                if info is None:
-                    self.l1, self.applied_seq, self._last_snapshot_seq = L1State(self.max_early), 0, 0
-                    self._reloading = True  # from the recreated stream's start, not from an old snapshot
-                    self._tasks.append(asyncio.create_task(self._reload(), name="indexer-reload"))
-                else:
-                    self.metrics.ingest_lag.labels(self._stream).set(max(0, info.state.last_seq - self.applied_seq))
-                if await self._stream_as_followed("l3", self._l3_stream_id) is None:
-                    self.l3, self.l3_applied_seq = L3State(), 0
-                    await self._follow_l3()
+                try:
+                    info = await self._stream_as_followed("l1", self._l1_stream_id)
+                    if info is None:
+                        self.l1, self.applied_seq, self._last_snapshot_seq = L1State(self.max_early), 0, 0
+                        self._reloading = True  # from the recreated stream's start, not from an old snapshot
+                        self._tasks.append(asyncio.create_task(self._reload(), name="indexer-reload"))
+                    else:
+                        self.metrics.ingest_lag.labels(self._stream).set(max(0, info.state.last_seq - self.applied_seq))
+                    if self._l3_stream_id and await self._stream_as_followed("l3", self._l3_stream_id) is None:
+                        self._l3_stream_id = ""  # followed anew below, each round until its feed starts
+                    if not self._l3_stream_id:
+                        self.l3, self.l3_applied_seq = L3State(), 0
+                        try:
+                            await self._follow_l3()
+                        except Exception as exc:
+                            self.metrics.ingest_consumer_errors.labels(l3_stream).inc()
+                            log.error("stream %s: following it anew failed (%s); trying again in %gs", l3_stream,
+                                      exc or type(exc).__name__, TRACK_EVERY)
+                finally:
+                    self.update_gauges()  # NATS away too: the ready gauge drops after disconnectGrace
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.debug("stream info: %s", exc)
-            self.update_gauges()
+                self.metrics.task_errors.labels("indexer-lag").inc()
+                log.warning("indexer-lag: %s; trying again in %gs", exc or type(exc).__name__, TRACK_EVERY)
             await asyncio.sleep(TRACK_EVERY)
 
     async def _stream_as_followed(self, tier: str, followed_id: str):

@@ -498,3 +498,52 @@ async def test_a_writer_paused_past_its_lease_never_deletes_the_snapshot_the_poi
         for idx in (late, b, a):
             if idx is not None:
                 await idx.stop()
+
+
+async def test_an_l3_stream_recreated_is_followed_again_after_a_failed_first_consumer(nats_url, stream_prefix,
+                                                                                      monkeypatch, caplog):
+    """From an independent review: once the L3 stream was recreated, the replica took the new stream for
+    followed before its feed started; when making the first consumer failed once (a NATS hiccup), later
+    rounds never tried again: no L3 consumer, an empty L3 index, the failure logged at DEBUG only. Now it is
+    tried again the next round, and the failure logged and counted."""
+    import logging
+
+    from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+    from cache_indexer.bridge.l3_publisher import L3Publisher
+    from cache_indexer.indexer import service
+    from cache_indexer.infra.metrics import Metrics
+
+    monkeypatch.setattr(service, "TRACK_EVERY", 0.2)
+    cfg = make_config(nats_url, stream_prefix, snapshot={"enabled": False})
+    name = cfg.nats.l3Stream.name
+    indexer = Indexer(cfg)
+    await indexer.start()
+    try:
+        pub = JetStreamPublisher(indexer.nc, Metrics())
+        await pub.start()
+        l3 = L3Publisher(pub, cfg.nats.l3Stream.subjectPrefix, lambda: 1 << 20, Metrics())
+        await l3.full("m1", {"127.0.0.81": [1, 2, 3]})
+        await wait_for(lambda: indexer.l3_applied_seq >= 1, 10, "the first L3 message applied")
+
+        feed, failed = indexer._l3_feed, []
+        real_start = feed.start
+
+        async def start_failing_once(start_seq=1):
+            if not failed:
+                failed.append(start_seq)
+                raise asyncio.TimeoutError("add_consumer timed out")
+            await real_start(start_seq)
+        monkeypatch.setattr(feed, "start", start_failing_once)
+        await indexer.js.delete_stream(name)  # the replica's lag round makes it again and follows it anew
+        await wait_for(lambda: failed, 10, "the new stream's first consumer to fail")
+        await l3.full("m1", {"127.0.0.82": [4, 5]})
+        assert await pub.flush(10)
+        await wait_for(lambda: indexer.l3.pod_workers("127.0.0.82"), 10, "the new L3 stream's state applied")
+        await pub.close()
+        assert indexer.l3_applied_seq == 1 and indexer._l3_stream_id
+        assert indexer.metrics.ingest_consumer_errors.labels(name)._value.get() == 1
+        assert indexer.metrics.streams_recreated.labels(name)._value.get() == 1, "counted once, not per try"
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert [m for m in errors if "following it anew failed (add_consumer timed out)" in m]
+    finally:
+        await indexer.stop()
