@@ -23,7 +23,7 @@ from cache_indexer.api.explain import Explainer
 from cache_indexer.api.hit_rate_request import HitRateQuery, decode_hit_rate_request, decode_split_request
 from cache_indexer.api.json_request import RequestError
 from cache_indexer.api.ops import add_ops_routes
-from cache_indexer.api.request_body import BodyRefused, read_body
+from cache_indexer.api.request_body import BodyRefused, closing_unread, read_body
 from cache_indexer.api.request_body import within as _within
 from cache_indexer.api.registration_api import REGISTER_PATH, UNREGISTER_PATH, WORKERS_PATH
 from cache_indexer.api.tiered_query import QUERY_BY_HASH_PATH, QUERY_PATH, TieredQueryApi
@@ -232,7 +232,7 @@ class HitRateApi:
         try:
             body = await read_body(request, self.http.maxHitRateBodyBytes, self.http.readTimeout)
         except BodyRefused as exc:
-            return _error(exc.status, str(exc))
+            return closing_unread(request, _error(exc.status, str(exc)))
         try:
             req = self._decode(body)
             result = await self._score(req, len(body))

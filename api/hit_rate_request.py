@@ -25,6 +25,7 @@ from typing import Annotated
 import msgspec
 
 from cache_indexer.schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
+from cache_indexer.schemas.events import MAX_BLOCK_SIZE
 from cache_indexer.api.json_request import RequestError, cut_token_array, decode_json, token_array
 from cache_indexer.schemas.block_hash import LoRAKey, MultiModalKey
 
@@ -40,7 +41,7 @@ class _MultiModal(msgspec.Struct, forbid_unknown_fields=True):
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: msgspec.Raw
-    block_size: Annotated[int, msgspec.Meta(gt=0)]
+    block_size: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCK_SIZE)]
     cache_salt: str = ""
     lora_name: _Name = ""
     lora_path: _Name = ""
@@ -71,11 +72,15 @@ _candidates_decoder = msgspec.json.Decoder(_Candidates)
 def least_candidates(body: bytes) -> int:
     """At least how many strings the body's ``server_ip`` array holds, without making them (0 where the
     body is not the envelope it should be: the full decode says what is wrong). Each string has two
-    quotes that are not escaped; every other quote follows a backslash."""
+    quotes that are not escaped; every other quote follows a backslash. RequestError where the body is
+    not JSON: the full decode would make every string before it came to the fault (a review: a million
+    candidates then a stray byte held the loop 280 ms)."""
     try:
         raw = _candidates_decoder.decode(body).server_ip
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+    except (msgspec.ValidationError, RecursionError):  # (a DecodeError itself: first)
         return 0
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"invalid JSON: {exc}") from None
     raw = bytes(raw)
     if not raw.startswith(b"["):
         return 0

@@ -25,7 +25,7 @@ import msgspec
 from aiohttp import web
 
 from cache_indexer.api.json_request import RequestError, UnprocessableRequest, decode_json
-from cache_indexer.api.request_body import BodyRefused, read_body
+from cache_indexer.api.request_body import BodyRefused, closing_unread, read_body
 from cache_indexer.infra.registrations import Registration, RegistrationStore
 from cache_indexer.infra.streams import RecordsKv
 from cache_indexer.infra.targets_record import read_endpoints
@@ -168,7 +168,8 @@ class RegistrationApi:
             raise _Refused(403, "off", "registration is off: set http.registrationToken (the chart: "
                                        "registration.enabled)")
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        # the header's bytes as they came (aiohttp decodes them as UTF-8 with surrogates for the bad ones)
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {token}".encode()):
             raise _Refused(401, "unauthenticated", "Authorization: Bearer <registration token> is missing or wrong")
 
     async def _authorized_body(self, request: web.Request) -> tuple[RegistrationStore, bytes]:
@@ -189,10 +190,7 @@ class RegistrationApi:
         self.metrics.registrations_refused.labels(reason).inc()
         self._warn("%s %s from %s refused (%d): %s", request.method, request.path, request.remote, status, exc)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        response = web.json_response({"error": str(exc)}, status=status, headers=headers)
-        if not request.content.at_eof():  # refused before its body was read: not kept for another request
-            response.force_close()
-        return response
+        return closing_unread(request, web.json_response({"error": str(exc)}, status=status, headers=headers))
 
     async def workers(self, request: web.Request) -> web.Response:
         """Every target, by instance: Dynamo's /workers items, ``source`` and ``status`` ours."""

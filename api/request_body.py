@@ -60,3 +60,12 @@ async def read_body(request: web.Request, limit: int, timeout: float | None) -> 
     if not body.strip():
         raise BodyRefused(400, "empty request body")
     return body
+
+
+def closing_unread(request: web.Request, response: web.Response) -> web.Response:
+    """``response`` to a request whose body was refused before its end: the connection closes after it.
+    Kept open, aiohttp reads the rest of the body on the loop (a lingering close), and inflates it where it
+    is compressed: a 4 MiB gzip bomb answered 413 still held the loop for 280 ms."""
+    if not request.content.at_eof():
+        response.force_close()
+    return response

@@ -21,12 +21,13 @@ import msgspec
 from aiohttp import web
 
 from cache_indexer.api.json_request import RequestError, UnprocessableRequest, cut_token_array, decode_json, token_array
-from cache_indexer.api.request_body import BodyRefused, read_body
+from cache_indexer.api.request_body import BodyRefused, closing_unread, read_body
 from cache_indexer.indexer.hit_rate import Tier
 from cache_indexer.indexer.hit_rate import NativeQuery
 from cache_indexer.indexer.tier_match import KeyWalk, NativeTierQuery, TierMatch, chain_keys
 from cache_indexer.infra.registrations import RegistrationStore
 from cache_indexer.schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
+from cache_indexer.schemas.events import MAX_BLOCK_SIZE
 from cache_indexer.schemas.block_hash import U64_MASK, BlockHasher, LoRAKey, MultiModalKey, find_token_ids
 from cache_indexer.schemas.config import HttpConfig
 
@@ -55,7 +56,7 @@ class _Scope(msgspec.Struct):
     model: _Name | None = None  # Mooncake RFC #1403
     routing_group: _Name | None = None
     tenant_id: _Name | None = None  # Dynamo before 1.3
-    block_size: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    block_size: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCK_SIZE)] | None = None
 
 
 class _Query(_Scope):
@@ -230,7 +231,7 @@ class TieredQueryApi:
             body = await read_body(request, self.http.maxHitRateBodyBytes, self.http.readTimeout)
             result, bs = await match(body)
         except BodyRefused as exc:
-            return _error(exc.status, str(exc))
+            return closing_unread(request, _error(exc.status, str(exc)))
         except UnprocessableRequest as exc:
             return _error(422, str(exc))
         except RequestError as exc:

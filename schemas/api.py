@@ -10,6 +10,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cache_indexer.schemas.events import MAX_BLOCK_SIZE
+
 TokenId = Annotated[int, Field(ge=0, lt=1 << 64)]
 #: Bounds of the optional LoRA and multimodal fields (each counted, as every input from outside)
 MAX_NAME_CHARS = 4096
@@ -35,7 +37,7 @@ class HitRateBody(BaseModel):
 
     token_ids: list[TokenId] = Field(description="Prompt token ids; only full blocks are scored.")
     cache_salt: str = Field("", description="vLLM cache_salt of the request; hashed into the first block only.")
-    block_size: int = Field(gt=0, description="The engines' KV-cache block size in tokens.")
+    block_size: int = Field(gt=0, le=MAX_BLOCK_SIZE, description="The engines' KV-cache block size in tokens.")
     lora_name: str = Field("", max_length=MAX_NAME_CHARS,
                            description="The LoRA adapter serving the request (vLLM mixes it into every block's "
                                        "hash); empty: the base model. An extension of this project.")

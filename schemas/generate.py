@@ -24,7 +24,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 
 _ERRORS = {
-    "400": "Malformed request: empty body, invalid JSON, unknown field, wrong type, empty server_ip, block_size <= 0.",
+    "400": "Malformed request: empty body, invalid JSON, unknown field, wrong type, empty server_ip, block_size outside 1..65536.",
     "405": "Method other than POST.",
     "408": "The body was not received within http.readTimeout.",
     "413": "Body larger than http.maxHitRateBodyBytes.",

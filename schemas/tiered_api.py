@@ -16,6 +16,7 @@ from typing import Annotated
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from cache_indexer.schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS, MultiModalFeature, TokenId
+from cache_indexer.schemas.events import MAX_BLOCK_SIZE
 
 #: An engine block hash as a client may send it: Dynamo's i64, or the uint64 vLLM publishes
 BlockHash = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
@@ -30,7 +31,7 @@ class _Scope(BaseModel):
     routing_group: str = Field("default", max_length=MAX_NAME_CHARS,
                                validation_alias=AliasChoices("routing_group", "tenant_id"),
                                description="Dynamo's routing group (`tenant_id` before 1.3, accepted too).")
-    block_size: int | None = Field(None, gt=0, description="The engines' KV-cache block size; default "
+    block_size: int | None = Field(None, gt=0, le=MAX_BLOCK_SIZE, description="The engines' KV-cache block size; default "
                                    "`blockKey.blockSize`. An extension of this project.")
 
 
@@ -84,7 +85,7 @@ class RegisterRequest(BaseModel):
     model_name: str = Field(max_length=MAX_NAME_CHARS, validation_alias=AliasChoices("model_name", "model"))
     routing_group: str = Field("default", max_length=MAX_NAME_CHARS,
                                validation_alias=AliasChoices("routing_group", "tenant_id"))
-    block_size: int = Field(gt=0, description="Tokens per block; one value per model and routing group (409 otherwise).")
+    block_size: int = Field(gt=0, le=MAX_BLOCK_SIZE, description="Tokens per block; one value per model and routing group (409 otherwise).")
     dp_rank: int = Field(0, ge=0, le=1023, description="The data-parallel rank this endpoint publishes for.")
     lora_name: str = Field("", max_length=MAX_NAME_CHARS)
 

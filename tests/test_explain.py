@@ -56,5 +56,20 @@ async def test_explain_names_the_cause_of_each_ratio(nats_url, stream_prefix):
             {"server_ip": pods, "body": {"token_ids": PROMPT, "block_size": B}}))
         assert all("explain" not in item for item in (await plain.json())["server_score_list"]), \
             "without explain: the documented shape"
+        # a review: the first block was hashed under every other setting once per candidate, so one pod
+        # named many times with a long first block held the event loop for seconds: now once per request
+        hashed = []
+        plain_hashes = BlockHasher.event_hashes
+
+        def counted(self, *args, **kw):
+            hashed.append(self.algo)
+            return plain_hashes(self, *args, **kw)
+        setattr(BlockHasher, "event_hashes", counted)
+        try:
+            got = await _explained(stack, [pods[2]] * 64)
+        finally:
+            setattr(BlockHasher, "event_hashes", plain_hashes)
+        assert all(item["explain"]["cause"].startswith("blockKey mismatch") for item in got)
+        assert 0 < len(hashed) <= 2 * 12, f"{len(hashed)} first-block hashes for one request"
     finally:
         await stack.stop()

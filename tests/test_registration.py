@@ -138,7 +138,14 @@ REFUSED = [
      "instance_id"),
     (AUTH, {"instance_id": 1, "endpoint": "nonsense", "model_name": "m", "block_size": 4}, 400, "endpoint"),
     (AUTH, {"instance_id": 1, "endpoint": "tcp://127.0.0.1:70000", "model_name": "m", "block_size": 4}, 400, "endpoint"),
+    # a host libzmq's connect refuses (a review: accepted, it failed every reconcile of the bridge)
+    (AUTH, {"instance_id": 1, "endpoint": "tcp://-engine-1:5557", "model_name": "m", "block_size": 4}, 400, "endpoint"),
+    (AUTH, {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5", "replay_endpoint": "tcp://_e:5", "model_name": "m",
+            "block_size": 4}, 400, "replay_endpoint"),
     (AUTH, {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5", "model_name": "m", "block_size": 0}, 400, "block_size"),
+    # a review: accepted, a block size past 2**63 made every /query of the model a 500, kept in NATS
+    (AUTH, {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5", "model_name": "m", "block_size": 1 << 63}, 400,
+     "block_size"),
     (AUTH, {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5", "model_name": "m", "block_size": 4, "dp_rank": 5000},
      400, "dp_rank"),
     (AUTH, {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5", "model_name": "m" * 5000, "block_size": 4}, 422,
@@ -156,6 +163,13 @@ async def test_registrations_are_refused_with_a_clear_error_and_counted(nats_url
             assert (got, named in out["error"]) == (status, True), (body, got, out)
         async with stack.session.post("/register", data=b"{" + b" " * (70 * 1024) + b"}", headers=AUTH) as r:
             assert r.status == 413
+        # a review: an Authorization header that is not UTF-8 was a 500 ("Server got itself in trouble")
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.session._base_url.port)
+        writer.write(b"POST /register HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xe9\r\nContent-Length: 2\r\n"
+                     b"Connection: close\r\n\r\n{}")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
         ok = {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5", "model_name": "m", "block_size": 4}
         assert (await _post(stack.session, "/register", ok))[0] == 201
         status, out = await _post(stack.session, "/register", ok)
@@ -166,7 +180,7 @@ async def test_registrations_are_refused_with_a_clear_error_and_counted(nats_url
         status, out = await _post(stack.session, "/register", {**ok, "instance_id": 2})
         assert status == 409 and "maxRegistrations" in out["error"]
         refused = stack.replica.metrics.registrations_refused
-        assert sum(c._value.get() for c in refused._metrics.values()) == len(REFUSED) + 4
+        assert sum(c._value.get() for c in refused._metrics.values()) == len(REFUSED) + 5
         assert [w["instance_id"] for w in await _workers(stack.session)] == [1]
     finally:
         await stack.stop()
