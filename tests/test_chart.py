@@ -366,7 +366,7 @@ def test_monitoring_objects_scrape_and_alert_on_metrics_the_product_exports(char
         assert [p["name"] for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]] == ["http"]
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
     rules = by_kind(objs, "PrometheusRule")[0]["spec"]["groups"][0]["rules"]
-    assert len(rules) == 5
+    assert len(rules) == 6
     for rule in rules:
         expr = rule["expr"]
         names = set(re.findall(r"cache_indexer_[a-z0-9_]+", expr))
