@@ -30,6 +30,7 @@ from cache_indexer.api.tiered_query import QUERY_BY_HASH_PATH, QUERY_PATH, Tiere
 from cache_indexer.infra.registrations import RegistrationStore
 from cache_indexer.infra.streams import RecordsKv
 from cache_indexer.infra.metrics import Metrics
+from cache_indexer.infra.throttled_log import ThrottledWarning
 from cache_indexer.schemas.block_hash import BlockHasher, find_token_ids
 from cache_indexer.indexer.hit_rate import NativeQuery, ScoreResult, Tier, configure_native_query, score
 from cache_indexer.indexer.query_threads import QueryThreads
@@ -99,6 +100,7 @@ class HitRateApi:
         self.tiered = TieredQueryApi(http, hasher, block_size, tiers, registrations, self._run_native)
         self.more_routes = list(more_routes)
         self.explainer = Explainer(hasher, records)
+        self._refused = ThrottledWarning(log)  # counted per status by the middleware; logged here
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
@@ -232,12 +234,14 @@ class HitRateApi:
         try:
             body = await read_body(request, self.http.maxHitRateBodyBytes, self.http.readTimeout)
         except BodyRefused as exc:
+            self._refused("%s %s from %s refused (%d): %s", request.method, request.path, request.remote, exc.status, exc)
             return closing_unread(request, _error(exc.status, str(exc)))
         try:
             req = self._decode(body)
             result = await self._score(req, len(body))
             explained = await self.explainer.explain(req, result, self.tiers()[0]) if req.explain else None
         except RequestError as exc:
+            self._refused("%s %s from %s refused (400): %s", request.method, request.path, request.remote, exc)
             return _error(400, str(exc))
         except Exception as exc:
             log.exception("hit-rate computation failed")

@@ -26,6 +26,7 @@ from cache_indexer.indexer.hit_rate import Tier
 from cache_indexer.indexer.hit_rate import NativeQuery
 from cache_indexer.indexer.tier_match import KeyWalk, NativeTierQuery, TierMatch, chain_keys
 from cache_indexer.infra.registrations import RegistrationStore
+from cache_indexer.infra.throttled_log import ThrottledWarning
 from cache_indexer.schemas.api import MAX_MM_FEATURES, MAX_NAME_CHARS
 from cache_indexer.schemas.events import MAX_BLOCK_SIZE
 from cache_indexer.schemas.block_hash import U64_MASK, BlockHasher, LoRAKey, MultiModalKey, find_token_ids
@@ -163,6 +164,7 @@ class TieredQueryApi:
         self.block_size = block_size
         self.tiers = tiers
         self.registrations = registrations
+        self._refused = ThrottledWarning(log)  # counted per status by the API's middleware; logged here
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(QUERY_PATH, self.query)
@@ -231,11 +233,12 @@ class TieredQueryApi:
             body = await read_body(request, self.http.maxHitRateBodyBytes, self.http.readTimeout)
             result, bs = await match(body)
         except BodyRefused as exc:
+            self._refused("%s %s from %s refused (%d): %s", request.method, request.path, request.remote, exc.status, exc)
             return closing_unread(request, _error(exc.status, str(exc)))
-        except UnprocessableRequest as exc:
-            return _error(422, str(exc))
         except RequestError as exc:
-            return _error(400, str(exc))
+            status = 422 if isinstance(exc, UnprocessableRequest) else 400
+            self._refused("%s %s from %s refused (%d): %s", request.method, request.path, request.remote, status, exc)
+            return _error(status, str(exc))
         except Exception as exc:
             log.exception("%s failed", request.path)
             return _error(500, f"the query failed: {exc}")

@@ -221,10 +221,11 @@ async def test_bad_requests_get_400(api, name):
     assert body["message"] and body["server_score_list"] == []
 
 
-async def test_error_messages_name_the_problem(api):
+async def test_error_messages_name_the_problem(api, caplog):
     session, _ = api
     _, body = await post(session, None, raw=BAD_REQUESTS["block_size zero"])
     assert "block_size" in body["message"]
+    assert "POST /kv-cache/hit-rate from 127.0.0.1 refused (400)" in caplog.text, "logged (throttled), not only counted"
     _, body = await post(session, None, raw=BAD_REQUESTS["invalid json"])
     assert body["message"].startswith("invalid JSON")
     _, body = await post(session, None, raw=BAD_REQUESTS["unknown body field"])
