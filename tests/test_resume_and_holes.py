@@ -255,6 +255,17 @@ async def test_a_payload_that_cannot_be_decoded_starts_a_new_generation(stack):
 
 
 @pytest.mark.timeout(60)
+async def _an_oversized_batch_after_two_blocks(stack, pod: str, hs: list[int]):
+    """An engine subscribed to, its first two blocks indexed, then a frame over ``maxBatchBytes`` (the third
+    block's batch, padded): libzmq gives the connection up."""
+    eng = stack.engine(pod, buffer_steps=10000)
+    await stack.connect((eng, pod, 0))
+    await eng.publish([stored(hs[:2], block_size=BS)])
+    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(hs[:2]), 20, "before")
+    await eng.publish_payload(batch_payload([stored(hs[2:3], block_size=BS)]) + b"\x00" * (2 << 20))
+    return eng, hs
+
+
 async def test_a_frame_over_max_batch_bytes_is_a_gap_and_the_subscription_comes_back(stack):
     """Issue 24 #6: libzmq drops the connection on a message over MAXMSGSIZE and, a protocol error, never
     reconnects: the engine's later batches never arrived, nothing was logged or counted. The socket must
@@ -263,12 +274,7 @@ async def test_a_frame_over_max_batch_bytes_is_a_gap_and_the_subscription_comes_
     catches up at once: the batch (here padded past its msgpack: undecodable) starts a new generation
     after it, whether the catch-up or the gap of the next live batch reads it first."""
     pod = PODS[0]
-    eng = stack.engine(pod, buffer_steps=10000)
-    await stack.connect((eng, pod, 0))
-    hs = chain(12, 1200)
-    await eng.publish([stored(hs[:2], block_size=BS)])
-    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(hs[:2]), 20, "before")
-    await eng.publish_payload(batch_payload([stored(hs[2:3], block_size=BS)]) + b"\x00" * (2 << 20))
+    eng, hs = await _an_oversized_batch_after_two_blocks(stack, pod, chain(12, 1200))
     await eng.wait_subscribed(10)  # subscribed again
     for i in range(3, 12):
         await eng.publish([stored(hs[i:i + 1], parent=hs[i - 1], block_size=BS)])
@@ -300,12 +306,7 @@ async def test_a_socket_that_cannot_be_made_anew_is_tried_again_and_the_engine_h
         return plain(self)
     monkeypatch.setattr(VllmSubscriber, "_open", failing_once)
     pod = PODS[1]
-    eng = stack.engine(pod, buffer_steps=10000)
-    await stack.connect((eng, pod, 0))
-    hs = chain(6, 1300)
-    await eng.publish([stored(hs[:2], block_size=BS)])
-    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(hs[:2]), 20, "before")
-    await eng.publish_payload(batch_payload([stored(hs[2:3], block_size=BS)]) + b"\x00" * (2 << 20))
+    eng, hs = await _an_oversized_batch_after_two_blocks(stack, pod, chain(6, 1300))
     await wait_for(lambda: len(opens) >= 3, 20, "the socket made anew after the failed try")
     await eng.wait_subscribed(10)
     for i in range(3, 6):
