@@ -67,8 +67,9 @@ DISCONNECTED_UNREADY_AFTER = 60.0
 #: Sockets the bridge's ZMQ context may open (two per engine rank, and libzmq's own)
 MAX_ZMQ_SOCKETS = 65536
 #: Seconds before subscriptions that could not start (an endpoint libzmq refuses, no file descriptors
-#: left, NATS away for the resume position) are tried again; discovery's next change tries them too.
-SUBSCRIBE_RETRY = 5.0
+#: left, NATS away for the resume position) are tried again, doubling while they keep failing up to
+#: SUBSCRIBE_RETRY_MAX; discovery's next change tries them too.
+SUBSCRIBE_RETRY, SUBSCRIBE_RETRY_MAX = 5.0, 60.0
 
 
 class Bridge:
@@ -119,8 +120,9 @@ class Bridge:
         self.master_discovery: KubernetesDiscovery | None = None
         self.pollers: dict[MasterTarget, MooncakePoller] = {}
         self._restoring: asyncio.Task | None = None
-        #: subscriptions whose start failed are tried again by this task, after SUBSCRIBE_RETRY
+        #: subscriptions whose start failed are tried again by this task, after ``_subscribe_retry``
         self._resubscribing: asyncio.Task | None = None
+        self._subscribe_retry = SUBSCRIBE_RETRY
         self._last_restore = float("-inf")
         self.l3: L3Publisher | None = None
         self._http = None
@@ -503,18 +505,21 @@ class Bridge:
                     failed += 1
                     self.metrics.task_errors.labels("vllm-subscribe").inc()
                     log.error("subscribing to %s rank %d at %s failed (%s); trying again in %.0fs", ep.pod, ep.rank,
-                              ep.pub, exc, SUBSCRIBE_RETRY, extra={"pod": ep.pod, "rank": ep.rank})
+                              ep.pub, exc, self._subscribe_retry, extra={"pod": ep.pod, "rank": ep.rank})
                     continue
                 self.subscribers[ep] = sub
                 log.info("subscribed %s rank %d at %s (replay %s)", ep.pod, ep.rank, ep.pub, ep.replay or "off",
                          extra={"pod": ep.pod, "rank": ep.rank})
-        if failed and (self._resubscribing is None or self._resubscribing.done()):
+        if not failed:
+            self._subscribe_retry = SUBSCRIBE_RETRY
+        elif self._resubscribing is None or self._resubscribing.done():
             self._resubscribing = asyncio.create_task(self._subscribe_again(), name="bridge-resubscribe")
 
     async def _subscribe_again(self) -> None:
-        """What could not start is tried again after SUBSCRIBE_RETRY (what is wanted then: discovery may
-        have moved on), until every wanted endpoint has its subscription."""
-        await asyncio.sleep(SUBSCRIBE_RETRY)
+        """What could not start is tried again (what is wanted then: discovery may have moved on), until
+        every wanted endpoint has its subscription; the wait doubles while the same keep failing."""
+        await asyncio.sleep(self._subscribe_retry)
+        self._subscribe_retry = min(2 * self._subscribe_retry, SUBSCRIBE_RETRY_MAX)
         self._resubscribing = None
         try:
             await self._subscribe_to(self._mine(self._endpoints))
