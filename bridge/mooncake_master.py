@@ -24,6 +24,7 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from urllib.parse import quote
@@ -32,6 +33,7 @@ import aiohttp
 from yarl import URL
 
 from cache_indexer.infra.pauser import REST_SECONDS, Pauser
+from cache_indexer.infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +42,35 @@ class MasterError(RuntimeError):
     """The master answered something this client cannot use (counted; the previous state is kept)."""
 
 
-def endpoint_host(endpoint: str) -> str:
+#: the host of a segment or replica endpoint: a DNS name or IPv4 address, or (bracketed) an IPv6 one
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+_IPV6 = re.compile(r"[0-9A-Fa-f:.]{2,45}(%[A-Za-z0-9._-]{1,64})?")
+_malformed = ThrottledWarning(log)
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a master's ``host:port`` or ``[v6]:port``; None (logged, throttled) where it names none:
+    a line the master should not have sent is left out, never the poll's end (an unclosed bracket failed
+    every poll of its master), nor another pod's (the poller joins hosts with commas)."""
     if endpoint.startswith("["):
-        return endpoint[1:endpoint.index("]")]
-    return endpoint.split(":", 1)[0]
+        end = endpoint.find("]")
+        host = endpoint[1:end] if end > 0 else ""
+        ok = _IPV6.fullmatch(host) is not None
+    else:
+        host = endpoint.split(":", 1)[0]
+        ok = _HOST.fullmatch(host) is not None
+    if not ok:
+        _malformed("mooncake master: endpoint %r names no host; left out", endpoint[:200])
+        return None
+    return host
 
 
 def _hosts(descriptors) -> set[str]:
     out = set()
     for d in descriptors or []:
         ep = d.get("transport_endpoint_") if isinstance(d, dict) else None
-        if isinstance(ep, str) and ep:
-            out.add(endpoint_host(ep))
+        if isinstance(ep, str) and ep and (host := endpoint_host(ep)) is not None:
+            out.add(host)
     return out
 
 

@@ -208,7 +208,7 @@ class MooncakePoller:
                         new_hash[k] = h
                         new.append(k)
         await self.client.all_keys(consume)
-        segments = await self.client.segments()
+        segments = {s for s in await self.client.segments() if endpoint_host(s) is not None}
         live_hosts = {endpoint_host(s) for s in segments}
         # a segment that appeared, vanished or re-registered (same host, another name): the master may
         # have dropped or kept the replicas on it, so the known keys on its host are asked about again

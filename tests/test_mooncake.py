@@ -260,6 +260,26 @@ async def test_poller_diffs_refcounts_and_segments(poller):
     assert metrics.l3_unparsed_keys._value.get() == 1  # counted once, not per poll
 
 
+async def test_an_endpoint_that_names_no_host_is_left_out_and_the_rest_goes_on(poller, caplog):
+    """From a review: one segment line with an unclosed bracket failed every poll of its master (nothing it
+    changed was published while it was listed); a host with a comma (the poller joins hosts with commas)
+    took another pod's block away; a 2 MB host failed the first full state. Such an endpoint is left out,
+    logged; the other pods' keys go on."""
+    master, p, sink, metrics = poller
+    master.segments = ["127.0.0.2:12001", "[fe80::1", "10.0.0.1,127.0.0.2:12000", "h" * (2 << 20) + ":1"]
+    master.keys = {key(1): ["127.0.0.2:16001"], key(1, tp=1): ["10.0.0.1,127.0.0.2:12000"],
+                   key(2): ["h" * (2 << 20) + ":1", "127.0.0.2:16001"]}
+    await p.poll()
+    assert sink.messages[-1]["type"] == "l3_full"
+    assert sink.held("127.0.0.2") == {1, 2}
+    master.keys[key(3)] = ["127.0.0.2:16001"]
+    del master.keys[key(1, tp=1)]  # the odd key goes: it took nothing of 127.0.0.2 with it
+    await p.poll()
+    assert sink.held("127.0.0.2") == {1, 2, 3}
+    assert not poll_errors(metrics)
+    assert "names no host; left out" in caplog.text
+
+
 async def test_replicas_follow_their_segment_out_and_back_and_the_master_is_asked_again(poller):
     master, p, sink, _ = poller
     master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
