@@ -280,6 +280,26 @@ async def test_an_endpoint_that_names_no_host_is_left_out_and_the_rest_goes_on(p
     assert "names no host; left out" in caplog.text
 
 
+async def test_a_publish_that_failed_is_made_good_by_the_next_polls_full_state(poller):
+    """From a review: the poller's state moved before its publish; a publish that failed (NATS away, a
+    message refused) lost that change until the next periodic full state, fullStateEvery polls later."""
+    master, p, sink, metrics = poller
+    master.segments = ["127.0.0.2:12001"]
+    master.keys = {key(1): ["127.0.0.2:16001"]}
+    await p.poll()
+    master.keys[key(2)] = ["127.0.0.2:16001"]
+    plain = sink.diff
+
+    async def failing(*args):
+        raise RuntimeError("injected: the publish failed")
+    sink.diff = failing
+    with pytest.raises(RuntimeError):
+        await p.poll()
+    sink.diff = plain
+    await p.poll()
+    assert sink.messages[-1]["type"] == "l3_full" and sink.held("127.0.0.2") == {1, 2}
+
+
 async def test_replicas_follow_their_segment_out_and_back_and_the_master_is_asked_again(poller):
     master, p, sink, _ = poller
     master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
