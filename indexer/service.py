@@ -191,9 +191,9 @@ class Indexer:
                       "retention before a snapshot covered them; continuing from %d", self._stream, first,
                       self.applied_seq, first)
         self.target_seq = last if info.state.messages else 0
-        self._check_ready()
         self._reloading = False
         await self._feed.start(self.applied_seq + 1)
+        self._check_ready()  # caught up already: a quiet stream sends no message that would say so
 
     async def _follow_l3(self) -> None:
         """L3 is replayed whole: its subjects are compacted by the bridge's rollups, not by snapshots. The
@@ -356,8 +356,8 @@ class Indexer:
             return False
         if self._reading_back or self.l1.read_back_pending():
             return False  # a worker is half read back: the next try comes within a second
-        seq = self.applied_seq
-        t = time.perf_counter()
+        seq, stream = self.applied_seq, self._l1_stream_id  # the stream this state is of, named with it:
+        t = time.perf_counter()  # recreated meanwhile, the new one is neither filed under it nor purged
         floor = self.l1.spill_floor()  # what a worker still has to read back stays in the stream
         snap = L1Snapshot(self.l1, seq)  # the Python-side state, here on the loop
         self._ingest_open.clear()  # nothing is applied while the tables are copied, on a thread without
@@ -369,9 +369,13 @@ class Indexer:
         blob = PartsReader(await asyncio.to_thread(snap.encode_parts, exported))
         del exported  # the pieces are the reader's alone now: it frees them in turns
         try:
-            saved = await self.snapshots.save(blob, seq, self._l1_stream_id)
+            saved = await self.snapshots.save(blob, seq, stream)
         finally:
             await blob.release()
+        if self._l1_stream_id != stream:
+            log.warning("snapshot at stream seq %d: the stream was recreated while it was written; it is of the "
+                        "old one (not loaded, nothing purged)", seq)
+            return False
         self._last_snapshot_seq, self._last_snapshot_time = seq, time.monotonic()
         if not saved:
             return False
@@ -382,7 +386,9 @@ class Indexer:
                 upto = min(upto, floor)
             if upto > 1:
                 try:  # the snapshot stands either way; the next one purges further
-                    await self.js.purge_stream(self._stream, seq=upto)
+                    # by name: a stream recreated before this writer noticed would lose its first messages
+                    if stream_id(await self.js.stream_info(self._stream)) == stream:
+                        await self.js.purge_stream(self._stream, seq=upto)
                 except Exception as exc:
                     log.warning("compacting stream %s up to %d failed: %s", self._stream, upto, exc)
         # counted once the compaction behind it is done too (tests and tools wait on this)

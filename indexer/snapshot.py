@@ -312,11 +312,19 @@ class SnapshotStore:
                 log.warning("snapshot %s is of the stream as it was before it was recreated: not loaded", ref.name)
                 return None
             try:
-                return decode_l1(await self.read(ref.name))
+                blob = await self.read(ref.name)
             except (SnapshotUnreadable, NatsTimeoutError, asyncio.TimeoutError) as exc:
                 self.failed_loads += 1
                 log.warning("snapshot %s (attempt %d of %d): %s; reading the pointer again", ref.name, attempt,
                             self.load_attempts, exc or type(exc).__name__)
+                continue
+            try:
+                return decode_l1(blob)
+            except ValueError as exc:  # whole (its digest held) but of a format this version cannot read:
+                self.failed_loads += 1  # a newer writer's, after a rollback. Reading it again will not help
+                log.error("snapshot %s cannot be read by this version (%s): rebuilding from the stream alone",
+                          ref.name, exc)
+                return None
         log.error("no snapshot could be read in %d attempts: rebuilding from the stream alone", self.load_attempts)
         return None
 

@@ -547,3 +547,126 @@ async def test_an_l3_stream_recreated_is_followed_again_after_a_failed_first_con
         assert [m for m in errors if "following it anew failed (add_consumer timed out)" in m]
     finally:
         await indexer.stop()
+
+
+class _Publisher:
+    """L1 messages straight to the stream, as a bridge writes them (one worker)."""
+
+    def __init__(self, js, cfg, pod: str) -> None:
+        self.js, self.cfg, self.pod = js, cfg, pod
+
+    async def send(self, msg: dict) -> int:
+        from cache_indexer.infra.streams import l1_subject
+
+        subject = l1_subject(self.cfg.nats.l1Stream.subjectPrefix, self.pod, 0)
+        body = {"v": 1, "pod": self.pod, "rank": 0, "gen": 1, **msg}
+        return (await self.js.publish(subject, msgpack.packb(body), stream=self.cfg.nats.l1Stream.name)).seq
+
+    async def batch(self, seq: int) -> int:
+        return await self.send({"type": "batch", "seq": seq, "ts": 0.0,
+                                "events": [{"kind": "stored", "hashes": [1000 + seq]}]})
+
+
+async def test_a_replica_reloaded_onto_a_quiet_stream_is_ready_again(nats_url, stream_prefix, monkeypatch):
+    """From a review: a reload (here onto a recreated stream) checked readiness while it still counted as
+    reloading, and only a later message checked it again: on a quiet stream the replica, caught up, stayed
+    not ready (and took no snapshots) with nothing said."""
+    from cache_indexer.indexer import service
+
+    monkeypatch.setattr(service, "TRACK_EVERY", 0.2)
+    cfg = make_config(nats_url, stream_prefix, snapshot={"enabled": False})
+    idx = Indexer(cfg)
+    await idx.start()
+    try:
+        pub = _Publisher(idx.js, cfg, "10.9.0.2")
+        await pub.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
+        await idx.wait_applied(await pub.batch(0), 10)
+        assert idx.ready.is_set()
+        await idx.js.delete_stream(cfg.nats.l1Stream.name)  # lost (an operator, a storage loss)
+        await wait_for(lambda: idx.reloads == 1 and not idx._reloading, 10, "the rebuild from the new stream")
+        await wait_for(lambda: idx.ready.is_set(), 5, "ready again, nothing to catch up on the new stream")
+    finally:
+        await idx.stop()
+
+
+async def test_a_snapshot_this_version_cannot_read_does_not_keep_the_replica_from_starting(nats_url, stream_prefix):
+    """From a review: a whole snapshot (its digest right) of a format this version does not know (a newer
+    writer's, after a rollback) raised out of the load, and the replica never started. It rebuilds from
+    the stream alone, the failure logged and counted, as for a snapshot that cannot be read."""
+    from cache_indexer.indexer.l1_state import L1State
+    from cache_indexer.indexer.snapshot import SnapshotStore, encode_l1
+    from cache_indexer.infra.streams import ensure_l1_stream, records_bucket, stream_id
+
+    cfg = make_config(nats_url, stream_prefix)
+    nc = await nats.connect(nats_url)
+    idx = Indexer(cfg)
+    try:
+        js = nc.jetstream()
+        info = await ensure_l1_stream(js, cfg.nats)
+        pub = _Publisher(js, cfg, "10.9.0.3")
+        await pub.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
+        last = await pub.batch(0)
+        blob = encode_l1(L1State(), 0)
+        n = int.from_bytes(blob[:8], "little")
+        header = msgpack.unpackb(blob[8:8 + n], raw=False, strict_map_key=False)
+        header["format"] = "cache-indexer-l1-v99"  # what a later version might write
+        head = msgpack.packb(header)
+        store = SnapshotStore(js, cfg.snapshot.bucket, records_bucket(cfg))
+        assert await store.save(len(head).to_bytes(8, "little") + head + blob[8 + n:], 1, stream_id(info))
+        await idx.start()
+        await idx.wait_applied(last, 10)
+        assert idx.metrics.snapshot_load_failures._value.get() == 1
+    finally:
+        await idx.stop()
+        await nc.close()
+
+
+async def test_a_snapshot_written_across_a_stream_recreation_is_neither_filed_under_nor_purges_the_new_one(
+        nats_url, stream_prefix, monkeypatch):
+    """From a review: a snapshot named its stream only once written (seconds of encoding on a large index);
+    the stream recreated meanwhile, the old stream's state was filed as the new one's and the new stream
+    purged up to the old seq (the engines' resets on it gone). Likewise a writer that had not yet noticed the
+    recreation purged the new stream by name."""
+    from cache_indexer.indexer import service, snapshot
+    from cache_indexer.infra.streams import ensure_l1_stream, stream_id
+
+    monkeypatch.setattr(service, "TRACK_EVERY", 0.2)
+    cfg = make_config(nats_url, stream_prefix, snapshot={"everyMessages": 10**9, "interval": "1h", "purgeKeep": 0})
+    name = cfg.nats.l1Stream.name
+    writer = Indexer(cfg)
+    await writer.start()
+    try:
+        old = _Publisher(writer.js, cfg, "10.9.1.1")
+        await old.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
+        for s in range(8):
+            last = await old.batch(s)
+        await writer.wait_applied(last, 10)
+        plain = snapshot.L1Snapshot.encode_parts
+
+        def slow_encode(self, exported):  # a large index takes seconds to encode (on a thread)
+            time.sleep(2.0)
+            return plain(self, exported)
+        monkeypatch.setattr(snapshot.L1Snapshot, "encode_parts", slow_encode)
+        written = asyncio.create_task(writer.snapshot_now())
+        await asyncio.sleep(0.3)
+        await writer.js.delete_stream(name)  # lost while the snapshot is encoded
+        await wait_for(lambda: writer.reloads == 1 and not writer._reloading, 10, "the rebuild from the new stream")
+        new = _Publisher(writer.js, cfg, "10.9.1.2")
+        await new.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
+        await writer.wait_applied(await new.batch(0), 10)
+        assert not await written
+        info = await writer.js.stream_info(name)
+        pointer = await writer.snapshots.pointer()
+        assert pointer is None or pointer.stream_id != stream_id(info), "the old state filed as the new stream's"
+        assert info.state.first_seq == 1, "the new stream purged"
+        monkeypatch.setattr(snapshot.L1Snapshot, "encode_parts", plain)
+        # a writer that has not noticed a recreation yet (its lag round every 10 s) does not purge it either
+        monkeypatch.setattr(service, "TRACK_EVERY", 3600)
+        await writer.js.delete_stream(name)
+        await ensure_l1_stream(writer.js, cfg.nats)
+        again = _Publisher(writer.js, cfg, "10.9.1.3")
+        first = await again.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
+        await writer.snapshot_now()
+        assert (await writer.js.stream_info(name)).state.first_seq == first, "the new stream's reset purged"
+    finally:
+        await writer.stop()
