@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 #: trace section): what a quiet fleet asks of it every few seconds adds up.
 TRACK_EVERY = 10.0
 
+#: snapshots loaded again where a newer one was written (and the stream purged behind it) meanwhile
+LOAD_AGAIN = 3
 #: seconds between a consumer's idle heartbeats (two missed: the consumer is made again; a lost connection
 #: or a skipped sequence remakes it at once): nats-py's own default for ordered consumers
 HEARTBEAT = 5.0
@@ -90,6 +92,7 @@ class Indexer:
         self.history_lost = 0
         self.snapshots_written = 0
         self._reloading = False
+        self._reload_lock = asyncio.Lock()
         self._reading_back = False  # spilled messages are being read back: no snapshot now
         self._stopping = False
         self._accept_jump_to = 0
@@ -169,20 +172,25 @@ class Indexer:
         """(Re)build from the snapshot if it is ahead of us, then follow the stream from there."""
         await self._feed.stop()
         self._l1_stream_id = stream_id(await self.js.stream_info(self._stream))
-        if self.snapshots is not None:
-            t = time.perf_counter()
-            failed = self.snapshots.failed_loads
-            loaded = await self.snapshots.load(self._l1_stream_id)
-            self.metrics.snapshot_load_failures.inc(self.snapshots.failed_loads - failed)
-            if loaded is not None and loaded[1] >= self.applied_seq:
-                self.l1, self.applied_seq = loaded
-                self.l1.max_early = self.l1.max_journal = self.max_early
-                self._last_snapshot_seq = self.applied_seq
-                self.metrics.snapshot_loads.inc()
-                log.info("loaded snapshot at stream seq %d (%d blocks) in %.2fs", self.applied_seq,
-                         len(self.l1.index), time.perf_counter() - t)
-        info = await self.js.stream_info(self._stream)
-        first, last = info.state.first_seq, info.state.last_seq
+        for again in range(LOAD_AGAIN + 1):
+            if self.snapshots is not None:
+                t = time.perf_counter()
+                failed = self.snapshots.failed_loads
+                loaded = await self.snapshots.load(self._l1_stream_id)
+                self.metrics.snapshot_load_failures.inc(self.snapshots.failed_loads - failed)
+                if loaded is not None and loaded[1] >= self.applied_seq:
+                    self.l1, self.applied_seq = loaded
+                    self.l1.max_early = self.l1.max_journal = self.max_early
+                    self._last_snapshot_seq = self.applied_seq
+                    self.metrics.snapshot_loads.inc()
+                    log.info("loaded snapshot at stream seq %d (%d blocks) in %.2fs", self.applied_seq,
+                             len(self.l1.index), time.perf_counter() - t)
+            info = await self.js.stream_info(self._stream)
+            first, last = info.state.first_seq, info.state.last_seq
+            if first <= self.applied_seq + 1 or again == LOAD_AGAIN or not await self._newer_snapshot():
+                break
+            # written (and the stream purged behind it) while this one loaded: it covers the gap
+            log.info("a newer snapshot was written while one loaded: loading it")
         if first > self.applied_seq + 1:  # an empty, purged stream reports first = last + 1
             self.history_lost += 1
             self.metrics.history_lost.inc()
@@ -194,6 +202,14 @@ class Indexer:
         self._reloading = False
         await self._feed.start(self.applied_seq + 1)
         self._check_ready()  # caught up already: a quiet stream sends no message that would say so
+
+    async def _newer_snapshot(self) -> bool:
+        """Whether the snapshot pointer names a state of this stream past the one applied."""
+        try:
+            ref = await self.snapshots.pointer()
+        except Exception:
+            return False
+        return ref is not None and ref.stream_seq > self.applied_seq and ref.stream_id in ("", self._l1_stream_id)
 
     async def _follow_l3(self) -> None:
         """L3 is replayed whole: its subjects are compacted by the bridge's rollups, not by snapshots. The
@@ -230,7 +246,8 @@ class Indexer:
         self.metrics.ready.set(0)
         while not self._stopping:
             try:
-                await self._load_and_follow()
+                async with self._reload_lock:  # one at a time: the feed cannot be started twice at once
+                    await self._load_and_follow()
                 return
             except Exception:
                 log.exception("reload failed; retrying in 1s")

@@ -670,3 +670,50 @@ async def test_a_snapshot_written_across_a_stream_recreation_is_neither_filed_un
         assert (await writer.js.stream_info(name)).state.first_seq == first, "the new stream's reset purged"
     finally:
         await writer.stop()
+
+
+async def test_a_snapshot_written_while_a_replica_loads_the_one_before_is_loaded_too(nats_url, stream_prefix,
+                                                                                     monkeypatch):
+    """From a review: a replica loading snapshot S1 while the writer saved S2 and purged behind it found the
+    stream starting past S1, declared history lost to retention and jumped: the messages S2 covers were
+    never applied. It reads the pointer again and loads S2."""
+    from cache_indexer.indexer import snapshot
+
+    cfg = make_config(nats_url, stream_prefix, snapshot={"everyMessages": 10**9, "interval": "1h", "purgeKeep": 0})
+    writer = Indexer(cfg)
+    await writer.start()
+    late = None
+    try:
+        pub = _Publisher(writer.js, cfg, "10.9.3.1")
+        await pub.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
+        for s in range(4):
+            last = await pub.batch(s)
+        await writer.wait_applied(last, 10)
+        assert await writer.snapshot_now()  # S1
+        plain, loaded, go_on = snapshot.SnapshotStore.load, asyncio.Event(), asyncio.Event()
+
+        async def slow_load(self, *a, **kw):  # a large snapshot takes a while to download and decode
+            out = await plain(self, *a, **kw)
+            loaded.set()
+            await go_on.wait()
+            return out
+        monkeypatch.setattr(snapshot.SnapshotStore, "load", slow_load)
+        late = Indexer(cfg)
+        starting = asyncio.create_task(late.start())
+        await loaded.wait()  # S1 read
+        for s in range(4, 8):
+            last = await pub.batch(s)
+        await writer.wait_applied(last, 10)
+        assert await writer.snapshot_now()  # S2, and the purge behind it
+        last = await pub.batch(8)
+        go_on.set()
+        await starting
+        await late.wait_applied(last, 10)
+        assert late.history_lost == 0, "S2 covers what was purged: no history was lost"
+        wid_late, wid_writer = late.l1.workers.get("10.9.3.1", 0), writer.l1.workers.get("10.9.3.1", 0)
+        assert {h for h, m in late.l1.blocks.items() if m >> wid_late & 1} == \
+            {h for h, m in writer.l1.blocks.items() if m >> wid_writer & 1} == {1000 + s for s in range(9)}
+    finally:
+        if late is not None:
+            await late.stop()
+        await writer.stop()
