@@ -566,6 +566,14 @@ class _Publisher:
         return await self.send({"type": "batch", "seq": seq, "ts": 0.0,
                                 "events": [{"kind": "stored", "hashes": [1000 + seq]}]})
 
+    async def applied(self, indexer: Indexer, batches: int) -> int:
+        """A new generation (its reset), then ``batches`` batches, applied by ``indexer``: the last stream seq."""
+        await self.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
+        for s in range(batches):
+            last = await self.batch(s)
+        await indexer.wait_applied(last, 10)
+        return last
+
 
 async def test_a_replica_reloaded_onto_a_quiet_stream_is_ready_again(nats_url, stream_prefix, monkeypatch):
     """From a review: a reload (here onto a recreated stream) checked readiness while it still counted as
@@ -578,9 +586,7 @@ async def test_a_replica_reloaded_onto_a_quiet_stream_is_ready_again(nats_url, s
     idx = Indexer(cfg)
     await idx.start()
     try:
-        pub = _Publisher(idx.js, cfg, "10.9.0.2")
-        await pub.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
-        await idx.wait_applied(await pub.batch(0), 10)
+        await _Publisher(idx.js, cfg, "10.9.0.2").applied(idx, 1)
         assert idx.ready.is_set()
         await idx.js.delete_stream(cfg.nats.l1Stream.name)  # lost (an operator, a storage loss)
         await wait_for(lambda: idx.reloads == 1 and not idx._reloading, 10, "the rebuild from the new stream")
@@ -636,11 +642,7 @@ async def test_a_snapshot_written_across_a_stream_recreation_is_neither_filed_un
     writer = Indexer(cfg)
     await writer.start()
     try:
-        old = _Publisher(writer.js, cfg, "10.9.1.1")
-        await old.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
-        for s in range(8):
-            last = await old.batch(s)
-        await writer.wait_applied(last, 10)
+        await _Publisher(writer.js, cfg, "10.9.1.1").applied(writer, 8)
         plain = snapshot.L1Snapshot.encode_parts
 
         def slow_encode(self, exported):  # a large index takes seconds to encode (on a thread)
@@ -651,9 +653,7 @@ async def test_a_snapshot_written_across_a_stream_recreation_is_neither_filed_un
         await asyncio.sleep(0.3)
         await writer.js.delete_stream(name)  # lost while the snapshot is encoded
         await wait_for(lambda: writer.reloads == 1 and not writer._reloading, 10, "the rebuild from the new stream")
-        new = _Publisher(writer.js, cfg, "10.9.1.2")
-        await new.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
-        await writer.wait_applied(await new.batch(0), 10)
+        await _Publisher(writer.js, cfg, "10.9.1.2").applied(writer, 1)
         assert not await written
         info = await writer.js.stream_info(name)
         pointer = await writer.snapshots.pointer()
@@ -685,10 +685,7 @@ async def test_a_snapshot_written_while_a_replica_loads_the_one_before_is_loaded
     late = None
     try:
         pub = _Publisher(writer.js, cfg, "10.9.3.1")
-        await pub.send({"type": "reset", "next_seq": 0, "reason": "subscribed"})
-        for s in range(4):
-            last = await pub.batch(s)
-        await writer.wait_applied(last, 10)
+        await pub.applied(writer, 4)
         assert await writer.snapshot_now()  # S1
         plain, loaded, go_on = snapshot.SnapshotStore.load, asyncio.Event(), asyncio.Event()
 
