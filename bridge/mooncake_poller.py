@@ -232,7 +232,9 @@ class MooncakePoller:
         delta = _Delta(self.pairs)
         if any(m != mark for m in ignored.values()):  # keys no longer listed are forgotten
             self.ignored = {k: m for k, m in ignored.items() if m == mark}
-        for key in gone_keys:
+        for i, key in enumerate(gone_keys):  # in slices too: a master back empty drops every key at once
+            if i % _SLICE == 0:
+                await pause()
             h = self.key_hash.pop(key)
             seen.pop(key, None)
             for host in _hosts(known.pop(key)):
@@ -242,7 +244,9 @@ class MooncakePoller:
         gone, back = self.live_hosts - live_hosts, live_hosts - self.live_hosts
         moved = gone | back
         if moved:  # known replicas follow their segment out and back (and are asked about again)
-            for key in await _select(known, lambda k: not moved.isdisjoint(_hosts(known[k])), pause):
+            for i, key in enumerate(await _select(known, lambda k: not moved.isdisjoint(_hosts(known[k])), pause)):
+                if i % _SLICE == 0:
+                    await pause()
                 for host in _hosts(known[key]):
                     if host in gone:
                         delta.drop(host, self.key_hash[key])

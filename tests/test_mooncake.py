@@ -300,6 +300,29 @@ async def test_a_publish_that_failed_is_made_good_by_the_next_polls_full_state(p
     assert sink.messages[-1]["type"] == "l3_full" and sink.held("127.0.0.2") == {1, 2}
 
 
+async def test_a_master_back_empty_drops_its_keys_in_slices(poller, monkeypatch):
+    """From a review: with 300k keys known, a master restarted empty held the event loop for 300 ms while
+    the poller dropped every key in one piece (the API answers on that loop in local mode). The keys gone,
+    like those selected, are dropped a slice at a time, the loop let go between slices (infra/pauser.py)."""
+    from cache_indexer.bridge import mooncake_poller
+
+    master, p, sink, metrics = poller
+    master.segments = ["127.0.0.2:12001"]
+    master.keys = {key(h): ["127.0.0.2:16001"] for h in range(1, 3001)}
+    await p.poll()
+    turns = []
+
+    class Counted(mooncake_poller.Pauser):
+        async def __call__(self) -> None:
+            turns.append(1)
+            await super().__call__()
+    monkeypatch.setattr(mooncake_poller, "Pauser", Counted)
+    master.keys = {}  # restarted empty
+    await p.poll()
+    assert sink.held("127.0.0.2") == set()
+    assert len(turns) >= 2 * (3000 // mooncake_poller._SLICE), f"{len(turns)} chances to let go for 3,000 keys"
+
+
 async def test_replicas_follow_their_segment_out_and_back_and_the_master_is_asked_again(poller):
     master, p, sink, _ = poller
     master.segments = ["127.0.0.2:12001", "127.0.0.3:12002"]
