@@ -208,8 +208,8 @@ class MooncakePoller:
                         new_hash[k] = h
                         new.append(k)
         await self.client.all_keys(consume)
-        segments = {s for s in await self.client.segments() if endpoint_host(s) is not None}
-        live_hosts = {endpoint_host(s) for s in segments}
+        host_of = {s: h for s in await self.client.segments() if (h := endpoint_host(s)) is not None}
+        segments, live_hosts = set(host_of), set(host_of.values())
         # a segment that appeared, vanished or re-registered (same host, another name): the master may
         # have dropped or kept the replicas on it, so the known keys on its host are asked about again
         changed_hosts = {endpoint_host(s) for s in segments ^ self.live_segments} & live_hosts

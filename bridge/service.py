@@ -611,9 +611,7 @@ class Bridge:
             await cancel_and_wait(self._lease_task)
         if self._restoring:
             await cancel_and_wait(self._restoring)
-        if self._resubscribing:
-            await cancel_and_wait(self._resubscribing)
-        await self._stop_sources()
+        await self._stop_sources()  # (the subscriptions' retry with them)
         if self.lease:
             await self.lease.stop()
         if self.shards:

@@ -54,7 +54,7 @@ class ShardLeases:
         self._task: asyncio.Task | None = None
         self._poke = asyncio.Event()
         self._failed = ThrottledWarning(log)
-        self._told_failed_at = -float("inf")  # when a failed on_owned was last logged
+        self._tell_failed = ThrottledWarning(log, level=logging.ERROR)  # retried every ttl/4
         self._errors = metrics.task_errors.labels("shard-leases") if metrics is not None else None
 
     def start(self) -> None:
@@ -138,13 +138,8 @@ class ShardLeases:
         except Exception as exc:
             self._told = None  # what it did of it is unknown: the next round calls it whatever changed
             self._count()
-            now = asyncio.get_running_loop().time()
-            throttled = now - self._told_failed_at < 30.0  # retried every ttl/4
-            if not throttled:
-                self._told_failed_at = now
-            log.log(logging.DEBUG if throttled else logging.ERROR, "shard leases: following the %d targets owned "
-                    "failed (%s: %s); tried again next round", len(self.owned), type(exc).__name__, exc,
-                    exc_info=not throttled)
+            self._tell_failed("shard leases: following the %d targets owned failed (%s: %s); tried again next "
+                              "round", len(self.owned), type(exc).__name__, exc, exc_info=True)
             return False
         self._told = set(self.owned)
         return True

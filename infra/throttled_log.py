@@ -9,17 +9,19 @@ import time
 
 
 class ThrottledWarning:
-    """Logs a warning at most once per ``every`` seconds (held-back ones at debug) and says how many it
-    held back."""
+    """Logs a warning (or a record at ``level``) at most once per ``every`` seconds (held-back ones at
+    debug) and says how many it held back."""
 
-    def __init__(self, logger: logging.Logger, every: float = 30.0, clock=time.monotonic) -> None:
+    def __init__(self, logger: logging.Logger, every: float = 30.0, clock=time.monotonic,
+                 level: int = logging.WARNING) -> None:
         self.logger = logger
         self.every = every
         self.clock = clock
+        self.level = level
         self._last: float | None = None
         self._held = 0
 
-    def __call__(self, msg: str, *args) -> None:
+    def __call__(self, msg: str, *args, exc_info: bool = False) -> None:
         now = self.clock()
         if self._last is not None and now - self._last < self.every:
             self._held += 1
@@ -27,5 +29,5 @@ class ThrottledWarning:
             return
         if self._held:
             msg += f" ({self._held} more held back in the last {now - self._last:.0f}s)"
-        self.logger.warning(msg, *args)
+        self.logger.log(self.level, msg, *args, exc_info=exc_info)
         self._last, self._held = now, 0
