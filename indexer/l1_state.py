@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 
 from cache_indexer.infra.throttled_log import ThrottledWarning
@@ -69,6 +70,9 @@ EARLY_TIMEOUT_NS = 30 * 10**9
 OFFLOAD_MEDIA = ("CPU", "STORAGE")
 #: Early messages a worker holds in memory by default (L1State without a publish window to go by)
 DEFAULT_MAX_EARLY = 1024
+#: Read-backs a replica remembers for the purge floor (``purge_floor``); past that it vouches only for
+#: the ones it kept
+_READ_BACKS_KEPT = 1 << 16
 
 
 def early_window(publish_window: int) -> int:
@@ -193,6 +197,13 @@ class L1State(TierIndex):
         self._seq = 0  # stream sequence of the message being applied (0: unknown: nothing is spilled)
         #: workers whose cursor reached a spilled message (to be read back now), in the order they did
         self._read_back: dict[tuple[str, int], None] = {}
+        self._live_seq = 0  # stream sequence of the last message applied as it came (not read back)
+        #: (the message applied when it was read back, its own stream sequence) of recent read-backs: a
+        #: replica behind this one has not read them back yet (``purge_floor``)
+        self._read_backs: deque[tuple[int, int]] = deque()
+        #: the read-backs while applying messages up to this one are not known (a state loaded from a
+        #: snapshot at it: ``loaded_at``; or forgotten past _READ_BACKS_KEPT)
+        self._read_backs_unknown_to = 0
         self._spill_log = ThrottledWarning(log, every=10.0)
         self._lost_log = ThrottledWarning(log, every=10.0)
         #: per offload medium, its index over the same worker ids (the GPU's is ``self.index``)
@@ -220,6 +231,8 @@ class L1State(TierIndex):
         self._seq = stream_seq
         if read_back:
             self.stats.read_back += 1
+        else:
+            self._live_seq = stream_seq
         if stored_ns is not None:
             if kind in ("batch", "reset"):
                 _check_plausible(msg, stored_ns)
@@ -324,19 +337,34 @@ class L1State(TierIndex):
 
     def read_back_due(self) -> tuple[tuple[str, int], int] | None:
         """A worker whose cursor reached a spilled message, and that message's stream sequence (None: no
-        read-back due). The caller gets that stream message and applies it (every slice of a run) with
-        ``read_back=True``, then asks again until None: the cursor may reach the next one."""
+        read-back due). The caller gets that stream message, says so (``read_back_taken``) and applies it
+        (every slice of a run) with ``read_back=True``, or says it is gone (``read_back_gone``), then asks
+        again until None: the cursor may reach the next one. Until then the entry stays: a read-back cut off
+        while it waits for the stream (a consumer made again) is due again when the message comes again."""
         while self._read_back:
             key = next(iter(self._read_back))
-            del self._read_back[key]
             cur = self.cursors.get(key)
             if cur is not None and cur.next_seq != _DEAD and (pos := self._spilled_next(cur)) is not None:
-                return key, cur.spilled.pop(pos)[0]
+                return key, cur.spilled[pos][0]
+            del self._read_back[key]
         return None
 
-    def read_back_gone(self, key: tuple[str, int]) -> None:
+    def read_back_taken(self, key: tuple[str, int], at: int) -> None:
+        """The stream message ``at`` that ``read_back_due`` named for ``key`` is in hand: applied next."""
+        self._read_back.pop(key, None)
+        if self._live_seq and at:
+            self._read_backs.append((self._live_seq, at))
+            if len(self._read_backs) > _READ_BACKS_KEPT:
+                self._read_backs_unknown_to = max(self._read_backs_unknown_to, self._read_backs.popleft()[0])
+        cur = self.cursors.get(key)
+        if cur is not None:
+            for pos in [p for p, (q, _) in cur.spilled.items() if q == at]:
+                del cur.spilled[pos]
+
+    def read_back_gone(self, key: tuple[str, int], at: int) -> None:
         """The spilled message ``read_back_due`` named for ``key`` is gone from the stream (retention): the
         worker goes on as after a lost gap, from the first early message left (if any; else it waits)."""
+        self.read_back_taken(key, at)
         cur = self.cursors.get(key)
         if cur is not None and cur.next_seq != _DEAD and (cur.early or cur.spilled):
             self._lose_gap(key, cur)
@@ -344,6 +372,26 @@ class L1State(TierIndex):
     def read_back_pending(self) -> bool:
         """A spilled message is to be read back before the next one is applied (no snapshot now)."""
         return bool(self._read_back)
+
+    def purge_floor(self, since: int) -> int:
+        return self.spill_floor()
+
+    def loaded_at(self, stream_seq: int) -> None:
+        """This state was loaded from a snapshot at ``stream_seq``: the read-backs before it are not known."""
+        self._read_backs_unknown_to = stream_seq
+
+    def purge_floor(self, keep_from: int) -> int:
+        """How far the stream may be purged (0: no bound) by a writer that keeps its messages from
+        ``keep_from`` on for replicas close behind it: not past a spilled message this replica still reads
+        back, nor past one it read back while applying a message from ``keep_from`` on. A replica there
+        has spilled it too and has yet to read it back: replicas spill and read back alike, as a function
+        of the stream. A state that does not know its read-backs that far back (loaded from a snapshot
+        after ``keep_from``) vouches for nothing: 1, nothing purged."""
+        if keep_from <= self._read_backs_unknown_to:
+            return 1
+        while self._read_backs and self._read_backs[0][0] < keep_from:  # behind every replica that is kept
+            self._read_backs.popleft()
+        return min((q for q in (self.spill_floor(), *(at for _, at in self._read_backs)) if q), default=0)
 
     def spill_floor(self) -> int:
         """The lowest stream sequence of a spilled message (0: none): the stream must not be purged past it."""

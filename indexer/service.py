@@ -330,8 +330,9 @@ class Indexer:
                     log.error("stream %s: seq %d of %s rank %d, held back to be read later, is gone from the stream "
                               "(retention): what it held is lost", self._stream, at, pod, rank,
                               extra={"pod": pod, "rank": rank})
-                    state.read_back_gone((pod, rank))
+                    state.read_back_gone((pod, rank), at)
                     continue
+                state.read_back_taken((pod, rank), at)
                 self.metrics.ingest_read_back.inc()
                 self._apply_read_back(state, raw, pod, rank)
             return True
@@ -375,7 +376,8 @@ class Indexer:
             return False  # a worker is half read back: the next try comes within a second
         seq, stream = self.applied_seq, self._l1_stream_id  # the stream this state is of, named with it:
         t = time.perf_counter()  # recreated meanwhile, the new one is neither filed under it nor purged
-        floor = self.l1.spill_floor()  # what a worker still has to read back stays in the stream
+        # what a worker of this replica, or of one close behind, still reads back stays in the stream
+        floor = self.l1.purge_floor(seq + 1 - self.cfg.snapshot.purgeKeep)
         snap = L1Snapshot(self.l1, seq)  # the Python-side state, here on the loop
         self._ingest_open.clear()  # nothing is applied while the tables are copied, on a thread without
         try:                       # the GIL: queries go on meanwhile, ingest waits (its messages queue)

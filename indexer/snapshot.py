@@ -192,6 +192,7 @@ def _decode_l1(data: bytes | memoryview) -> tuple[L1State, int]:
         state.adopt_offloaded(wid for wid, n in part["worker_blocks"] if n)
     for row in header["cursors"]:  # older snapshots lack the last fields (parts, journal, early_since)
         state.restore_cursor(*row)
+    state.loaded_at(header["stream_seq"])
     return state, header["stream_seq"]
 
 

@@ -595,6 +595,7 @@ class ModelStream:
             assert at < upto
             seq, msg, stored_ns = self.msgs[at - 1]
             assert (msg["pod"], msg["rank"]) == key
+            state.read_back_taken(key, at)
             state.apply(msg, stored_ns, seq, read_back=True)
 
 
@@ -647,6 +648,49 @@ def test_replicas_that_spill_agree_also_one_restored_from_a_snapshot_while_it_sp
         b.apply(msg, 10**18, seq)
         stream.read_back(b, seq)
     assert held(a) == held(b) == {100 + i for i in range(12)}
+
+
+def test_the_purge_keeps_what_a_replica_close_behind_still_reads_back():
+    """The writer read its spilled batches back, and its floor is 0; a replica ``purgeKeep`` messages behind
+    it, whose next message is kept, has not reached that read-back yet. The purge floor keeps what it will
+    read: before, the writer purged up to ``applied + 1 - purgeKeep``, and that replica found its spilled
+    batches gone and reported history lost (and lost their blocks)."""
+    stream, writer, behind = ModelStream(), L1State(max_early=1), L1State(max_early=1)
+    for msg in [batch(0, [stored(100)])] + [batch(q, [stored(100 + q)]) for q in (2, 3, 4)]:
+        stream.feed(writer, msg)  # 2 held, 3 and 4 spilled (stream seqs 3 and 4)
+    for seq, msg, stored_ns in stream.msgs:
+        behind.apply(msg, stored_ns, seq)
+    stream.feed(writer, batch(1, [stored(101)]))  # stream seq 5: the writer reads 3 and 4 back
+    assert writer.spill_floor() == 0 and held(writer) == {100 + q for q in range(5)}
+    keep, applied = 1, len(stream.msgs)
+    cut = applied + 1 - keep  # the replica behind (at 4) is within keep: its next message, 5, stays
+    floor = writer.purge_floor(cut)
+    assert floor == 3, "the first message the replica behind still reads back"
+    first = min(cut, floor) if floor else cut
+    seq, msg, stored_ns = stream.msgs[4]
+    behind.apply(msg, stored_ns, seq)
+    while (due := behind.read_back_due()) is not None:
+        key, at = due
+        assert at >= first, "purged past what the replica behind reads back"
+        behind.read_back_taken(key, at)
+        behind.apply(stream.msgs[at - 1][1], stream.msgs[at - 1][2], at, read_back=True)
+    assert held(behind) == held(writer) and behind.stats.lost_gaps == 0
+    assert writer.purge_floor(applied + 1) == 0, "none read back at or after the cut: nothing held"
+
+
+def test_a_state_loaded_from_a_snapshot_purges_nothing_it_cannot_vouch_for():
+    """Read-backs before a snapshot are not in it: a replica loaded from one does not know what a replica
+    behind its snapshot still reads back, so it purges nothing before its snapshot's seq until it has
+    applied ``purgeKeep`` messages of its own."""
+    from cache_indexer.indexer.snapshot import decode_l1, encode_l1
+
+    stream, a = ModelStream(), L1State(max_early=1)
+    for msg in [batch(0, [stored(100)])] + [batch(q, [stored(100 + q)]) for q in (2, 3, 4, 1, 5)]:
+        stream.feed(a, msg)
+    b, seq = decode_l1(encode_l1(a, len(stream.msgs)))
+    assert seq == 6 and a.purge_floor(5) == 3
+    assert b.purge_floor(5) == 1, "read-backs before the snapshot are not known: nothing purged"
+    assert b.purge_floor(7) == 0 and a.purge_floor(7) == 0
 
 
 def test_a_gap_that_never_comes_is_lost_by_stream_time_and_the_spilled_batches_follow():

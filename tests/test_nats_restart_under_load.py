@@ -268,3 +268,55 @@ async def test_a_spilled_batch_gone_from_the_stream_is_history_lost_not_a_stall(
         assert indexer.metrics.ingest_read_back._value.get() == 1 and indexer.l1.spill_floor() == 0
     finally:
         await indexer.stop()
+
+
+async def test_a_read_back_cut_off_midway_is_read_back_again_when_the_message_comes_again(nats_url, stream_prefix,
+                                                                                           monkeypatch):
+    """JetStream does not answer the read-back (a server restarting) until the consumer is made again and the
+    handler cut off mid-message: the message that reached the spilled batches comes again, and they are read
+    back then. Before, the cursor's entry was taken before the wait: cut off, the spilled batches were never
+    read, the worker stalled at them, and nothing was counted."""
+    from cache_indexer.infra import ordered_feed
+    from cache_indexer.infra.streams import l1_subject
+
+    monkeypatch.setattr(ordered_feed, "HANDLER_GRACE", 0.2)
+    cfg = make_config(nats_url, stream_prefix, snapshot={"enabled": False})
+    pod, name = "10.8.0.3", cfg.nats.l1Stream.name
+    indexer = Indexer(cfg)
+    indexer.max_early = indexer.l1.max_early = 2
+    await indexer.start()
+    try:
+        js = indexer.js
+        subject = l1_subject(cfg.nats.l1Stream.subjectPrefix, pod, 0)
+
+        async def publish(msg: dict) -> int:
+            return (await js.publish(subject, msgpack.packb({"v": 1, "pod": pod, "rank": 0, "gen": 1, **msg}),
+                                     stream=name)).seq
+        await publish({"type": "reset", "next_seq": 0, "reason": "subscribed"})
+        at = {seq: await publish({"type": "batch", "seq": seq, "ts": 0.0,
+                                  "events": [{"kind": "stored", "hashes": [1000 + seq]}]}) for seq in (0, 2, 3, 4, 5)}
+        await indexer.wait_applied(at[5], 10)
+        assert indexer.l1.spill_floor() == at[4]
+        real_get, asked, answer = indexer.js.get_msg, asyncio.Event(), asyncio.Event()
+
+        async def unanswered_at_first(*args, **kwargs):
+            asked.set()
+            await answer.wait()  # the first read-back waits here until the handler is cut off
+            return await real_get(*args, **kwargs)
+        monkeypatch.setattr(indexer.js, "get_msg", unanswered_at_first)
+        last = await publish({"type": "batch", "seq": 1, "ts": 0.0, "events": [{"kind": "stored", "hashes": [1001]}]})
+        await asyncio.wait_for(asked.wait(), 10)
+        restarts = sum(indexer._feed.restarts.values())
+        indexer._feed.reconnected()  # the consumer is made again: the handler, still waiting, is cut off
+
+        async def made_again() -> bool:
+            return sum(indexer._feed.restarts.values()) > restarts
+        await wait_for(made_again, 10, "the consumer made again")
+        answer.set()
+        await indexer.wait_applied(last, 10)
+        wid = indexer.l1.workers.get(pod, 0)
+        assert {h for h, m in indexer.l1.blocks.items() if m >> wid & 1} == {1000 + q for q in range(6)}
+        assert indexer.metrics.ingest_read_back._value.get() == 2 and indexer.l1.spill_floor() == 0
+        assert indexer.l1.stats.lost_gaps == 0 and indexer.metrics.history_lost._value.get() == 0
+    finally:
+        await indexer.stop()

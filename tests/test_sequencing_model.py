@@ -642,15 +642,24 @@ class Sequencing(RuleBasedStateMachine):
                 raise AssertionError(f"stream seq {seq} refused: {exc}") from exc
             self.applied = seq
 
-    def read_back(self, upto: int) -> None:
+    def read_back(self, upto: int, state: L1State | None = None) -> None:
         """What the service does after each message: a spilled message a worker's cursor reached is read
-        back from the stream by its stream sequence, until none is due."""
-        while (due := self.state.read_back_due()) is not None:
+        back from the stream by its stream sequence, until none is due. Each message's read-back is cut
+        off once before it starts (the consumer made again while JetStream did not answer): the message
+        comes again, and what it made due is due again."""
+        state = self.state if state is None else state
+        cut_off = True
+        while (due := state.read_back_due()) is not None:
+            if cut_off:
+                cut_off, m = False, self.stream.msgs[upto]
+                state.apply(msgpack.unpackb(m.data, raw=False), m.stored_ns, upto)
+                assert state.read_back_due() == due, "a read-back cut off is due again"
             (pod, rank), at = due
             assert self.stream.first_seq <= at < upto, "purged past what a worker has to read back"
             m = self.stream.msgs[at]
             assert m.subject == f"{PREFIX}.{pod.replace('.', '_')}.{rank}"
-            self.state.apply(msgpack.unpackb(m.data, raw=False), m.stored_ns, at, read_back=True)
+            state.read_back_taken((pod, rank), at)
+            state.apply(msgpack.unpackb(m.data, raw=False), m.stored_ns, at, read_back=True)
 
     @rule(keep=st.integers(0, 5))
     def snapshot_and_purge(self, keep):
@@ -659,7 +668,7 @@ class Sequencing(RuleBasedStateMachine):
             return
         self.snapshot = (encode_l1(self.state, self.applied), self.applied)
         cut = self.applied + 1 - keep
-        floor = self.state.spill_floor()  # as the service purges: never past what is to be read back
+        floor = self.state.purge_floor(cut)  # as the service purges: never past what a replica reads back
         self.stream.purge(min(cut, floor) if floor else cut)
 
     @rule()
@@ -771,15 +780,45 @@ class LossySequencing(Sequencing):
 test_with_history_lost_the_index_never_holds_what_the_engine_does_not = _seeded(LossySequencing)
 
 
+def _held(state: L1State, e: Engine) -> set[int]:
+    wid = state.workers.get(e.pod, e.rank)
+    return set() if wid is None else {h for h, m in state.blocks.items() if m >> wid & 1}
+
+
 class SpillingSequencing(Sequencing):
     """An indexer that holds one early message per worker: the rest is spilled and read back from the
     stream (issue 36 #3); the index must still equal the engines at every quiet point, with no gap lost.
     (The journal of a generation stored before its reset keeps its own bound: it is not read back.)"""
     max_early = 1
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: a second replica behind the one that writes snapshots and purges (within ``keep`` of it or not)
+        self.lagging, self.lagging_applied = L1State(self.max_early, self.max_journal), 0
+
+    @rule(behind=st.integers(0, 8))
+    def lagging_replica_follows(self, behind):
+        """The second replica applies the stored messages up to ``behind`` before the last, reading back as
+        it goes; where the purge took its next message it reloads from the newest snapshot, as the service
+        does."""
+        if self.lagging_applied + 1 < self.stream.first_seq:
+            assert self.snapshot is not None, "purged only behind a snapshot"
+            self.lagging, self.lagging_applied = decode_l1(self.snapshot[0])
+            self.lagging.max_early, self.lagging.max_journal = self.max_early, self.max_journal
+        for seq in range(self.lagging_applied + 1, self.stream.last_seq - behind + 1):
+            m = self.stream.msgs[seq]
+            self.lagging.apply(msgpack.unpackb(m.data, raw=False), m.stored_ns, seq)
+            self.read_back(seq, self.lagging)
+            self.lagging_applied = seq
+
     def at_a_quiet_point_the_index_is_the_engines_truth(self):
         super().at_a_quiet_point_the_index_is_the_engines_truth()
         assert not self.state.stats.lost_gaps, "a gap declared lost while the stream holds every batch"
+        self.lagging_replica_follows(0)
+        for e in self.engines:
+            assert _held(self.lagging, e) == _held(self.state, e), \
+                f"{e.pod} rank {e.rank}: the replica behind, caught up, holds what the one ahead holds"
+        assert not self.lagging.stats.lost_gaps
 
 
 test_an_indexer_that_spills_early_batches_keeps_the_index_equal_to_the_engines = _seeded(SpillingSequencing)
