@@ -21,7 +21,9 @@ A message that can never be stored is not retried: one over the connection's ``m
 (headers included; the server would close the connection) is refused before it is sent, and one the
 stream rejects for good (a 4xx ack, e.g. over the stream's ``maxMsgSize``) is dropped. Both are logged
 at ERROR and counted in ``cache_indexer_bridge_publish_refused_total{reason}``, and free their place in
-the window. Callers split what may be large (bridge/l3_publisher.py); this is the last line.
+the window. Callers split what may be large (bridge/l3_publisher.py); this is the last line. One sent
+onto a subject that moved on (``Nats-Expected-Last-Subject-Sequence``: bridge/l3_publisher.py) is
+refused as ``superseded``, at WARNING: an expected turn of a failover, told to its caller all the same.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from cache_indexer.infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
+
+#: JetStream's error code for a message whose ``Nats-Expected-Last-Subject-Sequence`` the subject is past
+WRONG_LAST_SEQUENCE = 10071
 
 #: Told when a message is stored, with its stream sequence (the ack's ``seq``).
 OnStored = Callable[[int], None]
@@ -170,7 +175,10 @@ class JetStreamPublisher:
             return  # a late ack of an earlier send: the current one decides
         error, permanent, stream_seq = _ack_error(msg)
         if permanent:
-            self._refuse(msg_id, rec.subject, "rejected", error, rec.on_refused)
+            if error.endswith(f"err_code {WRONG_LAST_SEQUENCE})"):  # sent onto a subject that moved on since
+                self._refuse(msg_id, rec.subject, "superseded", error, rec.on_refused, logging.WARNING)
+            else:
+                self._refuse(msg_id, rec.subject, "rejected", error, rec.on_refused)
             self._done(msg_id)
             return
         if error:
@@ -191,9 +199,10 @@ class JetStreamPublisher:
         if not self._pending:
             self._idle.set()
 
-    def _refuse(self, msg_id: str, subject: str, reason: str, why: str, on_refused: OnRefused | None) -> None:
+    def _refuse(self, msg_id: str, subject: str, reason: str, why: str, on_refused: OnRefused | None,
+                level: int = logging.ERROR) -> None:
         self._metrics.publish_refused.labels(reason).inc()
-        log.error("publish %s to %s can never be stored (%s); dropped", msg_id, subject, why)
+        log.log(level, "publish %s to %s can never be stored (%s); dropped", msg_id, subject, why)
         if on_refused is not None:
             _tell(on_refused)
 

@@ -24,6 +24,7 @@ from itertools import islice
 
 import aiohttp
 
+from cache_indexer.bridge.l3_publisher import NotAcknowledged
 from cache_indexer.bridge.mooncake_keys import KeyParser
 from cache_indexer.bridge.mooncake_master import MasterClient, MasterError, endpoint_host
 from cache_indexer.infra.pauser import Pauser
@@ -42,6 +43,8 @@ def poll_error_reason(exc: BaseException) -> str:
         return "connection"
     if isinstance(exc, MasterError):
         return "malformed"
+    if isinstance(exc, NotAcknowledged):
+        return "publish"
     return "internal"
 
 

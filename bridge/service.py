@@ -156,7 +156,8 @@ class Bridge:
         self.l1.on_removal_stored = self._removal_stored
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
                               lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics,
-                              on_refused=self._l3_refused, codec=codec(nats.l3Stream.encoding))
+                              on_refused=self._l3_refused, codec=codec(nats.l3Stream.encoding), js=js,
+                              stream=nats.l3Stream.name)
         self.targets_record = TargetsRecord(js, records_bucket(self.cfg), self.cfg.nats.replicas)
         self.registrations = RegistrationStore(js, records_bucket(self.cfg), self.cfg.nats.replicas,
                                                on_error=self.metrics.registration_errors.inc, nc=nc)

@@ -164,7 +164,7 @@ class Metrics:
                                            "yet published (bounded by ingest.l1.maxBufferedBytes).", registry=r)
         self.l3_poll_errors = Counter(p + "l3_poll_errors_total",
                                       "Mooncake master polls that failed, by reason (timeout, connection, "
-                                      "malformed, internal).", ["reason"], registry=r)
+                                      "malformed, publish, internal).", ["reason"], registry=r)
         self.l3_poller_restarts = Counter(p + "l3_poller_restarts_total",
                                           "Mooncake pollers that ended unexpectedly and were restarted.", registry=r)
         self.l3_unparsed_keys = Counter(p + "l3_unparsed_keys_total", "Mooncake keys without a usable block hash.",

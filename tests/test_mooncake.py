@@ -729,3 +729,112 @@ async def test_a_late_l3_diff_through_the_stream_is_refused_and_a_refused_one_br
     finally:
         await nc.close()
         await indexer.stop()
+
+
+class _Handed:
+    """What an L3 publisher hands the JetStream publisher (which still sends it): the messages as sent."""
+
+    def __init__(self, pub) -> None:
+        self.sent: list[tuple[str, bytes, dict[str, str]]] = []
+        self._publish = pub.publish
+        pub.publish = self.publish
+
+    async def publish(self, subject, data, headers, *args, **kwargs):
+        self.sent.append((subject, data, dict(headers)))
+        return await self._publish(subject, data, headers, *args, **kwargs)
+
+
+async def test_a_full_state_part_re_sent_late_onto_a_subject_that_moved_on_is_refused_and_rolls_nothing_up(
+        nats_url, stream_prefix):
+    """A full state's first part, lost with a server and re-sent after the later parts and a diff were stored
+    (the re-send as the JetStream publisher makes it: the same bytes and headers): before, its
+    ``Nats-Rollup`` deleted them from the subject, and a replica replaying the stream held only that part.
+    Now each message names the subject's last sequence its publisher saw, and the stream refuses it."""
+    import nats
+    from nats.js.errors import APIError
+
+    from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+    from cache_indexer.bridge.l3_publisher import L3Publisher
+    from cache_indexer.indexer.service import Indexer
+
+    cfg = make_config(nats_url, stream_prefix)
+    nc = await nats.connect(nats_url)
+    replaying = None
+    try:
+        js = nc.jetstream()
+        from cache_indexer.infra.streams import ensure_l3_stream
+        await ensure_l3_stream(js, cfg.nats)
+        pub = JetStreamPublisher(nc, Metrics(), ack_timeout=1.0)
+        await pub.start()
+        handed = _Handed(pub)
+        l3 = L3Publisher(pub, cfg.nats.l3Stream.subjectPrefix, lambda: 1024, Metrics(), js=js,
+                         stream=cfg.nats.l3Stream.name)
+        pods = {f"127.0.0.{i}": list(range(i * 100, i * 100 + 40)) for i in range(2, 6)}
+        assert await l3.full("m", pods)
+        first = next(m for m in handed.sent if m[2].get("Nats-Rollup"))
+        assert int(handed.sent[-1][2]["Kv-Part"].split("/")[1]) > 1, "a state in several parts"
+        await l3.diff("m", {"127.0.0.9": [7]}, {})
+        subject, data, headers = first
+        with pytest.raises(APIError) as refused:
+            await js.publish(subject, data, headers={**headers, "Nats-Msg-Id": "the first part, sent anew"})
+        assert refused.value.err_code == 10071, "wrong last sequence: the subject moved on"
+        replaying = Indexer(cfg)
+        await replaying.start()
+        want = {**pods, "127.0.0.9": [7]}
+        for pod, hashes in want.items():
+            assert l3_held(replaying.l3, pod) == set(hashes), f"{pod}: the whole state and the diff, from the stream"
+    finally:
+        if replaying is not None:
+            await replaying.stop()
+        await nc.close()
+
+
+async def test_after_a_failover_the_old_owners_late_messages_are_refused_by_the_stream(nats_url, stream_prefix):
+    """Two bridges on one master (a failover, or a shard handed over to a bridge that started earlier: its
+    origin is the smaller). The new owner publishes its full state; the old one, not yet aware, sends a
+    diff and its full state again. Before, both were stored: the live indexer took the old owner's diff for
+    a newer bridge's, held it and then refused every diff of the new owner, and the old owner's full state
+    replaced the new one's (its rollup deleting it from the stream). Now the stream refuses them, the old
+    owner is told, and every replica holds the new owner's state and diffs."""
+    import nats
+    from nats.js.errors import APIError
+
+    from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+    from cache_indexer.bridge.l3_publisher import L3Publisher
+    from cache_indexer.indexer.service import Indexer
+
+    cfg = make_config(nats_url, stream_prefix)
+    live = Indexer(cfg)
+    await live.start()
+    conns = [await nats.connect(nats_url) for _ in range(2)]
+    replaying = None
+    try:
+        told: list[str] = []
+        pubs = [JetStreamPublisher(nc, Metrics(), ack_timeout=1.0) for nc in conns]
+        old, new = (L3Publisher(p, cfg.nats.l3Stream.subjectPrefix, lambda: 1 << 20, Metrics(), js=nc.jetstream(),
+                                stream=cfg.nats.l3Stream.name, on_refused=r)
+                    for p, nc, r in zip(pubs, conns, (told.append, lambda m: None)))
+        for p in pubs:
+            await p.start()
+        handed = _Handed(pubs[0])
+        new.origin = old.origin - 1  # the new owner started first
+        assert await old.full("m", {"127.0.0.2": [1]})
+        assert await new.full("m", {"127.0.0.2": [2]})
+        await old.diff("m", {"127.0.0.2": [3]}, {})
+        assert told == ["m"], "the old owner is told"
+        subject, data, headers = handed.sent[0]  # its full state, re-sent late (its first send lost)
+        with pytest.raises(APIError) as refused:
+            await conns[0].jetstream().publish(subject, data, headers={**headers, "Nats-Msg-Id": "sent anew"})
+        assert refused.value.err_code == 10071
+        await new.diff("m", {"127.0.0.2": [4]}, {})
+        await wait_for(lambda: l3_held(live.l3, "127.0.0.2") == {2, 4}, 10, "the new owner's state and diff")
+        replaying = Indexer(cfg)
+        await replaying.start()
+        assert l3_held(replaying.l3, "127.0.0.2") == {2, 4}
+        assert live.l3.out_of_order == 0
+    finally:
+        if replaying is not None:
+            await replaying.stop()
+        for nc in conns:
+            await nc.close()
+        await live.stop()
