@@ -23,7 +23,8 @@ from cache_indexer.api.explain import Explainer
 from cache_indexer.api.hit_rate_request import HitRateQuery, decode_hit_rate_request, decode_split_request
 from cache_indexer.api.json_request import RequestError
 from cache_indexer.api.ops import add_ops_routes
-from cache_indexer.api.request_body import BodyRefused, closing_unread, read_body
+from cache_indexer.api.request_body import (BODIES_IN_FLIGHT, BODY_BUDGET, BodyBudget, BodyRefused, closing_unread,
+                                           read_body)
 from cache_indexer.api.request_body import within as _within
 from cache_indexer.api.registration_api import REGISTER_PATH, UNREGISTER_PATH, WORKERS_PATH
 from cache_indexer.api.tiered_query import QUERY_BY_HASH_PATH, QUERY_PATH, TieredQueryApi
@@ -105,6 +106,7 @@ class HitRateApi:
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
                               middlewares=[self._observe])
+        app[BODY_BUDGET] = BodyBudget(BODIES_IN_FLIGHT * self.http.maxHitRateBodyBytes)
         app.on_cleanup.append(self._close_pool)
         app.router.add_route("*", HIT_RATE_PATH, self.hit_rate, expect_handler=self._expect)
         self.tiered.add_routes(app)
@@ -136,14 +138,17 @@ class HitRateApi:
                 return _error(exc.status, exc.reason)
             raise
         finally:
-            path = request.path if request.path in _KNOWN_PATHS else "other"
-            counted = self._by_path_status.get((path, status))
-            if counted is None:  # a few paths times a few codes: kept, as labels() costs 5 us a call
-                counted = self._by_path_status[(path, status)] = (
-                    self.metrics.http_requests.labels(path, str(status)),
-                    self.metrics.http_latency.labels(path, str(status)))
-            counted[0].inc()
-            counted[1].observe(time.perf_counter() - start)
+            self._count(request, status, start)
+
+    def _count(self, request: web.Request, status: int, start: float) -> None:
+        path = request.path if request.path in _KNOWN_PATHS else "other"
+        counted = self._by_path_status.get((path, status))
+        if counted is None:  # a few paths times a few codes: kept, as labels() costs 5 us a call
+            counted = self._by_path_status[(path, status)] = (
+                self.metrics.http_requests.labels(path, str(status)),
+                self.metrics.http_latency.labels(path, str(status)))
+        counted[0].inc()
+        counted[1].observe(time.perf_counter() - start)
 
     def _observe_answer(self, scores) -> None:
         best_l1 = best_l3 = 0.0
@@ -215,13 +220,19 @@ class HitRateApi:
         return None
 
     async def _expect(self, request: web.Request) -> web.Response | None:
-        """``Expect: 100-continue``: refuse an oversized or non-POST body before the client sends it."""
+        """``Expect: 100-continue``: refuse an oversized or non-POST body before the client sends it. A
+        refusal here is counted here: aiohttp answers it without the middleware."""
+        start = time.perf_counter()
         if request.headers.get("Expect", "").lower() != "100-continue":
+            self._count(request, 417, start)
             return _error(417, f"unsupported Expect: {request.headers.get('Expect')}")
         refusal = (_error(405, f"method {request.method} not allowed; use POST", Allow="POST")
                    if request.method != "POST" else self._too_large(request))
         if refusal is not None:
             refusal.force_close()  # the body was never sent: the connection cannot carry another request
+            self._refused("%s %s from %s refused (%d) before its body: %s", request.method, request.path,
+                          request.remote, refusal.status, refusal.text)
+            self._count(request, refusal.status, start)
             return refusal
         if request.version >= (1, 1):
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -13,7 +13,9 @@ decoder and the pydantic model accept and reject the same requests.
 Candidates are counted before they are decoded where the envelope is large (``COUNT_FIRST_BYTES``): a
 legal 4 MiB body of a million one-character candidates held the event loop for half a second while
 msgspec made a million strings, only to be refused for ``http.maxCandidates``. The count skips the
-array (msgspec's Raw) and counts its quotes: 12 ms for such a body, one step of the loop.
+array (msgspec's Raw) and counts its quotes: 12 ms for such a body, one step of the loop. A key given
+twice is decoded twice (the last one kept), so the strings of the whole envelope are counted too: more
+than the candidates and the other fields can hold is refused before any of them is made.
 """
 
 from __future__ import annotations
@@ -69,6 +71,18 @@ class _Candidates(msgspec.Struct):
 _candidates_decoder = msgspec.json.Decoder(_Candidates)
 
 
+#: Strings an envelope holds besides its candidates, at most: keys and names, and each multimodal item's
+#: key and identifier (``mm_features`` is bounded)
+OTHER_STRINGS = 16 + 4 * MAX_MM_FEATURES
+
+
+def string_count(body: bytes) -> int:
+    """About how many strings (keys and values) a JSON text holds: its quotes that no backslash escapes,
+    halved (a quote after an escaped backslash is taken for escaped: at most half of them are missed)."""
+    escaped = body.count(b'\\"') if b"\\" in body else 0
+    return (body.count(b'"') - escaped) // 2
+
+
 def least_candidates(body: bytes) -> int:
     """At least how many strings the body's ``server_ip`` array holds, without making them (0 where the
     body is not the envelope it should be: the full decode says what is wrong). Each string has two
@@ -84,8 +98,7 @@ def least_candidates(body: bytes) -> int:
     raw = bytes(raw)
     if not raw.startswith(b"["):
         return 0
-    escaped = raw.count(b'\\"') if b"\\" in raw else 0
-    return (raw.count(b'"') - escaped) // 2
+    return string_count(raw)
 
 
 @dataclass(slots=True)
@@ -108,6 +121,10 @@ def decode_hit_rate_request(body: bytes, max_candidates: int | None = None) -> H
         least = least_candidates(body)
         if least > max_candidates:  # refused before a string of them is made
             raise RequestError(f"server_ip: {least} candidates (at least) exceed http.maxCandidates ({max_candidates})")
+        strings = string_count(body)
+        if strings > max_candidates + OTHER_STRINGS:  # a key given twice: the first one's made all the same
+            raise RequestError(f"the request holds {strings} strings, more than http.maxCandidates ({max_candidates}) "
+                               f"and the other fields allow: is a key given twice?")
     req = decode_json(_decoder, body)
     if max_candidates is not None and len(req.server_ip) > max_candidates:
         raise RequestError(f"server_ip: {len(req.server_ip)} candidates exceed http.maxCandidates ({max_candidates})")

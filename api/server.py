@@ -27,6 +27,10 @@ class HttpServer:
             max_line_size=cfg.maxHeaderBytes,
             max_field_size=cfg.maxHeaderBytes,
             access_log=None,
+            # a body answered before its end (413, 408, 400) is not read on: the connection closes after
+            # the answer. aiohttp's lingering close read up to 10 s more of it, inflating a compressed one
+            # on the loop, and held a stalled sender's connection (and the shutdown) that long
+            lingering_time=0,
         )
         self.port = cfg.port
         #: the event loop's pauses, as the process serving this API sees them

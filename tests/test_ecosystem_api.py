@@ -330,6 +330,42 @@ async def test_a_long_walk_leaves_the_event_loop_between_slices(monkeypatch):
     assert turns >= len(keys) // 64 - 1
 
 
+@pytest.mark.parametrize("twice", [False, True])
+async def test_a_4_mib_body_of_two_million_short_hashes_gets_its_400_without_holding_the_loop(twice):
+    """A review: ``/query_by_hash`` with two million one-digit hashes (4 MiB, within the body limit) held the
+    event loop for 119 ms while they became ints, to answer a walk that stops at the first block. Refused
+    now from a count of the body's values, also where the key is given twice (the first one, decoded all
+    the same, holds them); real hashes (19 or 20 digits) never come near the bound."""
+    from cache_indexer.api.server import HttpServer
+    from cache_indexer.api.tiered_query import MAX_QUERY_HASHES
+    from tests.test_api import slow_loop_steps
+
+    many = b"[" + b",".join([b"1"] * 2_000_000) + b"]"
+    body = (b'{"model_name":"m","block_hashes":' + many + b',"block_hashes":[1]}' if twice else
+            b'{"model_name":"m","block_hashes":' + many + b"}")
+    http = HttpConfig(host="127.0.0.1", port=0)
+    assert len(body) <= http.maxHitRateBodyBytes
+    metrics = Metrics()
+    server = HttpServer(HitRateApi(http, HASHER, lambda: (_state({("p", 0): [(0, 8, "GPU")]}), None), lambda: True,
+                                   metrics, block_size=B).make_app(), http, metrics)
+    await server.start()
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{server.port}") as s:
+            before, _ = await slow_loop_steps(s)
+            async with s.post("/query_by_hash", data=body) as r:
+                assert r.status == 400 and str(MAX_QUERY_HASHES) in (await r.json())["error"]
+            rng = random.Random(7)  # about as many real hashes as a 4 MiB body holds pass
+            real = H + [rng.getrandbits(63) | 1 << 62 for _ in range(190_000)]
+            payload = json.dumps({"model_name": "m", "block_hashes": real}, separators=(",", ":")).encode()
+            assert len(payload) <= http.maxHitRateBodyBytes
+            async with s.post("/query_by_hash", data=payload) as r:
+                assert r.status == 200 and (await r.json())["instances"]["p"]["gpu"] == 8 * B
+            after, longest = await slow_loop_steps(s)
+            assert after == before, f"a step of the loop took {longest * 1e3:.0f} ms"
+    finally:
+        await server.stop()
+
+
 async def test_a_failing_computation_is_a_logged_500_not_a_dropped_connection(monkeypatch, caplog):
     from cache_indexer.api import tiered_query
 

@@ -167,3 +167,48 @@ async def test_a_header_block_over_max_header_bytes_gets_431_and_is_not_buffered
     status, body = await response(ok_reader)
     assert status == 200, body  # a large header block within the bound is served
     ok_writer.close()
+
+
+async def test_bodies_read_in_parts_are_bounded_all_together_and_the_rest_wait_their_turn():
+    """A review had 200 clients send 4 MiB bodies at once: 950 MB resident, nothing bounded them together.
+    Here the largest body is 64 KiB, so the app holds at most 16 x 64 KiB of bodies being read: 40 clients
+    that send 40 KiB of a 60 KiB body and stall hold no more than that, the others wait (each within
+    readTimeout: 408), a request that comes whole is answered meanwhile, and all is given back after. Each
+    connection closes after its 408: aiohttp's lingering close held it 10 s more, and the shutdown too."""
+    from cache_indexer.api.request_body import BODY_BUDGET
+    from tests.conftest import wait_for
+
+    http = HttpConfig(host="127.0.0.1", port=0, maxHitRateBodyBytes=64 << 10, readTimeout=2.0, idleTimeout=30)
+    metrics = Metrics()
+    app = HitRateApi(http, BlockHasher("sha256_cbor", "0"), tiers=lambda: (L1State(), None), ready=lambda: True,
+                     metrics=metrics).make_app()
+    budget = app[BODY_BUDGET]
+    assert budget.limit == 16 * (64 << 10)
+    srv = HttpServer(app, http, metrics)
+    await srv.start()
+    conns = []
+    try:
+        head = (b"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % (60 << 10))
+        for _ in range(40):
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(head + b" " * (40 << 10))
+            conns.append((reader, writer))
+
+        async def some_wait() -> bool:
+            return budget.waits > 0 and budget.used >= budget.limit - (40 << 10)
+        await wait_for(some_wait, 10, "readers waiting for room")
+        assert budget.most <= budget.limit, f"{budget.most} bytes of bodies held at once"
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(HEAD + BODY)  # whole with its headers: answered meanwhile
+        assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
+        writer.close()
+        statuses = [await asyncio.wait_for(r.readline(), 10) for r, _ in conns]
+        assert all(s.startswith(b"HTTP/1.1 408") for s in statuses), statuses[:3]
+        assert budget.used == 0 and budget.most <= budget.limit
+        for r, _ in conns:  # closed after the answer, the rest of the body unread (no lingering close: 10 s)
+            await asyncio.wait_for(r.read(), 2)
+    finally:
+        for _, w in conns:
+            w.close()
+        await srv.stop()
