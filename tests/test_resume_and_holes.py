@@ -515,3 +515,27 @@ async def test_an_oversized_batch_and_the_chains_sent_during_the_recovery_all_re
     assert sum(m.bridge_resets.labels(r)._value.get() for r in ("gap-beyond-replay", "unverified", "engine-restart",
                                                                   "malformed")) == 0, "the worker was never reset"
     assert indexer.l1.stats.lost_gaps == 0
+
+
+async def test_a_busy_pods_write_at_once_leaves_the_other_pods_to_the_interval():
+    """A pod past ``RECORD_LAG_MAX`` is written at once, alone: before, every pod that had moved was written
+    with it, so on a trace of 8 engines at 5x a quiet pod beside a busy one had its record put at the busy
+    one's pace (70% of the bridge's puts). The quiet pod's move waits for the interval (here an hour)."""
+    from cache_indexer.bridge.resume_points import RECORD_LAG_MAX, Position
+    from tests.test_sequencing_model import MemoryKV
+
+    kv = MemoryKV()
+    points = _write_loop_on(kv)
+    busy, quiet = "127.0.0.91", "127.0.0.92"
+    try:
+        for pod in (busy, quiet):
+            points.update(pod, 0, Position(1, 0, "-", 1.0, 1))
+        await wait_for(lambda: record_key(busy) in kv.data and record_key(quiet) in kv.data, 5, "first positions")
+        points.update(quiet, 0, Position(1, 1, "-", 2.0, 2))  # moved, not far: the interval's
+        points.update(busy, 0, Position(1, RECORD_LAG_MAX, "-", 3.0, 3))  # far: at once
+        await wait_for(lambda: _recorded_ranks(kv, busy)[0][1] == RECORD_LAG_MAX, 5, "the busy pod written at once")
+        await asyncio.sleep(0.05)
+        assert _recorded_ranks(kv, quiet)[0][1] == 0, "the quiet pod's move waits for the interval"
+    finally:
+        await points.stop()
+    assert _recorded_ranks(kv, quiet)[0][1] == 1, "written at the stop"
