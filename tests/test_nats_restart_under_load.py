@@ -23,6 +23,7 @@ holds only 100 early batches per worker, so the read-back runs against the real 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -237,28 +238,39 @@ async def test_spilled_batches_are_read_back_from_the_stream_and_a_snapshot_purg
         await indexer.stop()
 
 
-async def test_a_spilled_batch_gone_from_the_stream_is_history_lost_not_a_stall(nats_url, stream_prefix):
-    """Retention (or an operator's purge) took a spilled batch before its turn came: counted as history
-    lost and as a lost gap, the worker goes on from the next one; the replica neither stalls nor loops."""
+@contextlib.asynccontextmanager
+async def spilled_batches_4_and_5(cfg, pod: str):
+    """An indexer replica holding 2 early batches per worker, fed a reset and batches 0, 2, 3, 4, 5 of
+    ``pod`` (4 and 5 spilled, 1 missing); yields it, a publisher of the pod's messages (their stream
+    sequence) and the batches' stream sequences."""
     from cache_indexer.infra.streams import l1_subject
 
-    cfg = make_config(nats_url, stream_prefix, snapshot={"enabled": False})
-    pod, name = "10.8.0.2", cfg.nats.l1Stream.name
     indexer = Indexer(cfg)
     indexer.max_early = indexer.l1.max_early = 2
     await indexer.start()
     try:
-        js = indexer.js
-        subject = l1_subject(cfg.nats.l1Stream.subjectPrefix, pod, 0)
+        subject, name = l1_subject(cfg.nats.l1Stream.subjectPrefix, pod, 0), cfg.nats.l1Stream.name
 
         async def publish(msg: dict) -> int:
-            return (await js.publish(subject, msgpack.packb({"v": 1, "pod": pod, "rank": 0, "gen": 1, **msg}),
-                                     stream=name)).seq
+            return (await indexer.js.publish(subject, msgpack.packb({"v": 1, "pod": pod, "rank": 0, "gen": 1, **msg}),
+                                             stream=name)).seq
         await publish({"type": "reset", "next_seq": 0, "reason": "subscribed"})
         at = {seq: await publish({"type": "batch", "seq": seq, "ts": 0.0,
                                   "events": [{"kind": "stored", "hashes": [1000 + seq]}]}) for seq in (0, 2, 3, 4, 5)}
         await indexer.wait_applied(at[5], 10)
         assert indexer.l1.spill_floor() == at[4]
+        yield indexer, publish, at
+    finally:
+        await indexer.stop()
+
+
+async def test_a_spilled_batch_gone_from_the_stream_is_history_lost_not_a_stall(nats_url, stream_prefix):
+    """Retention (or an operator's purge) took a spilled batch before its turn came: counted as history
+    lost and as a lost gap, the worker goes on from the next one; the replica neither stalls nor loops."""
+    cfg = make_config(nats_url, stream_prefix, snapshot={"enabled": False})
+    pod, name = "10.8.0.2", cfg.nats.l1Stream.name
+    async with spilled_batches_4_and_5(cfg, pod) as (indexer, publish, at):
+        js = indexer.js
         await js.purge_stream(name, seq=at[5])  # batch 4 is gone
         last = await publish({"type": "batch", "seq": 1, "ts": 0.0, "events": [{"kind": "stored", "hashes": [1001]}]})
         await indexer.wait_applied(last, 10)
@@ -266,8 +278,6 @@ async def test_a_spilled_batch_gone_from_the_stream_is_history_lost_not_a_stall(
         assert {h for h, m in indexer.l1.blocks.items() if m >> wid & 1} == {1005}, "on from batch 5"
         assert indexer.metrics.history_lost._value.get() == 1 and indexer.metrics.ingest_lost_gaps._value.get() == 1
         assert indexer.metrics.ingest_read_back._value.get() == 1 and indexer.l1.spill_floor() == 0
-    finally:
-        await indexer.stop()
 
 
 async def test_a_read_back_cut_off_midway_is_read_back_again_when_the_message_comes_again(nats_url, stream_prefix,
@@ -277,26 +287,11 @@ async def test_a_read_back_cut_off_midway_is_read_back_again_when_the_message_co
     back then. Before, the cursor's entry was taken before the wait: cut off, the spilled batches were never
     read, the worker stalled at them, and nothing was counted."""
     from cache_indexer.infra import ordered_feed
-    from cache_indexer.infra.streams import l1_subject
 
     monkeypatch.setattr(ordered_feed, "HANDLER_GRACE", 0.2)
     cfg = make_config(nats_url, stream_prefix, snapshot={"enabled": False})
-    pod, name = "10.8.0.3", cfg.nats.l1Stream.name
-    indexer = Indexer(cfg)
-    indexer.max_early = indexer.l1.max_early = 2
-    await indexer.start()
-    try:
-        js = indexer.js
-        subject = l1_subject(cfg.nats.l1Stream.subjectPrefix, pod, 0)
-
-        async def publish(msg: dict) -> int:
-            return (await js.publish(subject, msgpack.packb({"v": 1, "pod": pod, "rank": 0, "gen": 1, **msg}),
-                                     stream=name)).seq
-        await publish({"type": "reset", "next_seq": 0, "reason": "subscribed"})
-        at = {seq: await publish({"type": "batch", "seq": seq, "ts": 0.0,
-                                  "events": [{"kind": "stored", "hashes": [1000 + seq]}]}) for seq in (0, 2, 3, 4, 5)}
-        await indexer.wait_applied(at[5], 10)
-        assert indexer.l1.spill_floor() == at[4]
+    async with spilled_batches_4_and_5(cfg, "10.8.0.3") as (indexer, publish, at):
+        pod = "10.8.0.3"
         real_get, asked, answer = indexer.js.get_msg, asyncio.Event(), asyncio.Event()
 
         async def unanswered_at_first(*args, **kwargs):
@@ -318,5 +313,3 @@ async def test_a_read_back_cut_off_midway_is_read_back_again_when_the_message_co
         assert {h for h, m in indexer.l1.blocks.items() if m >> wid & 1} == {1000 + q for q in range(6)}
         assert indexer.metrics.ingest_read_back._value.get() == 2 and indexer.l1.spill_floor() == 0
         assert indexer.l1.stats.lost_gaps == 0 and indexer.metrics.history_lost._value.get() == 0
-    finally:
-        await indexer.stop()
