@@ -2,10 +2,12 @@
 every POST route.
 
 A body that came whole with its headers (the usual) is taken as it is. One that comes in parts is
-joined here, and those parts count against the app's ``BodyBudget``: ``BODIES_IN_FLIGHT`` of the largest
-body (64 MiB at the default 4 MiB), all requests together. Past it a reader waits, its client slowed by
-TCP, until others are done, or until ``http.readTimeout`` (408). A review had 200 clients send 4 MiB
-bodies at once: 950 MB of resident memory.
+joined here, and it counts against the app's ``BodyBudget``: ``BODIES_IN_FLIGHT`` of the largest body
+(64 MiB at the default 4 MiB), all requests together. A reader reserves its whole ``Content-Length`` (the
+largest body where it is chunked) before it reads, so one admitted never waits halfway (readers that each
+held what they had read and waited for more filled the budget, and none could finish); past the budget
+a reader waits to start, its client slowed by TCP, until others are done, or until ``http.readTimeout``
+(408). A review had 200 clients send 4 MiB bodies at once: 950 MB of resident memory.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ BODIES_IN_FLIGHT = 16
 
 
 class BodyBudget:
-    """Bytes of request bodies being read in parts, all requests together, at most ``limit`` (one body is
-    always let through, whatever its size)."""
+    """Bytes reserved by request bodies being read in parts, all requests together, at most ``limit`` (one
+    body is always let through, whatever its size)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -72,18 +74,22 @@ async def _read(request: web.Request, limit: int) -> bytes:
     body): what arrived is taken as the stream joins it, and joined once more only if it came in parts."""
     parts, size = [], 0
     budget = request.app.get(BODY_BUDGET)
+    reserved = 0
+    if budget is not None:
+        length = request.content_length
+        want = limit if length is None or request.headers.get("Content-Encoding") else length
+        await budget.take(want)  # (cancelled while it waits: nothing taken)
+        reserved = want
     try:
         while chunk := await request.content.readany():
             size += len(chunk)
             if size > limit:
                 raise _too_large(limit)
-            if budget is not None:
-                await budget.take(len(chunk))
             parts.append(chunk)
         return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
     finally:
-        if budget is not None and parts:
-            budget.give(sum(map(len, parts)))
+        if reserved:
+            budget.give(reserved)
 
 
 async def read_body(request: web.Request, limit: int, timeout: float | None) -> bytes:

@@ -23,7 +23,9 @@ stream rejects for good (a 4xx ack, e.g. over the stream's ``maxMsgSize``) is dr
 at ERROR and counted in ``cache_indexer_bridge_publish_refused_total{reason}``, and free their place in
 the window. Callers split what may be large (bridge/l3_publisher.py); this is the last line. One sent
 onto a subject that moved on (``Nats-Expected-Last-Subject-Sequence``: bridge/l3_publisher.py) is
-refused as ``superseded``, at WARNING: an expected turn of a failover, told to its caller all the same.
+refused as ``superseded``, logged at INFO: its caller tells what it means (an old owner's message after
+a failover, or a re-send of one stored whose ack was lost: the stream checks the expected sequence
+before the duplicate).
 """
 
 from __future__ import annotations
@@ -111,10 +113,14 @@ class JetStreamPublisher:
                       on_refused: OnRefused | None = None) -> None:
         """Queue one message; returns once it is sent (not acked). ``headers`` must hold Nats-Msg-Id.
         ``on_stored`` / ``on_refused`` tell the caller what became of it (exactly one of them is called,
-        unless the publisher closes first); a message already in flight keeps its own."""
+        unless the publisher closes first); a message already in flight is not sent twice, and tells this
+        caller too when it is stored or refused."""
         msg_id = headers["Nats-Msg-Id"]
-        if msg_id in self._pending:
-            return  # already in flight: the same message twice is one message
+        rec = self._pending.get(msg_id)
+        if rec is not None:  # already in flight: the same message twice is one message
+            rec.on_stored = _both(rec.on_stored, on_stored)
+            rec.on_refused = _both(rec.on_refused, on_refused)
+            return
         size = message_size(data, headers)
         if size > self._nc.max_payload:
             self._refuse(msg_id, subject, "too_large", f"{size} bytes with headers, over the server's "
@@ -176,7 +182,7 @@ class JetStreamPublisher:
         error, permanent, stream_seq = _ack_error(msg)
         if permanent:
             if error.endswith(f"err_code {WRONG_LAST_SEQUENCE})"):  # sent onto a subject that moved on since
-                self._refuse(msg_id, rec.subject, "superseded", error, rec.on_refused, logging.WARNING)
+                self._refuse(msg_id, rec.subject, "superseded", error, rec.on_refused, logging.INFO)
             else:
                 self._refuse(msg_id, rec.subject, "rejected", error, rec.on_refused)
             self._done(msg_id)
@@ -238,6 +244,17 @@ class JetStreamPublisher:
 def message_size(data: bytes, headers: dict[str, str]) -> int:
     """What the server counts against max_payload: the payload and the encoded header block."""
     return len(data) + 12 + sum(len(k) + len(v) + 4 for k, v in headers.items())
+
+
+def _both(first, second):
+    """One callback that calls ``first`` then ``second`` (either may be None), each on its own (``_tell``)."""
+    if first is None or second is None:
+        return first or second
+
+    def both(*args) -> None:
+        _tell(first, *args)
+        _tell(second, *args)
+    return both
 
 
 def _tell(callback, *args) -> None:

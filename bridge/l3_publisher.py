@@ -82,12 +82,12 @@ def split_pods(pods: dict[str, list[int]], budget: int, codec: Codec = MSGPACK) 
 class L3Publisher:
     def __init__(self, publisher: JetStreamPublisher, subject_prefix: str, max_payload: Callable[[], int],
                  metrics: Metrics, on_refused: Callable[[str], None] | None = None, codec: Codec = MSGPACK,
-                 js=None, stream: str = "", ack_wait: float = ACK_WAIT) -> None:
+                 js=None, stream: str = "", ack_wait: float | None = None) -> None:
         self._pub = publisher
         #: where the subject's last message is read (None: no chain: tools and tests that write alone)
         self._js = js
         self._stream = stream
-        self._ack_wait = ack_wait
+        self._ack_wait = ACK_WAIT if ack_wait is None else ack_wait
         #: master -> the stream sequence of the last message on its subject as this publisher knows it
         self._last: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # one publish of a master at a time
@@ -142,8 +142,12 @@ class L3Publisher:
         the last message on its subject (sharded bridges publish it again until they see it:
         bridge/removals.py)."""
         async with self._lock(master):
-            self._last[master] = after  # what the removal follows: stored only onto it
+            self._last.pop(master, None)  # onto whatever is last now (the subject may be empty: purged, aged out)
             await self._full(master, {}, msg_id=f"{master}:gone:after:{after}")
+
+    def forget(self, master: str) -> None:
+        """This bridge no longer polls ``master``: where its subject stands is read again if it polls it again."""
+        self._last.pop(master, None)
 
     async def full(self, master: str, pods: dict[str, list[int]], msg_id: str | None = None) -> bool:
         """False where the stream refused a part (the rest is not sent)."""
@@ -191,7 +195,6 @@ class L3Publisher:
         def refused() -> None:
             if not answer.done():
                 answer.set_result(None)
-            self._on_refused(master)
         await self._pub.publish(subject, payload, headers, stored, refused)
         try:
             seq = await asyncio.wait_for(asyncio.shield(answer), self._ack_wait)
@@ -203,9 +206,24 @@ class L3Publisher:
             raise
         if seq is None:
             self._last.pop(master, None)
-            return False
+            seq = await self._stored_after_all(subject, headers["Nats-Msg-Id"])
+            if seq is None:
+                log.warning("mooncake master %s: the stream moved on since this bridge's last message (another "
+                            "bridge took the master over?): its full state is published anew", master,
+                            extra={"master": master})
+                self._on_refused(master)
+                return False
         self._last[master] = seq
         return True
+
+    async def _stored_after_all(self, subject: str, msg_id: str) -> int | None:
+        """Where a refused message is the subject's last one after all, its stream sequence: stored, its ack
+        lost, and refused when re-sent (the stream checks the expected sequence before the duplicate)."""
+        try:
+            last = await self._js.get_last_msg(self._stream, subject)
+        except Exception:  # none, or NATS away: taken as refused (the full state comes anew)
+            return None
+        return last.seq if (last.headers or {}).get("Nats-Msg-Id") == msg_id else None
 
     async def _last_on_subject(self, subject: str) -> int:
         """The stream sequence of the subject's last message (0: none)."""

@@ -53,6 +53,7 @@ from cache_indexer.infra.registrations import Registration, RegistrationStore
 from cache_indexer.infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
                            stream_id)
 from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.infra.throttled_log import ThrottledWarning
 from cache_indexer.schemas.config import Config
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,10 @@ class Bridge:
         # longer list: removed on the first discovery result, as if they had left while we watched
         self._inherited_pods: set[str] = set()
         self._inherited_masters: set[str] = set()
+        #: gone masters whose empty full state is not stored yet (not sharded: tried again each round;
+        #: sharded bridges keep theirs in ``removals``)
+        self._masters_unremoved: set[str] = set()
+        self._master_removal_failed = ThrottledWarning(log)
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge", disconnected_cb=self._nats_lost,
@@ -267,8 +272,10 @@ class Bridge:
         self.subscribers.clear()
         self._endpoints, self._masters = [], []
         self._discovered_pods, self._discovered_masters = set(), set()
-        for poller in self.pollers.values():
+        self._masters_unremoved.clear()  # (the targets record keeps them for whoever relays next)
+        for target, poller in self.pollers.items():
             await poller.stop()
+            self.l3.forget(target.name)
         self.pollers.clear()
 
     def is_ready(self) -> bool:
@@ -438,7 +445,8 @@ class Bridge:
         tick: one of an idle bridge's few wake-ups a second."""
         while True:
             grace = self.cfg.ingest.l1.removalGrace
-            watching = bool(self._leaving) or self.removals is not None or self._record_stale
+            watching = bool(self._leaving) or self.removals is not None or self._record_stale or \
+                bool(self._masters_unremoved)
             try:
                 await asyncio.wait_for(self._settle_now.wait(), min(1.0, max(0.05, grace / 4)) if watching else None)
             except asyncio.TimeoutError:
@@ -446,7 +454,8 @@ class Bridge:
             self._settle_now.clear()
             now = time.monotonic()
             due = [pod for pod, until in self._leaving.items() if until <= now]
-            if not due and not (self.removals is not None and self.removals.due()) and not self._record_stale:
+            if not due and not (self.removals is not None and self.removals.due()) and not self._record_stale \
+                    and not self._masters_unremoved:
                 continue
             try:
                 async with self._targets_lock:
@@ -460,6 +469,11 @@ class Bridge:
                         if any(r.kind == "master" for r in done):
                             await self.targets_record.save(masters=self._discovered_masters
                                                            | self.removals.names("master"))
+                    if self._masters_unremoved:
+                        unremoved = set(self._masters_unremoved)
+                        await self._remove_masters()
+                        if self._masters_unremoved != unremoved:
+                            await self.targets_record.save(masters=self._discovered_masters | self._masters_unremoved)
                     if self._discovered is not None and self._registered is not None:
                         await self._save_pods()
             except asyncio.CancelledError:
@@ -574,16 +588,35 @@ class Bridge:
             if self.removals is not None:
                 for name in names:
                     self.removals.cancel("master", name)
+            self._masters_unremoved -= names  # listed again: not removed after all
             for name in sorted(gone):
                 log.info("mooncake master %s is gone: its L3 entries are dropped", name, extra={"master": name})
                 if self.removals is not None:
                     self.removals.add("master", name)
                     self._settle_now.set()
                 else:
-                    await self.l3.full(name, {})
+                    self._masters_unremoved.add(name)
+            await self._remove_masters()
             self._want_shards()
             pending = self.removals.names("master") if self.removals is not None else set()
-            await self.targets_record.save(masters=names | pending)
+            await self.targets_record.save(masters=names | pending | self._masters_unremoved)
+
+    async def _remove_masters(self) -> None:
+        """Each gone master's empty full state (not sharded), one after the other; one not stored (NATS away,
+        or refused) stays to be tried again by the next round of ``_remove_when_due``, and in the targets
+        record, so that a bridge started meanwhile publishes it too."""
+        for name in sorted(self._masters_unremoved):
+            try:
+                done = await self.l3.full(name, {})
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                done = False
+                self._master_removal_failed("mooncake master %s: its removal was not stored (%s: %s); trying again",
+                                            name, type(exc).__name__, exc)
+            if not done:
+                break  # NATS away, most likely: the others wait for the next round, not a timeout each
+            self._masters_unremoved.discard(name)
 
     def _mine_masters(self, masters: list[MasterTarget]) -> list[MasterTarget]:
         return masters if self.shards is None else [m for m in masters if MASTER + m.name in self.shards.owned]
@@ -598,6 +631,7 @@ class Bridge:
         wanted = set(masters)
         for target in [t for t in self.pollers if t not in wanted]:
             await self.pollers.pop(target).stop()
+            self.l3.forget(target.name)
             log.info("stopped polling mooncake master %s", target.name, extra={"master": target.name})
         for target in masters:
             if target not in self.pollers:

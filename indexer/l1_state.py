@@ -349,10 +349,11 @@ class L1State(TierIndex):
             del self._read_back[key]
         return None
 
-    def read_back_taken(self, key: tuple[str, int], at: int) -> None:
-        """The stream message ``at`` that ``read_back_due`` named for ``key`` is in hand: applied next."""
+    def read_back_taken(self, key: tuple[str, int], at: int, gone: bool = False) -> None:
+        """The stream message ``at`` that ``read_back_due`` named for ``key`` is in hand: applied next (or
+        ``gone``: no replica reads it back any more, nothing to keep for them)."""
         self._read_back.pop(key, None)
-        if self._live_seq and at:
+        if self._live_seq and at and not gone:
             self._read_backs.append((self._live_seq, at))
             if len(self._read_backs) > _READ_BACKS_KEPT:
                 self._read_backs_unknown_to = max(self._read_backs_unknown_to, self._read_backs.popleft()[0])
@@ -364,7 +365,7 @@ class L1State(TierIndex):
     def read_back_gone(self, key: tuple[str, int], at: int) -> None:
         """The spilled message ``read_back_due`` named for ``key`` is gone from the stream (retention): the
         worker goes on as after a lost gap, from the first early message left (if any; else it waits)."""
-        self.read_back_taken(key, at)
+        self.read_back_taken(key, at, gone=True)
         cur = self.cursors.get(key)
         if cur is not None and cur.next_seq != _DEAD and (cur.early or cur.spilled):
             self._lose_gap(key, cur)
@@ -372,9 +373,6 @@ class L1State(TierIndex):
     def read_back_pending(self) -> bool:
         """A spilled message is to be read back before the next one is applied (no snapshot now)."""
         return bool(self._read_back)
-
-    def purge_floor(self, since: int) -> int:
-        return self.spill_floor()
 
     def loaded_at(self, stream_seq: int) -> None:
         """This state was loaded from a snapshot at ``stream_seq``: the read-backs before it are not known."""

@@ -171,32 +171,17 @@ async def test_a_header_block_over_max_header_bytes_gets_431_and_is_not_buffered
 
 async def test_bodies_read_in_parts_are_bounded_all_together_and_the_rest_wait_their_turn():
     """A review had 200 clients send 4 MiB bodies at once: 950 MB resident, nothing bounded them together.
-    Here the largest body is 64 KiB, so the app holds at most 16 x 64 KiB of bodies being read: 40 clients
-    that send 40 KiB of a 60 KiB body and stall hold no more than that, the others wait (each within
+    Here the largest body is 64 KiB, so the app reserves at most 16 x 64 KiB for bodies being read: 40
+    clients that send 40 KiB of a 60 KiB body and stall hold no more than that, the others wait (each within
     readTimeout: 408), a request that comes whole is answered meanwhile, and all is given back after. Each
     connection closes after its 408: aiohttp's lingering close held it 10 s more, and the shutdown too."""
-    from cache_indexer.api.request_body import BODY_BUDGET
     from tests.conftest import wait_for
 
-    http = HttpConfig(host="127.0.0.1", port=0, maxHitRateBodyBytes=64 << 10, readTimeout=2.0, idleTimeout=30)
-    metrics = Metrics()
-    app = HitRateApi(http, BlockHasher("sha256_cbor", "0"), tiers=lambda: (L1State(), None), ready=lambda: True,
-                     metrics=metrics).make_app()
-    budget = app[BODY_BUDGET]
-    assert budget.limit == 16 * (64 << 10)
-    srv = HttpServer(app, http, metrics)
-    await srv.start()
-    conns = []
-    try:
-        head = (b"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n" % (60 << 10))
-        for _ in range(40):
-            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-            writer.write(head + b" " * (40 << 10))
-            conns.append((reader, writer))
+    async with _budgeted() as (srv, budget):
+        conns = await _sending(srv, 40, 40 << 10)
 
         async def some_wait() -> bool:
-            return budget.waits > 0 and budget.used >= budget.limit - (40 << 10)
+            return budget.waits > 0 and budget.used >= budget.limit - (60 << 10)
         await wait_for(some_wait, 10, "readers waiting for room")
         assert budget.most <= budget.limit, f"{budget.most} bytes of bodies held at once"
         reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
@@ -206,9 +191,53 @@ async def test_bodies_read_in_parts_are_bounded_all_together_and_the_rest_wait_t
         statuses = [await asyncio.wait_for(r.readline(), 10) for r, _ in conns]
         assert all(s.startswith(b"HTTP/1.1 408") for s in statuses), statuses[:3]
         assert budget.used == 0 and budget.most <= budget.limit
-        for r, _ in conns:  # closed after the answer, the rest of the body unread (no lingering close: 10 s)
+        for r, w in conns:  # closed after the answer, the rest of the body unread (no lingering close: 10 s)
             await asyncio.wait_for(r.read(), 2)
-    finally:
+            w.close()
+
+
+async def test_bodies_that_come_in_parts_at_once_are_all_answered_within_the_budget():
+    """A review of the bound: readers that held what they had read and waited for room for the rest filled
+    the budget with halves, and none could finish: 40 clients sending 60 KiB bodies in two halves at once
+    got 408s. A reader now reserves its whole body before it reads: all are answered."""
+    async with _budgeted() as (srv, budget):
+        body = BODY + b" " * ((60 << 10) - len(BODY))
+        conns = await _sending(srv, 40, 32 << 10, body)
+        for _, writer in conns:
+            writer.write(body[32 << 10:])
+        statuses = [await asyncio.wait_for(r.readline(), 10) for r, _ in conns]
+        assert all(s.startswith(b"HTTP/1.1 200") for s in statuses), [s for s in statuses if b"200" not in s][:3]
+        assert budget.waits > 0 and budget.most <= budget.limit and budget.used == 0
         for _, w in conns:
             w.close()
+
+
+@contextlib.asynccontextmanager
+async def _budgeted():
+    """A server whose largest body is 64 KiB (its budget for bodies read in parts: 1 MiB), and that budget."""
+    from cache_indexer.api.request_body import BODY_BUDGET
+
+    http = HttpConfig(host="127.0.0.1", port=0, maxHitRateBodyBytes=64 << 10, readTimeout=2.0, idleTimeout=30)
+    metrics = Metrics()
+    app = HitRateApi(http, BlockHasher("sha256_cbor", "0"), tiers=lambda: (L1State(), None), ready=lambda: True,
+                     metrics=metrics).make_app()
+    budget = app[BODY_BUDGET]
+    assert budget.limit == 16 * (64 << 10)
+    srv = HttpServer(app, http, metrics)
+    await srv.start()
+    try:
+        yield srv, budget
+    finally:
         await srv.stop()
+
+
+async def _sending(srv, clients: int, first: int, body: bytes = b" " * (60 << 10)) -> list:
+    """``clients`` connections, each having sent its headers and the first ``first`` bytes of ``body``."""
+    head = (b"POST /kv-cache/hit-rate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    conns = []
+    for _ in range(clients):
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(head + body[:first])
+        conns.append((reader, writer))
+    return conns

@@ -678,6 +678,19 @@ def test_the_purge_keeps_what_a_replica_close_behind_still_reads_back():
     assert writer.purge_floor(applied + 1) == 0, "none read back at or after the cut: nothing held"
 
 
+def test_a_read_back_found_gone_holds_no_purge_back():
+    """A spilled batch gone from the stream (retention) is no one's to read back: the purge floor does not
+    keep the purge at its sequence (a review: it held every purge for ``purgeKeep`` messages)."""
+    stream, s = ModelStream(), L1State(max_early=1)
+    for msg in [batch(0, [stored(100)])] + [batch(q, [stored(100 + q)]) for q in (2, 3)]:
+        stream.feed(s, msg)  # 3 spilled (stream seq 3)
+    s.apply(batch(1, [stored(101)]), 10**18, 4)
+    key, at = s.read_back_due()
+    assert at == 3
+    s.read_back_gone(key, at)
+    assert s.purge_floor(4) == 0 and s.read_back_due() is None
+
+
 def test_a_state_loaded_from_a_snapshot_purges_nothing_it_cannot_vouch_for():
     """Read-backs before a snapshot are not in it: a replica loaded from one does not know what a replica
     behind its snapshot still reads back, so it purges nothing before its snapshot's seq until it has

@@ -838,3 +838,161 @@ async def test_after_a_failover_the_old_owners_late_messages_are_refused_by_the_
         for nc in conns:
             await nc.close()
         await live.stop()
+
+
+async def _l3_chain(nats_url, stream_prefix, ack_timeout: float = 1.0, **kw):
+    """A connection, the L3 stream, a JetStream publisher and an L3 publisher on the chain (``kw``: the
+    L3 publisher's, besides the stream's)."""
+    import nats
+
+    from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+    from cache_indexer.bridge.l3_publisher import L3Publisher
+    from cache_indexer.infra.streams import ensure_l3_stream
+
+    cfg = make_config(nats_url, stream_prefix)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await ensure_l3_stream(js, cfg.nats)
+    metrics = Metrics()
+    pub = JetStreamPublisher(nc, metrics, ack_timeout=ack_timeout)
+    await pub.start()
+    l3 = L3Publisher(pub, cfg.nats.l3Stream.subjectPrefix, kw.pop("max_payload", lambda: 1 << 20), metrics, js=js,
+                     stream=cfg.nats.l3Stream.name, **kw)
+    return cfg, nc, js, pub, l3
+
+
+def _drop_first_ack(pub) -> list:
+    """The JetStream publisher's first ack is lost (held in the list returned); the others come."""
+    real, held = pub._on_ack, []
+
+    async def lossy(msg):
+        if not held:
+            held.append(msg)
+            return
+        await real(msg)
+    pub._sub._cb = lossy
+    return held
+
+
+async def test_a_stored_part_whose_ack_was_lost_is_taken_as_stored_and_the_rest_follows(nats_url, stream_prefix):
+    """A review: the stream checks the expected last sequence before the duplicate, so the re-send of a
+    stored message whose ack was lost is refused. The first part of a full state was then taken as
+    refused: the later parts never went out, and the subject held that part alone. The publisher now
+    finds its message last on the subject and goes on."""
+    from cache_indexer.indexer.l3_state import L3State
+
+    cfg, nc, js, pub, l3 = await _l3_chain(nats_url, stream_prefix, ack_timeout=0.3, max_payload=lambda: 1024,
+                                           on_refused=(told := []).append)
+    try:
+        _drop_first_ack(pub)
+        pods = {f"127.0.0.{i}": list(range(i * 100, i * 100 + 40)) for i in range(2, 6)}
+        assert await l3.full("m", pods) and not told
+        state = L3State()
+        info = await js.stream_info(cfg.nats.l3Stream.name)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            state.apply(msgpack.unpackb((await js.get_msg(cfg.nats.l3Stream.name, seq)).data))
+        assert all(l3_held(state, pod) == set(h) for pod, h in pods.items()), "every part on the subject"
+    finally:
+        await pub.close()
+        await nc.close()
+
+
+async def test_a_removal_onto_a_subject_emptied_by_retention_is_stored(nats_url, stream_prefix):
+    """A review: the removal of a master whose subject holds nothing any more (its messages aged out while
+    it was unreachable; the stream's first sequence past 1) named the last message it followed as the
+    expected one, and the stream refused it at every try (sharded: pending for good; not sharded: lost). A
+    removal goes onto whatever the subject holds now."""
+    from cache_indexer.bridge.removals import PendingRemovals
+
+    cfg, nc, js, pub, l3 = await _l3_chain(nats_url, stream_prefix)
+    try:
+        for i in range(3):  # another master's full states: each rollup deletes the one before
+            assert await l3.full("other", {"10.0.0.1": [i]})
+        assert (await js.stream_info(cfg.nats.l3Stream.name)).state.first_seq > 1
+        clock = [0.0]
+        removals = PendingRemovals(js, cfg.nats, None, l3, lambda shard: True, check_every=1, publish_every=1,
+                                   clock=lambda: clock[0])
+        removals.add("master", "never-published")
+        for _ in range(2):  # one settle publishes the removal, the next finds it on the stream
+            clock[0] += 5
+            done = await removals.settle()
+        assert [r.name for r in done] == ["never-published"] and not removals.pending
+        assert await l3.full("other", {})  # and where the publisher's own last message is gone: read again
+    finally:
+        await pub.close()
+        await nc.close()
+
+
+async def test_a_second_publish_of_a_message_in_flight_is_told_when_it_is_stored(nats_url, stream_prefix):
+    """A review: the same removal published again while the first is in flight (its ack late) was not sent
+    twice, and the second caller was never told: it waited the whole ack wait and failed, also after the
+    message was stored. Both callers are told now."""
+    from cache_indexer.bridge.l3_publisher import NotAcknowledged
+
+    cfg, nc, js, pub, l3 = await _l3_chain(nats_url, stream_prefix, ack_timeout=30.0, ack_wait=1.0)
+    try:
+        held = _drop_first_ack(pub)
+        with pytest.raises(NotAcknowledged):
+            await l3.gone("m", after=0)
+        second = asyncio.create_task(l3.gone("m", after=0))
+        await wait_for(lambda: l3._lock("m").locked(), 5, "the second removal under way")
+        await pub._on_ack(held[0])  # the first send's ack, late
+        await asyncio.wait_for(second, 5)
+        assert not pub._pending
+    finally:
+        await pub.close()
+        await nc.close()
+
+
+async def test_masters_gone_while_nats_is_away_are_removed_once_it_is_back(tmp_path, stream_prefix, monkeypatch):
+    """A review: a bridge without shards publishes a gone master's empty full state itself. With NATS away
+    the first removal failed after the ack wait, the second was never tried, and both had left the targets
+    record: the indexers kept their L3 entries for good. Each is now tried again until it is stored, and
+    stays in the record meanwhile."""
+    import nats
+
+    from cache_indexer.bridge import l3_publisher
+    from cache_indexer.bridge.service import Bridge
+    from cache_indexer.nats_server import NatsServer
+
+    monkeypatch.setattr(l3_publisher, "ACK_WAIT", 1.0)
+    srv = NatsServer().start()
+    masters = [await FakeMaster().start() for _ in range(2)]
+    for i, fm in enumerate(masters):
+        fm.keys = {key(10 + i): ["127.0.0.2:16001"]}
+        fm.segments = ["127.0.0.2:12001"]
+    targets = tmp_path / "targets.yaml"
+    targets.write_text("vllm: []\nmooncakeMasters:\n" + "".join(
+        f"  - host: 127.0.0.1\n    name: m{i}\n    httpPort: {fm.url.rsplit(':', 1)[1]}\n" for i, fm in enumerate(masters)))
+    cfg = make_config(srv.url, stream_prefix, discovery={"mode": "static", "static": {"file": str(targets)}},
+                      ingest={"leaderElection": False, "l3": {"pollInterval": 0.5}})
+    bridge = Bridge(cfg)
+    await bridge.start()
+    nc = None
+    try:
+        for i in range(2):
+            await wait_for(lambda i=i: bridge.l3._last.get(f"m{i}"), 15, f"m{i} published")
+        srv.stop()
+        targets.write_text("vllm: []\nmooncakeMasters: []\n")
+        await wait_for(lambda: bridge._masters_unremoved == {"m0", "m1"} and not bridge.pollers, 15,
+                       "both masters gone, their removals not stored")
+        srv.start()
+        nc = await nats.connect(srv.url)
+        js, l3 = nc.jetstream(), cfg.nats.l3Stream
+
+        async def removed(i: int) -> bool:
+            try:
+                msg = await js.get_last_msg(l3.name, f"{l3.subjectPrefix}.m{i}")
+            except Exception:
+                return False
+            return msg.headers.get("Kv-Type") == "l3_full" and not msgpack.unpackb(msg.data).get("pods")
+        for i in range(2):
+            await wait_for(lambda i=i: removed(i), 30, f"m{i}'s removal stored")
+        await wait_for(lambda: not bridge._masters_unremoved, 10, "nothing left to remove")
+    finally:
+        await bridge.stop()
+        if nc is not None:
+            await nc.close()
+        srv.close()
+        for fm in masters:
+            await fm.runner.cleanup()
