@@ -20,16 +20,27 @@ import urllib.request
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_TIMERSLACK = 29
+#: nats-server's timer slack (ns), as the chart gives it (nats.timerSlackUs): while a message is handled, Go's
+#: scheduler monitor naps 20 us at a time, each nap a wake-up that the kernel's default slack (50 us) keeps
+#: short; 1 ms halves nats-server's wake-ups a lone message (bench/RESULTS.md, the ninth pass)
+TIMER_SLACK_NS = 1_000_000
 
 
-def _detach_and_die_with(parent_pid: int, die_with_parent: bool):
+def _detach_and_die_with(parent_pid: int, die_with_parent: bool, timer_slack_ns: int = 0):
     """``preexec_fn`` for a child server: its own session, so a terminal's Ctrl-C (SIGINT to the
     foreground process group) reaches only our process, which then stops the server last, in order;
     and on Linux SIGTERM when the parent dies, so even ``kill -9`` of the parent leaves no orphan.
-    Linux sends that signal when the forking *thread* ends, so only a main-thread start asks for it."""
+    Linux sends that signal when the forking *thread* ends, so only a main-thread start asks for it.
+    ``timer_slack_ns`` (Linux, 0: the inherited one) is kept across exec and by every thread of the server."""
 
     def _preexec() -> None:
         os.setsid()
+        if timer_slack_ns and sys.platform.startswith("linux"):
+            try:
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, timer_slack_ns, 0, 0, 0)
+            except (OSError, AttributeError):
+                pass
         if die_with_parent and sys.platform.startswith("linux"):
             try:
                 ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -56,11 +67,13 @@ class NatsServer:
 
     def __init__(self, store_dir: str | None = None, port: int = -1, binary: str | None = None,
                  max_file_store: int = 64 << 30, max_payload: int | None = None, extra_config: str = "",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, timer_slack_ns: int = TIMER_SLACK_NS) -> None:
         self.max_file_store = max_file_store
         #: more server configuration (authorization, tls, ...), and the environment its $VARIABLES read
         self.extra_config = extra_config
         self.env = env
+        #: the server's timer slack (ns; 0: this process's own)
+        self.timer_slack_ns = timer_slack_ns
         self.max_payload = max_payload
         self.binary = binary or find_binary()
         if not self.binary:
@@ -89,7 +102,8 @@ class NatsServer:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, **self.env} if self.env else None,
                                      preexec_fn=_detach_and_die_with(
-                                         os.getpid(), threading.current_thread() is threading.main_thread()))
+                                         os.getpid(), threading.current_thread() is threading.main_thread(),
+                                         self.timer_slack_ns))
         deadline = time.monotonic() + timeout
         ports_file = Path(ports_dir) / f"nats-server_{self.proc.pid}.ports"
         while not ports_file.exists():

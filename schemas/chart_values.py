@@ -197,6 +197,11 @@ class NatsChartValues(_Closed):
         node's cores or the container's CPU limit. This NATS takes many small messages one at a time: with
         more threads than it needs, Go wakes an idle one for nearly every message (docs/operations.md,
         sizing).""", ge=0, le=1024)
+    timerSlackUs: int = setting(1000, """Timer slack of nats-server's threads (µs; 0: the kernel's, 50 µs), set by the
+        container's command before it starts the server (the image's /bin/sh). While nats-server handles a
+        message, Go's scheduler monitor sleeps 20 µs at a time, a wake-up each: with 1 ms it wakes about half
+        as often a lone message and idle; its timers fire up to that much later (docs/operations.md, sizing).""",
+                                ge=0, le=100_000)
 
 
 for _name in CHART_NATS_SETTINGS:  # the same fields, descriptions and types as schemas/config.py's

@@ -32,6 +32,7 @@ NATS_CHART_KEYS = frozenset({
     "auth",  # ours: authorization of the bundled NATS (the chart's nats.auth)
     "resources",  # ours: resources of its containers (the chart's nats.resources)
     "goMaxProcs",  # ours: nats-server's GOMAXPROCS (the chart's nats.goMaxProcs)
+    "timerSlackUs",  # ours: nats-server's timer slack (the chart's nats.timerSlackUs)
 })
 
 #: Deprecated name -> the setting's name. The documented product's names (``blockKey.prefixCachingHashAlgo``,

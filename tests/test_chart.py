@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -606,3 +607,34 @@ def test_the_bundled_nats_runs_go_on_the_threads_nats_go_max_procs_names(tmp_pat
                 assert json.loads(r.read())["gomaxprocs"] == want
         finally:
             server.close()
+
+
+@needs_nats_chart
+def test_the_bundled_nats_runs_with_the_timer_slack_nats_timer_slack_us_names(tmp_path):
+    """``nats.timerSlackUs`` (1000 by default) is set by the NATS container's command before it execs
+    nats-server with the chart's args; 0 leaves the image's entrypoint as it is. Local mode's embedded
+    server (and the benches) get the same slack."""
+    from cache_indexer.nats_server import TIMER_SLACK_NS, NatsServer
+
+    chart = chart_with_nats(tmp_path)
+
+    def nats_container(values):
+        sts = [o for o in render(chart, values) if o["kind"] == "StatefulSet"
+               and o["metadata"]["name"] == "cache-indexer-nats"][0]
+        return [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "nats"][0]
+
+    default, off = nats_container(None), nats_container({"nats": {"timerSlackUs": 0}})
+    assert default["command"][:2] == ["/bin/sh", "-c"]
+    assert "echo 1000000 > /proc/self/timerslack_ns" in default["command"][2]
+    assert default["command"][2].endswith('exec nats-server "$@"') and default["args"] == off["args"]
+    assert "command" not in off
+    assert TIMER_SLACK_NS == 1000 * 1000
+    server = NatsServer().start()
+    try:
+        try:
+            slack = int(Path(f"/proc/{server.proc.pid}/timerslack_ns").read_text())
+        except OSError:  # not Linux, or not allowed to read it
+            return
+        assert slack == TIMER_SLACK_NS
+    finally:
+        server.close()

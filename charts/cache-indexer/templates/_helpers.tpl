@@ -186,6 +186,15 @@ image: {{ printf "%s/%s:%s" (trimSuffix "/" $g.imageRegistry) .image.repository 
 resources:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- if and (eq .part "nats") .root.Values.timerSlackUs }}
+{{- /* nats.timerSlackUs: a process may set its own timer slack unprivileged; exec keeps it, and every thread
+     the server starts inherits it. The chart's args (--config ...) follow as "$@". */}}
+command:
+  - /bin/sh
+  - -c
+  - '{ echo {{ mul (int .root.Values.timerSlackUs) 1000 }} > /proc/self/timerslack_ns; } 2>/dev/null; exec nats-server "$@"'
+  - nats-server
+{{- end }}
 securityContext:
   allowPrivilegeEscalation: false
   capabilities: {drop: [ALL]}
