@@ -46,6 +46,7 @@ ACK_WAIT = 15.0
 #: The header that makes the stream store a message only onto the subject's last message as its sender saw it
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 
+
 class NotAcknowledged(Exception):
     """A master's message not acknowledged within ``ack_wait`` (NATS away): the poll fails, the next one
     publishes the full state onto the subject read again."""
@@ -140,7 +141,7 @@ class L3Publisher:
     async def gone(self, master: str, after: int) -> None:
         """The master is gone: an empty full state (its L3 entries drop), named by the stream sequence of
         the last message on its subject (sharded bridges publish it again until they see it:
-        bridge/removals.py)."""
+        bridge/removals.py), and stored onto whatever the subject holds last when it is sent."""
         async with self._lock(master):
             self._last.pop(master, None)  # onto whatever is last now (the subject may be empty: purged, aged out)
             await self._full(master, {}, msg_id=f"{master}:gone:after:{after}")
