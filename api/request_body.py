@@ -37,7 +37,7 @@ class BodyBudget:
         self.limit = limit
         self.used = 0
         self.most = 0  # the most ever held at once
-        self.waits = 0  # chunks that waited for room
+        self.waits = 0  # times a reader waited for room
         self._freed = asyncio.Event()
 
     async def take(self, n: int) -> None:
