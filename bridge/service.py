@@ -467,13 +467,12 @@ class Bridge:
                         if done:
                             self._want_shards()
                         if any(r.kind == "master" for r in done):
-                            await self.targets_record.save(masters=self._discovered_masters
-                                                           | self.removals.names("master"))
+                            await self.targets_record.save(masters=self._recorded_masters())
                     if self._masters_unremoved:
                         unremoved = set(self._masters_unremoved)
                         await self._remove_masters()
                         if self._masters_unremoved != unremoved:
-                            await self.targets_record.save(masters=self._discovered_masters | self._masters_unremoved)
+                            await self.targets_record.save(masters=self._recorded_masters())
                     if self._discovered is not None and self._registered is not None:
                         await self._save_pods()
             except asyncio.CancelledError:
@@ -598,8 +597,13 @@ class Bridge:
                     self._masters_unremoved.add(name)
             await self._remove_masters()
             self._want_shards()
-            pending = self.removals.names("master") if self.removals is not None else set()
-            await self.targets_record.save(masters=names | pending | self._masters_unremoved)
+            await self.targets_record.save(masters=self._recorded_masters())
+
+    def _recorded_masters(self) -> set[str]:
+        """The masters the targets record keeps: those listed, and those gone whose removal is not stored yet
+        (a bridge that starts from the record removes them)."""
+        pending = self.removals.names("master") if self.removals is not None else set()
+        return self._discovered_masters | pending | self._masters_unremoved
 
     async def _remove_masters(self) -> None:
         """Each gone master's empty full state (not sharded), one after the other; one not stored (NATS away,
