@@ -750,25 +750,14 @@ async def test_a_full_state_part_re_sent_late_onto_a_subject_that_moved_on_is_re
     (the re-send as the JetStream publisher makes it: the same bytes and headers): before, its
     ``Nats-Rollup`` deleted them from the subject, and a replica replaying the stream held only that part.
     Now each message names the subject's last sequence its publisher saw, and the stream refuses it."""
-    import nats
     from nats.js.errors import APIError
 
-    from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
-    from cache_indexer.bridge.l3_publisher import L3Publisher
     from cache_indexer.indexer.service import Indexer
 
-    cfg = make_config(nats_url, stream_prefix)
-    nc = await nats.connect(nats_url)
+    cfg, nc, js, pub, l3 = await _l3_chain(nats_url, stream_prefix, max_payload=lambda: 1024)
     replaying = None
     try:
-        js = nc.jetstream()
-        from cache_indexer.infra.streams import ensure_l3_stream
-        await ensure_l3_stream(js, cfg.nats)
-        pub = JetStreamPublisher(nc, Metrics(), ack_timeout=1.0)
-        await pub.start()
         handed = _Handed(pub)
-        l3 = L3Publisher(pub, cfg.nats.l3Stream.subjectPrefix, lambda: 1024, Metrics(), js=js,
-                         stream=cfg.nats.l3Stream.name)
         pods = {f"127.0.0.{i}": list(range(i * 100, i * 100 + 40)) for i in range(2, 6)}
         assert await l3.full("m", pods)
         first = next(m for m in handed.sent if m[2].get("Nats-Rollup"))
@@ -786,6 +775,7 @@ async def test_a_full_state_part_re_sent_late_onto_a_subject_that_moved_on_is_re
     finally:
         if replaying is not None:
             await replaying.stop()
+        await pub.close()
         await nc.close()
 
 
