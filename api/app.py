@@ -15,11 +15,13 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import msgspec
 from aiohttp import web
 
 from cache_indexer.api.explain import Explainer
+from cache_indexer.api.fast_path import FAST_ROUTES, FastRoute
 from cache_indexer.api.hit_rate_request import HitRateQuery, decode_hit_rate_request, decode_split_request
 from cache_indexer.api.json_request import RequestError
 from cache_indexer.api.ops import add_ops_routes
@@ -27,7 +29,7 @@ from cache_indexer.api.request_body import (BODIES_IN_FLIGHT, BODY_BUDGET, BodyB
                                            read_body)
 from cache_indexer.api.request_body import within as _within
 from cache_indexer.api.registration_api import REGISTER_PATH, UNREGISTER_PATH, WORKERS_PATH
-from cache_indexer.api.tiered_query import QUERY_BY_HASH_PATH, QUERY_PATH, TieredQueryApi
+from cache_indexer.api.tiered_query import QUERY_BY_HASH_PATH, QUERY_PATH, TieredQueryApi, query_error_body
 from cache_indexer.infra.registrations import RegistrationStore
 from cache_indexer.infra.streams import RecordsKv
 from cache_indexer.infra.metrics import Metrics
@@ -71,9 +73,13 @@ def inline_cost(size: int, block_size: int, chunks: int = 1) -> float:
     return size * (_NS_PER_BYTE + per_block / (2 * max(1, block_size))) * 1e-9
 
 
+def _error_body(status: int, message: str) -> bytes:
+    return msgspec.json.encode({"status": status, "message": message, "server_score_list": []})
+
+
 def _error(status: int, message: str, **headers: str) -> web.Response:
-    return web.json_response({"status": status, "message": message, "server_score_list": []}, status=status,
-                             headers=headers or None)
+    return web.Response(body=_error_body(status, message), status=status, content_type="application/json",
+                        headers=headers or None)
 
 
 class HitRateApi:
@@ -98,7 +104,8 @@ class HitRateApi:
         self._best_l1 = metrics.best_hit_ratio.labels("l1")
         self._best_l3 = metrics.best_hit_ratio.labels("l3")
         configure_native_query(http.digestMemoBytes)
-        self.tiered = TieredQueryApi(http, hasher, block_size, tiers, registrations, self._run_native)
+        self.tiered = TieredQueryApi(http, hasher, block_size, tiers, registrations, self._run_native,
+                                     self._fits_inline)
         self.more_routes = list(more_routes)
         self.explainer = Explainer(hasher, records)
         self._refused = ThrottledWarning(log)  # counted per status by the middleware; logged here
@@ -107,6 +114,9 @@ class HitRateApi:
         app = web.Application(client_max_size=self.http.maxHitRateBodyBytes,
                               middlewares=[self._observe])
         app[BODY_BUDGET] = BodyBudget(BODIES_IN_FLIGHT * self.http.maxHitRateBodyBytes)
+        app[FAST_ROUTES] = {
+            HIT_RATE_PATH: FastRoute(self.answer_now, _error_body, partial(self._count_path, HIT_RATE_PATH)),
+            QUERY_PATH: FastRoute(self.tiered.answer_now, query_error_body, partial(self._count_path, QUERY_PATH))}
         app.on_cleanup.append(self._close_pool)
         app.router.add_route("*", HIT_RATE_PATH, self.hit_rate, expect_handler=self._expect)
         self.tiered.add_routes(app)
@@ -141,7 +151,9 @@ class HitRateApi:
             self._count(request, status, start)
 
     def _count(self, request: web.Request, status: int, start: float) -> None:
-        path = request.path if request.path in _KNOWN_PATHS else "other"
+        self._count_path(request.path if request.path in _KNOWN_PATHS else "other", status, start)
+
+    def _count_path(self, path: str, status: int, start: float) -> None:
         counted = self._by_path_status.get((path, status))
         if counted is None:  # a few paths times a few codes: kept, as labels() costs 5 us a call
             counted = self._by_path_status[(path, status)] = (
@@ -204,9 +216,13 @@ class HitRateApi:
     async def _run_native(self, query: NativeQuery, size: int) -> tuple:
         """A native query of a ``size``-byte body: on the loop where its worst case fits INLINE_BUDGET, else
         on the query threads."""
-        if inline_cost(size, query.block_size, query.chunks) <= INLINE_BUDGET:
+        if self._fits_inline(query, size):
             return query.run()
         return await self._threads().run(query)
+
+    @staticmethod
+    def _fits_inline(query: NativeQuery, size: int) -> bool:
+        return inline_cost(size, query.block_size, query.chunks) <= INLINE_BUDGET
 
     async def _close_pool(self, app: web.Application) -> None:
         if self._query_threads is not None:
@@ -257,11 +273,28 @@ class HitRateApi:
         except Exception as exc:
             log.exception("hit-rate computation failed")
             return _error(500, f"hit-rate computation failed: {exc}")
+        return web.Response(body=self._answer_body(result, explained), content_type="application/json")
+
+    def answer_now(self, body: bytes) -> bytes | None:
+        """The answer's JSON where the native query answers it on the loop (api/fast_path.py); None, with no
+        effect, where ``hit_rate`` must (an error, an explanation, the Python path, the query threads)."""
+        try:
+            req = self._decode(body)
+            if req.explain:
+                return None
+            query = self._prepare(req, self.tiers())
+            if query is None or not self._fits_inline(query, len(body)):
+                return None
+            result = query.result(query.run())
+        except (RequestError, ValueError, NotImplementedError):
+            return None
+        return self._answer_body(result, None)
+
+    def _answer_body(self, result: ScoreResult, explained) -> bytes:
         self.metrics.hashed_blocks.inc(result.hashed_blocks)
         items = [{"server_ip": s.pod, "l1_hit_ratio": s.ratios[0], "l3_hit_ratio": s.ratios[1],
                   "message": "" if s.known else UNKNOWN_POD_MESSAGE, "status": 0} for s in result.scores]
         for item, why in zip(items, explained or ()):
             item["explain"] = why
         self._observe_answer(result.scores)
-        return web.Response(body=msgspec.json.encode({"status": 0, "message": "", "server_score_list": items}),
-                            content_type="application/json")
+        return msgspec.json.encode({"status": 0, "message": "", "server_score_list": items})

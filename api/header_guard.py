@@ -21,9 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 from aiohttp import web
+from aiohttp.tcp_helpers import tcp_keepalive
+
+from cache_indexer.api.fast_path import FAST_HEAD_MAX, Head, parse_head, response
+from cache_indexer.api.request_body import BodyBudget, late_body
+from cache_indexer.infra.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +40,14 @@ _TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: clos
 
 
 class HeaderGuardProtocol(asyncio.Protocol):
-    """Delegates everything to aiohttp's request handler and adds the header timer and byte count."""
+    """A connection: the header timer and byte count, then aiohttp's request handler; or, while the
+    connection's requests are plain routing queries, their answers straight from its bytes
+    (api/fast_path.py), with aiohttp's handler made only when a request needs it."""
 
-    def __init__(self, inner: asyncio.Protocol, guard: "HeaderGuard", registry: dict, on_timeout: Callable[[], None]):
-        self.inner = inner
+    def __init__(self, make_inner: Callable[[], asyncio.Protocol], guard: "HeaderGuard", registry: dict,
+                 on_timeout: Callable[[], None]):
+        self.make_inner = make_inner
+        self.inner: asyncio.Protocol | None = None
         self.guard = guard
         self.timeout = guard.timeout
         self.max_bytes = guard.max_bytes
@@ -49,6 +59,17 @@ class HeaderGuardProtocol(asyncio.Protocol):
         self.awaiting_headers = True  # from accept, and from the end of each request to the next header block
         self._tail = b""  # the last bytes seen while awaiting headers: a CRLF CRLF may straddle two reads
         self._timer: asyncio.TimerHandle | None = None
+        # the fast path's state (api/fast_path.py)
+        self._buf = b""  # from the start of the request not yet answered
+        self._head: Head | None = None  # that request's head, once parsed
+        self._parts: list[bytes] = []  # what came of its body after the buffer
+        self._have = 0  # the buffer's bytes and its parts'
+        self._reserved = 0  # bytes of the body budget held while its body comes in parts
+        self._wait: asyncio.TimerHandle | None = None  # the body's deadline or the write one
+        self._idle: asyncio.TimerHandle | None = None  # http.idleTimeout between requests
+        self._idle_until = 0.0
+        self._paused: set[str] = set()  # why reading is paused: a pipelined request waiting, a full buffer
+        self._eof = False
 
     # -- called by the middleware ------------------------------------------------------------------------
     def request_started(self) -> None:
@@ -79,15 +100,31 @@ class HeaderGuardProtocol(asyncio.Protocol):
         self.on_timeout()
         self.transport.close()
 
-    # -- asyncio.Protocol, delegated -----------------------------------------------------------------------
+    # -- asyncio.Protocol --------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.registry[self.inner] = self
-        self.inner.connection_made(transport)
+        if self.guard.fast_routes:
+            tcp_keepalive(transport)
+            self.guard.fast_connections.add(self)
+        else:
+            self._to_aiohttp()
         self._arm()
 
     def data_received(self, data: bytes) -> None:
         if self._discarding:
+            return
+        if self.inner is None:
+            if self._head is not None:  # its body, in parts: joined once, when it is all here
+                self._parts.append(data)
+                self._have += len(data)
+                if self._have < self._head.body_end:
+                    return
+                self._buf = b"".join([self._buf, *self._parts])
+                self._parts.clear()
+            else:
+                self._buf = self._buf + data if self._buf else data
+            if not self._paused:
+                self._serve()
             return
         if self.awaiting_headers:
             if self._timer is None:
@@ -107,6 +144,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
 
     def _refuse(self) -> None:
         self._disarm()
+        self._end_wait()
         self.guard.on_too_large()
         log.debug("closing %s: request headers over http.maxHeaderBytes (%d)",
                   self.transport.get_extra_info("peername"), self.max_bytes)
@@ -119,36 +157,217 @@ class HeaderGuardProtocol(asyncio.Protocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self._discarding = True
+        self._buf = b""
         self.awaiting_headers = False
         asyncio.get_running_loop().call_later(LINGER_SECONDS, self.transport.close)
 
     def eof_received(self):
         if self._discarding:
             return False  # the client is done: close
+        if self.inner is None:
+            self._eof = True  # pipelined requests still to answer keep it open until they are
+            return bool(self._buf) and "pipeline" in self._paused
         return self.inner.eof_received()
 
     def connection_lost(self, exc) -> None:
         self._disarm()
-        self.registry.pop(self.inner, None)
-        self.inner.connection_lost(exc)
+        self._end_wait()
+        if self._idle is not None:
+            self._idle.cancel()
+        self._release()
+        self.guard.fast_connections.discard(self)
+        if self.inner is not None:
+            self.registry.pop(self.inner, None)
+            self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if self.inner is not None:
+            self.inner.pause_writing()
+        elif self.guard.write_timeout:  # the client reads no answers: it gets writeTimeout to start again
+            self._pause("write")
+            self._wait_for(self.guard.write_timeout, self._write_expired)
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if self.inner is not None:
+            self.inner.resume_writing()
+        elif "write" in self._paused:
+            self._end_wait()
+            self._resume("write")
+
+    # -- the fast path -----------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        """Answers the request at the buffer's start if it is complete and plain; waits for the rest of it;
+        or hands the connection to aiohttp. One request a call: a pipelined one is served on the loop's
+        next turn, reading paused meanwhile."""
+        buf, head = self._buf, self._head
+        if not buf or self.transport is None or self.transport.is_closing():
+            return
+        if head is None:
+            if self._timer is None:
+                self._arm()  # the first byte of a request on a kept-alive connection
+            end = buf.find(b"\r\n\r\n")
+            if (end + 4 if end >= 0 else len(buf)) > self.max_bytes:
+                self._refuse()
+                return
+            if end < 0:
+                if len(buf) > FAST_HEAD_MAX:  # no routing query's head is this long: aiohttp's to parse
+                    self._to_aiohttp()
+                elif self._eof:
+                    self.transport.close()
+                return
+            self._disarm()
+            head = self._head = parse_head(buf, end + 4, self.guard.fast_routes, self.guard.max_body)
+            if head is None:
+                self._to_aiohttp()
+                return
+        if len(buf) < head.body_end:  # the body comes in parts: held against the body budget, by a deadline
+            if self._wait is None:
+                budget = self.guard.body_budget
+                want = head.body_end - head.body_start
+                if budget is not None and not budget.take_now(want):
+                    self._to_aiohttp()  # there it waits for room
+                    return
+                self._reserved = want if budget is not None else 0
+                self._wait_for(self.guard.body_timeout, self._body_expired)
+            self._have = len(buf)
+            if self._eof:
+                self.transport.close()
+            return
+        self._end_wait()
+        self._release()
+        started = time.perf_counter()
+        try:
+            answer = head.route.answer(buf[head.body_start:head.body_end])
+        except Exception:  # aiohttp's handler answers it again, and logs the failure where it fails there
+            answer = None
+        if answer is None:
+            self._to_aiohttp()
+            return
+        self.transport.write(response(200, answer))
+        head.route.count(200, started)
+        self._head, self._buf = None, buf[head.body_end:]
+        if self._buf:  # pipelined: the loop's next turn
+            self._pause("pipeline")
+            asyncio.get_running_loop().call_soon(self._serve_next)
+        elif self._eof:
+            self.transport.close()
+        elif self.guard.idle_timeout:
+            loop = asyncio.get_running_loop()
+            self._idle_until = loop.time() + self.guard.idle_timeout
+            if self._idle is None:
+                self._idle = loop.call_at(self._idle_until, self._idle_check)
+
+    def _serve_next(self) -> None:
+        if self.inner is None:
+            self._resume("pipeline")
+            if not self._paused:
+                self._serve()
+
+    def _to_aiohttp(self) -> None:
+        """From here on aiohttp's handler serves the connection, given what came of it from the start of the
+        request it is to answer."""
+        self._end_wait()
+        if self._idle is not None:
+            self._idle.cancel()
+        self._release()
+        self.guard.fast_connections.discard(self)
+        for why in tuple(self._paused):
+            self._resume(why)
+        self.inner = self.make_inner()
+        self.registry[self.inner] = self
+        self.inner.connection_made(self.transport)
+        buf, self._buf, self._head = b"".join([self._buf, *self._parts]), b"", None
+        self._parts.clear()
+        self.awaiting_headers, self._tail, self._header_bytes = True, b"", 0
+        if buf:
+            self.data_received(buf)
+        if self._eof:
+            self.inner.eof_received()
+
+    def _pause(self, why: str) -> None:
+        if not self._paused:
+            self.transport.pause_reading()
+        self._paused.add(why)
+
+    def _resume(self, why: str) -> None:
+        self._paused.discard(why)
+        if not self._paused and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _release(self) -> None:
+        if self._reserved:
+            self.guard.body_budget.give(self._reserved)
+            self._reserved = 0
+
+    def _wait_for(self, seconds: float, then: Callable[[], None]) -> None:
+        self._end_wait()
+        if seconds:
+            self._wait = asyncio.get_running_loop().call_later(seconds, then)
+
+    def _end_wait(self) -> None:
+        if self._wait is not None:
+            self._wait.cancel()
+            self._wait = None
+
+    def _idle_check(self) -> None:
+        """Idle since the last answer for ``http.idleTimeout``: closed (a lazy timer, as aiohttp's: the
+        deadline moves with every answer, the timer is set again only when it fires early or a request is
+        under way)."""
+        self._idle = None
+        if self.inner is not None or self.transport.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        if self._buf:  # under way: the header and body deadlines hold it; idle again after its answer
+            self._idle_until = loop.time() + self.guard.idle_timeout
+        if self._idle_until > loop.time():
+            self._idle = loop.call_at(self._idle_until, self._idle_check)
+        else:
+            self.transport.close()
+
+    def _body_expired(self) -> None:
+        self._wait = None
+        head = self._head
+        message = late_body(self.guard.body_timeout)
+        self.guard.refused("POST %s from %s refused (408): %s", head.path,
+                           self.transport.get_extra_info("peername"), message)
+        self._release()
+        self.transport.write(response(408, head.route.refuse(408, message), close=True))
+        head.route.count(408, time.perf_counter())
+        self._buf, self._head = b"", None
+        self._parts.clear()
+        self._discarding = True
+        self.transport.close()
+
+    def _write_expired(self) -> None:
+        self._wait = None
+        log.warning("response to %s not written within %ss; closing", self.transport.get_extra_info("peername"),
+                    self.guard.write_timeout)
+        self.transport.close()
 
 
 class HeaderGuard:
-    """The middleware and the site for one server (``timeout`` 0: no timer)."""
+    """The middleware and the site for one server (``timeout`` 0: no timer). With ``fast_routes``
+    (api/fast_path.py), a connection's plain routing queries are answered by its protocol, within the same
+    bounds: the body ``max_body`` bytes, against ``body_budget``, within ``body_timeout``; the connection
+    closed after ``idle_timeout`` between requests, or ``write_timeout`` with an answer unread."""
 
     def __init__(self, timeout: float, max_bytes: int, on_timeout: Callable[[], None] = lambda: None,
-                 on_too_large: Callable[[], None] = lambda: None) -> None:
+                 on_too_large: Callable[[], None] = lambda: None, fast_routes: dict | None = None,
+                 max_body: int = 0, body_budget: BodyBudget | None = None, body_timeout: float = 0.0,
+                 idle_timeout: float = 0.0, write_timeout: float = 0.0) -> None:
         self.timeout = timeout
         self.max_bytes = max_bytes
         self.on_timeout = on_timeout
         self.on_too_large = on_too_large
         self.connections: dict = {}  # aiohttp's request handler -> its wrapper
+        self.fast_routes = fast_routes or {}
+        self.fast_connections: set[HeaderGuardProtocol] = set()  # those no handler of aiohttp's serves
+        self.max_body = max_body
+        self.body_budget = body_budget
+        self.body_timeout = body_timeout
+        self.idle_timeout = idle_timeout
+        self.write_timeout = write_timeout
+        self.refused = ThrottledWarning(log)
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -185,9 +404,16 @@ class HeaderGuardSite(web.BaseSite):
         d = self.guard
 
         def protocol() -> HeaderGuardProtocol:
-            return HeaderGuardProtocol(factory(), d, d.connections, d.on_timeout)
+            return HeaderGuardProtocol(factory, d, d.connections, d.on_timeout)
 
         self._server = await asyncio.get_running_loop().create_server(
             protocol, self.host, self.requested_port, backlog=self._backlog)
         if self._server.sockets:
             self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stops accepting and closes the connections aiohttp does not serve (aiohttp then shuts down its
+        own): theirs is no request under way but a body coming in parts."""
+        await super().stop()
+        for conn in tuple(self.guard.fast_connections):
+            conn.transport.close()

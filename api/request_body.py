@@ -41,12 +41,18 @@ class BodyBudget:
         self._freed = asyncio.Event()
 
     async def take(self, n: int) -> None:
-        while self.used and self.used + n > self.limit:
+        while not self.take_now(n):
             self.waits += 1
             self._freed.clear()
             await self._freed.wait()
+
+    def take_now(self, n: int) -> bool:
+        """``take(n)`` where there is room now; False (nothing taken) where it would wait."""
+        if self.used and self.used + n > self.limit:
+            return False
         self.used += n
         self.most = max(self.most, self.used)
+        return True
 
     def give(self, n: int) -> None:
         self.used -= n
@@ -107,12 +113,17 @@ async def read_body(request: web.Request, limit: int, timeout: float | None) -> 
             async with within(timeout or None):
                 body = await _read(request, limit)
     except asyncio.TimeoutError:
-        raise BodyRefused(408, f"request body not received within {timeout}s") from None
+        raise BodyRefused(408, late_body(timeout)) from None
     except (RequestPayloadError, HttpProcessingError, zlib.error) as exc:
         raise BodyRefused(400, f"request body could not be read: {exc}") from None  # e.g. invalid gzip
     if not body.strip():
         raise BodyRefused(400, "empty request body")
     return body
+
+
+def late_body(timeout: float | None) -> str:
+    """What a 408 says."""
+    return f"request body not received within {timeout}s"
 
 
 def closing_unread(request: web.Request, response: web.Response) -> web.Response:

@@ -6,7 +6,9 @@ import logging
 
 from aiohttp import web
 
+from cache_indexer.api.fast_path import FAST_ROUTES
 from cache_indexer.api.header_guard import HeaderGuard
+from cache_indexer.api.request_body import BODY_BUDGET
 from cache_indexer.infra.loop_lag import LoopLagMonitor
 from cache_indexer.schemas.config import HttpConfig
 
@@ -18,7 +20,10 @@ class HttpServer:
         self.cfg = cfg
         on_timeout = metrics.http_header_timeouts.inc if metrics is not None else (lambda: None)
         on_too_large = metrics.http_headers_too_large.inc if metrics is not None else (lambda: None)
-        self.guard = HeaderGuard(cfg.readHeaderTimeout, cfg.maxHeaderBytes, on_timeout, on_too_large)
+        self.guard = HeaderGuard(cfg.readHeaderTimeout, cfg.maxHeaderBytes, on_timeout, on_too_large,
+                                 fast_routes=app.get(FAST_ROUTES), max_body=cfg.maxHitRateBodyBytes,
+                                 body_budget=app.get(BODY_BUDGET), body_timeout=cfg.readTimeout,
+                                 idle_timeout=cfg.idleTimeout, write_timeout=cfg.writeTimeout)
         app.middlewares.insert(0, self.guard.middleware)
         self.runner = web.AppRunner(
             app,

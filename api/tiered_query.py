@@ -163,10 +163,13 @@ class TieredQueryApi:
     def __init__(self, http: HttpConfig, hasher: BlockHasher, block_size: int,
                  tiers: Callable[[], Sequence[Tier | None]],
                  registrations: Callable[[], RegistrationStore | None] = lambda: None,
-                 run_native: Callable[[NativeQuery, int], Awaitable[tuple]] | None = None) -> None:
+                 run_native: Callable[[NativeQuery, int], Awaitable[tuple]] | None = None,
+                 fits_inline: Callable[[NativeQuery, int], bool] = lambda query, size: True) -> None:
         """``run_native(query, body size)``: runs a native query where the API's other queries run (on the
-        loop, or the query threads for a large body); default: on the loop."""
+        loop, or the query threads for a large body); default: on the loop. ``fits_inline(query, body
+        size)``: whether ``run_native`` would run it on the loop."""
         self.run_native = run_native or _on_the_loop
+        self.fits_inline = fits_inline
         self.http = http
         self.hasher = hasher
         self.block_size = block_size
@@ -204,26 +207,53 @@ class TieredQueryApi:
         others -= serving
         return block_size, lambda pod: pod not in others
 
-    async def _match_tokens(self, body: bytes) -> tuple[TierMatch, int]:
+    def _native(self, body: bytes) -> tuple[_Query, bytes | memoryview, int, Callable[[str], bool],
+                                             NativeTierQuery | None]:
+        """The request, its token array's JSON, its block size and scope, and its native query (None where
+        only the Python hasher takes it: multimodal, a LoRA or index the native query does not cover)."""
         req, token_json = decode_query(body)
         bs, allowed = self._scope(req)
+        if req.mm_features:
+            return req, token_json, bs, allowed, None
         lora = LoRAKey(req.lora_name, req.lora_path) if req.lora_name else None
-        mm = tuple(MultiModalKey(m.identifier, m.offset, m.length) for m in req.mm_features)
         l1, l3 = self.tiers()
-        if not mm:
+        try:
+            return req, token_json, bs, allowed, NativeTierQuery.prepare(self.hasher, token_json, bs, req.cache_salt,
+                                                                        l1, l3, lora)
+        except NotImplementedError:
+            return req, token_json, bs, allowed, None  # a pickle token over 2**31-1: only the Python hasher
+        except ValueError as exc:
+            raise UnprocessableRequest(f"token_ids: {exc}") from None
+
+    def answer_now(self, body: bytes) -> bytes | None:
+        """The answer's JSON where the native query answers it on the loop (api/fast_path.py); None, with no
+        effect, where ``query`` must (an error, the Python path, the query threads)."""
+        try:
+            _, _, bs, allowed, query = self._native(body)
+            if query is None or not self.fits_inline(query.native, len(body)):
+                return None
+            result = query.result(query.native.run()).only(allowed)
+        except (RequestError, ValueError, NotImplementedError):
+            return None
+        return msgspec.json.encode(answer(result, bs))
+
+    async def _match_tokens(self, body: bytes) -> tuple[TierMatch, int]:
+        req, token_json, bs, allowed, query = self._native(body)
+        if query is not None:
             try:
-                query = NativeTierQuery.prepare(self.hasher, token_json, bs, req.cache_salt, l1, l3, lora)
-                if query is not None:
-                    return query.result(await self.run_native(query.native, len(body))).only(allowed), bs
+                return query.result(await self.run_native(query.native, len(body))).only(allowed), bs
             except NotImplementedError:
                 pass  # a pickle token over 2**31-1: only the Python hasher encodes it
             except ValueError as exc:
                 raise UnprocessableRequest(f"token_ids: {exc}") from None
+        lora = LoRAKey(req.lora_name, req.lora_path) if req.lora_name else None
+        mm = tuple(MultiModalKey(m.identifier, m.offset, m.length) for m in req.mm_features)
         tokens = query_tokens(token_json)
         for m in mm:
             if m.offset + m.length > len(tokens):
                 raise RequestError(f"mm_features: item {m.identifier!r} ends past the prompt")
         keys = chain_keys(self.hasher, tokens, bs, req.cache_salt, lora, mm)
+        l1, l3 = self.tiers()
         try:
             return (await _walk(keys, len(tokens) // bs, l1, l3)).only(allowed), bs
         except NotImplementedError as exc:
@@ -268,5 +298,10 @@ async def _on_the_loop(query: NativeQuery, size: int) -> tuple:
     return query.run()
 
 
+def query_error_body(status: int, message: str) -> bytes:
+    """An error's JSON, as Dynamo's indexer gives it."""
+    return msgspec.json.encode({"error": message})
+
+
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+    return web.Response(body=query_error_body(status, message), status=status, content_type="application/json")

@@ -1,0 +1,112 @@
+"""The routing queries' path past aiohttp: a plain request answered from the connection's bytes.
+
+A routing query (``POST /kv-cache/hit-rate`` or ``/query``) is answered in about 70 us of work (decode,
+native hash and walk, the answer's JSON), but through aiohttp it cost the replica 320 us of CPU (its
+request and response objects, its task per connection, the middlewares, the body's stream), and on a busy
+2-core node about 0.85 ms (bench/RESULTS.md). The connection's protocol (api/header_guard.py) answers
+the plain case itself: ``POST`` to one of these paths, HTTP/1.1, one ``Content-Length`` within the body
+limit, no ``Transfer-Encoding``, ``Expect``, ``Content-Encoding`` or ``Connection: close``, and a query
+the route answers at once on the loop (``FastRoute.answer``). Everything else (another route, any header
+this parser does not take, a body that is not valid, a query for the query threads or the Python path)
+goes to aiohttp with the connection's bytes as they came, from the start of that request, and the
+connection stays with aiohttp from then on. Both ways give the same answers; tests hold them equal.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from email.utils import formatdate
+
+from aiohttp import web
+
+#: A request line this path takes; its path is then looked up among the fast routes
+_REQUEST_LINE = re.compile(rb"POST (/[!$&'()*+,\-./0-9:;=@A-Z_a-z~]*) HTTP/1\.1\r\n")
+#: One header field as RFC 9110 allows it (a token, then a value of visible characters, spaces and tabs)
+_FIELD = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[ \t]*(?:[\x21-\x7e\x80-\xff](?:[\x20-\x7e\x80-\xff\t]*[\x21-\x7e\x80-\xff])?)?[ \t]*\r\n"
+_FIELDS = re.compile(rb"(?:%s)*\r\n" % _FIELD)
+_FIELD_SPLIT = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r\n]*?)[ \t]*\r\n")
+#: Headers that change how the body or the connection is read: such a request goes to aiohttp
+_NOT_HERE = frozenset((b"transfer-encoding", b"expect", b"content-encoding", b"upgrade", b"sec-websocket-key1"))
+#: Headers aiohttp refuses twice in a request (RFC 9110's singletons): such a request goes to it
+_SINGLETONS = frozenset((b"content-length", b"content-location", b"content-range", b"content-type", b"etag", b"host",
+                         b"max-forwards", b"server", b"transfer-encoding", b"user-agent"))
+#: More header fields than this: aiohttp's to take or refuse
+_MAX_FIELDS = 32
+#: The longest head this path waits for (a router's is about 200 bytes): a longer one goes to aiohttp
+FAST_HEAD_MAX = 4096
+#: The largest body this path waits for in parts: a larger one goes to aiohttp (its query would not be
+#: answered on the loop anyway: api/app.py, INLINE_BUDGET)
+FAST_BODY_MAX = 1 << 20
+
+
+@dataclass(frozen=True)
+class FastRoute:
+    """A route's plain case: ``answer(body)`` is the JSON of a 200 answer, or None where aiohttp must answer
+    (with no effect before it returns None); ``refuse(status, message)`` the JSON of an error in the
+    route's own shape; ``count(status, started)`` counts a request as the API's middleware does."""
+
+    answer: Callable[[bytes], bytes | None]
+    refuse: Callable[[int, str], bytes]
+    count: Callable[[int, float], None]
+
+
+#: The app's fast routes, by path (set by the API's ``make_app``; none: every request goes to aiohttp)
+FAST_ROUTES = web.AppKey("fast_routes", dict)
+
+
+@dataclass(frozen=True)
+class Head:
+    """A request's head this path takes: its route, where its body starts and ends in the buffer."""
+
+    route: FastRoute
+    path: str
+    body_start: int
+    body_end: int
+
+
+def parse_head(buf: bytes, end: int, routes: dict[str, FastRoute], max_body: int) -> Head | None:
+    """The head ``buf[:end]`` (``end`` just past its blank line), or None where aiohttp must take the
+    request: a method, path, version or header field this path does not take, no ``Content-Length``, no
+    ``Host``, a field aiohttp refuses twice given twice, a body over ``max_body``."""
+    line = _REQUEST_LINE.match(buf)
+    if line is None:
+        return None
+    route = routes.get(path := line[1].decode("ascii"))
+    if route is None or _FIELDS.fullmatch(buf, line.end(), end) is None:
+        return None
+    length = None
+    fields = _FIELD_SPLIT.findall(buf, line.end(), end)
+    seen = set()
+    for name, value in fields:
+        name = name.lower()
+        if name in _SINGLETONS:
+            if name in seen:
+                return None
+            seen.add(name)
+        if name == b"content-length":
+            if not value.isdigit() or len(value) > 12:
+                return None
+            length = int(value)
+        elif name in _NOT_HERE or (name == b"connection" and b"close" in value.lower()):
+            return None
+    if (length is None or length > min(max_body, FAST_BODY_MAX) or b"host" not in seen
+            or len(fields) > _MAX_FIELDS):
+        return None
+    return Head(route, path, end, end + length)
+
+
+_STATUS = {200: b"200 OK", 408: b"408 Request Timeout"}
+_date: tuple[int, bytes] = (0, b"")
+
+
+def response(status: int, body: bytes, close: bool = False) -> bytes:
+    """An HTTP/1.1 response of a JSON body, with aiohttp's headers for one."""
+    global _date
+    now = int(time.time())
+    if _date[0] != now:
+        _date = (now, formatdate(now, usegmt=True).encode("ascii"))
+    return b"HTTP/1.1 %s\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\nDate: %s\r\n%s\r\n%s" % (
+        _STATUS[status], len(body), _date[1], b"Connection: close\r\n" if close else b"", body)

@@ -1,0 +1,316 @@
+"""The routing queries' fast path (api/fast_path.py, api/header_guard.py) over raw sockets on 127.0.0.1:
+what it answers equals what aiohttp answers for the same bytes, on a server without it; what it does not
+take reaches aiohttp as it came, on the same connection; its bounds (body deadline, body budget, idle and
+write deadlines, shutdown) hold as aiohttp's do."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_indexer.api.app import HitRateApi
+from cache_indexer.api.fast_path import FAST_ROUTES
+from cache_indexer.api.request_body import BODY_BUDGET
+from cache_indexer.api.server import HttpServer
+from cache_indexer.indexer.l1_state import L1State
+from cache_indexer.infra.metrics import Metrics
+from cache_indexer.schemas.block_hash import BlockHasher
+from cache_indexer.schemas.config import HttpConfig
+
+HASHER = BlockHasher("sha256_cbor", "0")
+TOKENS = list(range(1000, 1064))  # 4 blocks of 16
+PODS = ["127.0.1.1", "127.0.1.2", "127.0.1.3", "127.0.1.9"]
+
+
+def _index() -> L1State:
+    l1 = L1State()
+    chain = HASHER.event_hashes(TOKENS, 16)
+    for seq, (pod, rank, held) in enumerate([("127.0.1.1", 0, chain[:3]), ("127.0.1.2", 0, [chain[0], chain[2]]),
+                                             ("127.0.1.3", 1, chain)]):
+        l1.apply({"type": "batch", "pod": pod, "rank": rank, "gen": 1, "seq": 0,
+                  "events": [{"kind": "stored", "medium": "GPU", "hashes": held}]})
+    return l1
+
+
+def hit_rate(pods=PODS, tokens=TOKENS) -> bytes:
+    return json.dumps({"server_ip": pods, "body": {"token_ids": tokens, "block_size": 16}}).encode()
+
+
+def query(tokens=TOKENS) -> bytes:
+    return json.dumps({"token_ids": tokens, "model_name": "default"}).encode()
+
+
+def request(body: bytes, path: str = "/kv-cache/hit-rate", extra: bytes = b"", length: bool = True) -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n%s%s\r\n%s"
+            % (path.encode(), b"Content-Length: %d\r\n" % len(body) if length else b"", extra, body))
+
+
+@contextlib.asynccontextmanager
+async def serving(fast: bool = True, **http):
+    metrics = Metrics()
+    cfg = HttpConfig(**{"host": "127.0.0.1", "port": 0, "maxHitRateBodyBytes": 64 * 1024, "readTimeout": 2,
+                        **http})
+    app = HitRateApi(cfg, HASHER, tiers=lambda: (_index(), None), ready=lambda: True, metrics=metrics).make_app()
+    if not fast:
+        app[FAST_ROUTES] = {}
+    srv = HttpServer(app, cfg, metrics)
+    await srv.start()
+    try:
+        yield srv, metrics, app
+    finally:
+        await srv.stop()
+
+
+@pytest.fixture
+async def both():
+    async with serving() as fast, serving(fast=False) as plain:
+        yield fast, plain
+
+
+async def read_response(reader: asyncio.StreamReader, within: float = 5) -> tuple[int, object] | None:
+    """(status, JSON body) of the next response, or None where the server closed the connection."""
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), within)
+    except (asyncio.IncompleteReadError, ConnectionResetError):
+        return None
+    lines = head.split(b"\r\n")
+    fields = {k.strip().lower(): v.strip() for k, v in (line.split(b":", 1) for line in lines[1:] if b":" in line)}
+    body = await asyncio.wait_for(reader.readexactly(int(fields.get(b"content-length", b"0"))), within)
+    try:
+        return int(lines[0].split(b" ", 2)[1]), json.loads(body) if body else None
+    except ValueError:
+        return int(lines[0].split(b" ", 2)[1]), body
+
+
+async def exchange(port: int, sent: list[bytes], answers: int, lockstep: bool = False) -> list:
+    """Each of ``sent`` written in turn on one connection (``lockstep``: each after the answer to the one
+    before); up to ``answers`` responses read (None once the server closed)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    out = []
+    try:
+        for data in sent:
+            writer.write(data)
+            await writer.drain()
+            if lockstep:
+                out.append(got := await read_response(reader))
+                if got is None:
+                    return out
+        for _ in range(answers - len(out)):
+            out.append(got := await read_response(reader))
+            if got is None:
+                break
+        return out
+    finally:
+        writer.close()
+
+
+def answered(metrics: Metrics, path: str, status: int) -> float:
+    return metrics.http_requests.labels(path, str(status))._value.get()
+
+
+def aiohttp_connections(srv: HttpServer) -> int:
+    return len(srv.runner.server.connections)
+
+
+async def test_plain_routing_queries_skip_aiohttp_and_get_its_answers(both):
+    (fast, fast_metrics, _), (plain, _, _) = both
+    sent = [request(hit_rate()), request(query(), "/query"), request(hit_rate(PODS[::-1], TOKENS[:40])),
+            request(query(TOKENS[:33]), "/query"), request(hit_rate(["127.0.1.3"]))]
+    reader, writer = await asyncio.open_connection("127.0.0.1", fast.port)
+    got = []
+    for data in sent:
+        writer.write(data)
+        got.append(await read_response(reader))
+    assert aiohttp_connections(fast) == 0 and len(fast.guard.fast_connections) == 1
+    writer.close()
+    want = await exchange(plain.port, sent, len(sent))
+    assert got == want and all(status == 200 for status, _ in got), got
+    assert got[0][1]["server_score_list"][2]["l1_hit_ratio"] == 1.0  # an answer with something in it
+    assert answered(fast_metrics, "/kv-cache/hit-rate", 200) == 3 and answered(fast_metrics, "/query", 200) == 2
+
+
+ODD = {
+    "another route": b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a bad body": request(b'{"server_ip": ["a"], "body": {"token_ids": [1, "x"]}}'),
+    "an empty body": request(b""),
+    "explain": request(json.dumps({"server_ip": PODS, "body": {"token_ids": TOKENS}, "explain": True}).encode()),
+    "chunked": request(b"%x\r\n%s\r\n0\r\n\r\n" % (len(hit_rate()), hit_rate()), extra=b"Transfer-Encoding: chunked\r\n",
+                       length=False),
+    "chunked and a length (smuggling)": request(b"0\r\n\r\n" + request(hit_rate()),
+                                                extra=b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+                                                length=False),
+    "two lengths": request(hit_rate(), extra=b"Content-Length: 3\r\n"),
+    "a folded header": request(hit_rate(), extra=b"X-A: a\r\n b\r\n"),
+    "no length": request(hit_rate(), length=False),
+    "a query string": request(hit_rate(), "/kv-cache/hit-rate?x=1"),
+    "HTTP/1.0": request(hit_rate()).replace(b"HTTP/1.1", b"HTTP/1.0", 1),
+    "Connection: close": request(hit_rate(), extra=b"Connection: close\r\n"),
+    "over the body limit": request(hit_rate(tokens=list(range(20000)))),
+    "the Python path (a LoRA)": request(json.dumps({"token_ids": TOKENS, "model_name": "default",
+                                                    "lora_name": "a", "lora_path": "/a"}).encode(), "/query"),
+    "a query /query refuses": request(b'{"token_ids": [1, 2]}', "/query"),
+}
+
+
+@pytest.mark.parametrize("case", list(ODD))
+async def test_a_request_it_does_not_take_reaches_aiohttp_as_it_came_on_the_same_connection(both, case):
+    (fast, _, _), (plain, _, _) = both
+    sent = [request(hit_rate()), ODD[case], request(query(), "/query")]
+    got = await exchange(fast.port, sent, 3, lockstep=True)
+    want = await exchange(plain.port, sent, 3, lockstep=True)
+    assert got == want, (got, want)
+    assert got[0][0] == 200 and got[1] is not None
+
+
+async def test_pipelined_requests_are_answered_in_order(both):
+    (fast, _, _), (plain, _, _) = both
+    sent = [b"".join([request(hit_rate()), request(query(TOKENS[:17]), "/query"), request(hit_rate(PODS[:1])),
+                      b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", request(hit_rate())])]
+    got = await exchange(fast.port, sent, 5)
+    assert got == await exchange(plain.port, sent, 5) and len(got) == 5 and got[3][0] == 200, got
+
+
+async def until(cond, within: float = 5.0) -> None:
+    end = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < end, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_body_in_parts_is_held_against_the_budget_and_answered(both):
+    (fast, _, app), (plain, _, _) = both
+    data = request(hit_rate())
+    reader, writer = await asyncio.open_connection("127.0.0.1", fast.port)
+    writer.write(data[:-20])
+    await writer.drain()
+    budget = app[BODY_BUDGET]
+    await until(lambda: budget.used == len(hit_rate()))
+    writer.write(data[-20:])
+    got = await read_response(reader)
+    assert [got] == await exchange(plain.port, [data], 1) and budget.used == 0
+    assert aiohttp_connections(fast) == 0
+    writer.close()
+
+
+async def test_a_long_head_in_parts_goes_to_aiohttp(both):
+    (fast, _, _), (plain, _, _) = both
+    data = request(hit_rate(), extra=b"X-Long: %s\r\n" % (b"a" * 5000))
+    reader, writer = await asyncio.open_connection("127.0.0.1", fast.port)
+    writer.write(data[:4500])
+    await until(lambda: aiohttp_connections(fast) == 1)
+    writer.write(data[4500:])
+    assert [await read_response(reader)] == await exchange(plain.port, [data], 1)
+    writer.close()
+
+
+@pytest.mark.parametrize("path,shape", [("/kv-cache/hit-rate", "status"), ("/query", "error")])
+async def test_a_body_that_stops_coming_gets_408_in_the_routes_shape_and_is_counted(path, shape, caplog):
+    caplog.set_level(logging.WARNING)
+    async with serving(readTimeout=0.5) as (srv, metrics, app):
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        body = hit_rate() if path != "/query" else query()
+        writer.write(request(body, path)[:-10])
+        t = time.monotonic()
+        status, answer = await read_response(reader)
+        assert status == 408 and 0.4 < time.monotonic() - t < 3 and shape in answer, answer
+        assert await reader.read() == b""  # closed after it
+        assert answered(metrics, path, 408) == 1 and app[BODY_BUDGET].used == 0
+        assert "refused (408)" in caplog.text
+        writer.close()
+
+
+async def test_with_the_budget_held_another_body_in_parts_waits_in_aiohttp_for_room():
+    async with serving(maxHitRateBodyBytes=4096) as (srv, metrics, app):
+        budget = app[BODY_BUDGET]
+        budget.limit = len(hit_rate()) + 10  # room for one body in parts at a time
+        first, second = request(hit_rate()), request(hit_rate(PODS[:2]))
+        r1, w1 = await asyncio.open_connection("127.0.0.1", srv.port)
+        w1.write(first[:-5])
+        await until(lambda: budget.used > 0)
+        r2, w2 = await asyncio.open_connection("127.0.0.1", srv.port)
+        w2.write(second[:-5])
+        await until(lambda: aiohttp_connections(srv) == 1)  # no room: handed to aiohttp, which waits
+        await until(lambda: budget.waits == 1)
+        w2.write(second[-5:])
+        w1.write(first[-5:])
+        assert (await read_response(r1))[0] == 200 and (await read_response(r2))[0] == 200
+        assert budget.used == 0
+        w1.close()
+        w2.close()
+
+
+async def test_an_idle_connection_is_closed_after_the_idle_timeout():
+    async with serving(idleTimeout=0.5) as (srv, _, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        for _ in range(3):  # the deadline moves with each answer
+            writer.write(request(hit_rate()))
+            assert (await read_response(reader))[0] == 200
+        t = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert 0.4 < time.monotonic() - t < 3
+        writer.close()
+
+
+async def test_a_client_that_reads_no_answers_is_closed_after_the_write_timeout(caplog):
+    caplog.set_level(logging.WARNING)
+    async with serving(writeTimeout=0.5) as (srv, _, _):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", srv.port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        one = request(hit_rate(PODS * 8))  # an answer of about 2.6 kB
+        for _ in range(400):
+            writer.write(one * 5)
+            try:
+                await asyncio.wait_for(writer.drain(), 2)
+            except (asyncio.TimeoutError, ConnectionError):
+                break  # the server reads no more: it holds more answers than it may
+        await until(lambda: "not written within" in caplog.text, 10)
+        writer.close()
+
+
+async def test_stopping_closes_a_connection_whose_body_is_coming():
+    async with serving() as (srv, _, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(request(hit_rate())[:-5])
+        await until(lambda: srv.guard.fast_connections and next(iter(srv.guard.fast_connections))._reserved)
+        t = time.monotonic()
+    assert time.monotonic() - t < 3
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
+_FIELDS = st.sampled_from([
+    b"Content-Length: %d", b"content-length: %d", b"Content-Length:%d", b"Content-Length: %d ", b"Content-Length: +%d",
+    b"Content-Length: %d, %d", b"Content-Length: 0%d", b"Transfer-Encoding: chunked", b"Transfer-Encoding: identity",
+    b"Expect: 100-continue", b"Content-Encoding: gzip", b"Connection: keep-alive", b"Connection: close",
+    b"Connection: Keep-Alive, Close", b"X-Empty:", b"X-Tab:\tv", b"Bad Name: v", b"X-Nul: a\x00b", b"X-Bare: a\rb",
+    b"X-Bare-Lf: a\nb", b" X-Lead: v", b"X-Utf8: \xc3\xa9", b"Upgrade: h2c", b"Host: a", b"Host: a", b"Host: a",
+    b"host:b", b"User-Agent: a", b"User-Agent: b", b"Content-Type: application/json"])
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.lists(_FIELDS, max_size=4), path=st.sampled_from(["/kv-cache/hit-rate", "/query"]),
+       tail=st.sampled_from([b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"]))
+def test_any_head_gets_the_answer_aiohttp_gives_it(fields, path, tail):
+    """Whatever header fields a request carries, the server with the fast path answers it as the one
+    without does (on one fresh connection each, with a request after it to show where the framing ends)."""
+    body = hit_rate() if path != "/query" else query()
+    head = b"".join(f.replace(b"%d", b"%d" % len(body)) + b"\r\n" for f in fields)
+    data = b"POST %s HTTP/1.1\r\n%s\r\n%s%s" % (path.encode(), head, body, tail)
+
+    async def run():
+        async with serving(readTimeout=0.3) as (fast, _, _), serving(fast=False, readTimeout=0.3) as (plain, _, _):
+            return (await exchange(fast.port, [data], 1 + bool(tail)),
+                    await exchange(plain.port, [data], 1 + bool(tail)))
+    got, want = asyncio.run(run())
+    assert got == want, (data, got, want)
