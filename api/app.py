@@ -14,7 +14,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 import msgspec
@@ -275,18 +275,28 @@ class HitRateApi:
             return _error(500, f"hit-rate computation failed: {exc}")
         return web.Response(body=self._answer_body(result, explained), content_type="application/json")
 
-    def answer_now(self, body: bytes) -> bytes | None:
-        """The answer's JSON where the native query answers it on the loop (api/fast_path.py); None, with no
-        effect, where ``hit_rate`` must (an error, an explanation, the Python path, the query threads)."""
+    def answer_now(self, body: bytes) -> bytes | Awaitable[bytes | None] | None:
+        """The answer's JSON where the native query answers it (api/fast_path.py): at once on the loop, or
+        awaited from the query threads; None, with no effect, where ``hit_rate`` must (an error, an
+        explanation, the Python path)."""
         try:
             req = self._decode(body)
             if req.explain:
                 return None
             query = self._prepare(req, self.tiers())
-            if query is None or not self._fits_inline(query, len(body)):
+            if query is None:
                 return None
+            if not self._fits_inline(query, len(body)):
+                return self._answer_later(query)
             result = query.result(query.run())
         except (RequestError, ValueError, NotImplementedError):
+            return None
+        return self._answer_body(result, None)
+
+    async def _answer_later(self, query: NativeQuery) -> bytes | None:
+        try:
+            result = query.result(await self._threads().run(query))
+        except (ValueError, NotImplementedError):
             return None
         return self._answer_body(result, None)
 

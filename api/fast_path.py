@@ -6,8 +6,8 @@ request and response objects, its task per connection, the middlewares, the body
 2-core node about 0.85 ms (bench/RESULTS.md). The connection's protocol (api/header_guard.py) answers
 the plain case itself: ``POST`` to one of these paths, HTTP/1.1, one ``Content-Length`` within the body
 limit, no ``Transfer-Encoding``, ``Expect``, ``Content-Encoding`` or ``Connection: close``, and a query
-the route answers at once on the loop (``FastRoute.answer``). Everything else (another route, any header
-this parser does not take, a body that is not valid, a query for the query threads or the Python path)
+the route answers natively (``FastRoute.answer``), on the loop or the query threads. Everything else
+(another route, any header this parser does not take, a body that is not valid, the Python path)
 goes to aiohttp with the connection's bytes as they came, from the start of that request, and the
 connection stays with aiohttp from then on. Both ways give the same answers; tests hold them equal.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from email.utils import formatdate
 
@@ -44,11 +44,12 @@ FAST_BODY_MAX = 1 << 20
 
 @dataclass(frozen=True)
 class FastRoute:
-    """A route's plain case: ``answer(body)`` is the JSON of a 200 answer, or None where aiohttp must answer
-    (with no effect before it returns None); ``refuse(status, message)`` the JSON of an error in the
-    route's own shape; ``count(status, started)`` counts a request as the API's middleware does."""
+    """A route's plain case: ``answer(body)`` is the JSON of a 200 answer (or an awaitable of it, from the
+    query threads), or None where aiohttp must answer (with no effect before it returns None);
+    ``refuse(status, message)`` the JSON of an error in the route's own shape; ``count(status, started)``
+    counts a request as the API's middleware does."""
 
-    answer: Callable[[bytes], bytes | None]
+    answer: Callable[[bytes], bytes | Awaitable[bytes | None] | None]
     refuse: Callable[[int, str], bytes]
     count: Callable[[int, float], None]
 

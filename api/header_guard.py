@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.tcp_helpers import tcp_keepalive
@@ -68,7 +68,8 @@ class HeaderGuardProtocol(asyncio.Protocol):
         self._wait: asyncio.TimerHandle | None = None  # the body's deadline or the write one
         self._idle: asyncio.TimerHandle | None = None  # http.idleTimeout between requests
         self._idle_until = 0.0
-        self._paused: set[str] = set()  # why reading is paused: a pipelined request waiting, a full buffer
+        self._paused: set[str] = set()  # why reading is paused: a pipelined request, a full buffer, a query
+        self._later: asyncio.Future | None = None  # an answer from the query threads, awaited
         self._eof = False
 
     # -- called by the middleware ------------------------------------------------------------------------
@@ -166,7 +167,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
             return False  # the client is done: close
         if self.inner is None:
             self._eof = True  # pipelined requests still to answer keep it open until they are
-            return bool(self._buf) and "pipeline" in self._paused
+            return bool(self._buf) and bool(self._paused & {"pipeline", "query"})
         return self.inner.eof_received()
 
     def connection_lost(self, exc) -> None:
@@ -242,10 +243,33 @@ class HeaderGuardProtocol(asyncio.Protocol):
             answer = None
         if answer is None:
             self._to_aiohttp()
+        elif isinstance(answer, bytes):
+            self._answered(answer, started)
+        else:  # on the query threads: reading waits for the answer
+            self._pause("query")
+            self._later = asyncio.ensure_future(self._answer_later(answer, started))
+
+    async def _answer_later(self, answer: Awaitable[bytes | None], started: float) -> None:
+        try:
+            got = await answer
+        except Exception:
+            got = None
+        finally:
+            self._later = None
+        if self.transport.is_closing():
             return
+        self._resume("query")
+        if got is None:
+            self._to_aiohttp()
+        else:
+            self._answered(got, started)
+
+    def _answered(self, answer: bytes, started: float) -> None:
+        """The answer to the request at the buffer's start written; the next one's turn."""
+        head = self._head
         self.transport.write(response(200, answer))
         head.route.count(200, started)
-        self._head, self._buf = None, buf[head.body_end:]
+        self._head, self._buf = None, self._buf[head.body_end:]
         if self._buf:  # pipelined: the loop's next turn
             self._pause("pipeline")
             asyncio.get_running_loop().call_soon(self._serve_next)

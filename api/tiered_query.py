@@ -225,15 +225,25 @@ class TieredQueryApi:
         except ValueError as exc:
             raise UnprocessableRequest(f"token_ids: {exc}") from None
 
-    def answer_now(self, body: bytes) -> bytes | None:
-        """The answer's JSON where the native query answers it on the loop (api/fast_path.py); None, with no
-        effect, where ``query`` must (an error, the Python path, the query threads)."""
+    def answer_now(self, body: bytes) -> bytes | Awaitable[bytes | None] | None:
+        """The answer's JSON where the native query answers it (api/fast_path.py): at once on the loop, or
+        awaited from the query threads; None, with no effect, where ``query`` must (an error, the Python
+        path)."""
         try:
             _, _, bs, allowed, query = self._native(body)
-            if query is None or not self.fits_inline(query.native, len(body)):
+            if query is None:
                 return None
+            if not self.fits_inline(query.native, len(body)):
+                return self._answer_later(query, len(body), bs, allowed)
             result = query.result(query.native.run()).only(allowed)
         except (RequestError, ValueError, NotImplementedError):
+            return None
+        return msgspec.json.encode(answer(result, bs))
+
+    async def _answer_later(self, query: NativeTierQuery, size: int, bs: int, allowed) -> bytes | None:
+        try:
+            result = query.result(await self.run_native(query.native, size)).only(allowed)
+        except (ValueError, NotImplementedError):
             return None
         return msgspec.json.encode(answer(result, bs))
 

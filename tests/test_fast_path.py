@@ -137,6 +137,21 @@ async def test_plain_routing_queries_skip_aiohttp_and_get_its_answers(both):
     assert answered(fast_metrics, "/kv-cache/hit-rate", 200) == 3 and answered(fast_metrics, "/query", 200) == 2
 
 
+async def test_queries_for_the_query_threads_are_answered_there_and_the_connection_stays(both, monkeypatch):
+    from cache_indexer.api import app as app_module
+    monkeypatch.setattr(app_module, "INLINE_BUDGET", -1.0)  # every native call on the query threads
+    (fast, _, _), (plain, _, _) = both
+    sent = [request(hit_rate()), request(query(), "/query"), request(hit_rate(PODS[:2]))]
+    got = await exchange(fast.port, [b"".join(sent)], 3)  # pipelined behind one another too
+    assert got == await exchange(plain.port, [b"".join(sent)], 3) and [g[0] for g in got] == [200] * 3, got
+    reader, writer = await asyncio.open_connection("127.0.0.1", fast.port)
+    for data in sent:
+        writer.write(data)
+        assert (await read_response(reader))[0] == 200
+    assert aiohttp_connections(fast) == 0 and len(fast.guard.fast_connections) == 1
+    writer.close()
+
+
 ODD = {
     "another route": b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
     "a bad body": request(b'{"server_ip": ["a"], "body": {"token_ids": [1, "x"]}}'),
