@@ -15,6 +15,9 @@ stops as soon as the bytes received hold the end of the header block (``CRLF CRL
 the server has got round to the request yet (a busy event loop must not cost waiting clients their
 connection). When it fires, the connection is closed. Waiting between requests on a kept-alive
 connection is ``http.idleTimeout``'s job; reading the body is ``http.readTimeout``'s.
+
+The same protocol answers the routing queries' plain requests itself (api/fast_path.py), holding them to
+those bounds too, and makes aiohttp's handler for a connection only when one of its requests needs it.
 """
 
 from __future__ import annotations
@@ -159,6 +162,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
             self.transport.write_eof()
         self._discarding = True
         self._buf = b""
+        self._parts.clear()
         self.awaiting_headers = False
         asyncio.get_running_loop().call_later(LINGER_SECONDS, self.transport.close)
 
@@ -184,7 +188,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.inner is not None:
             self.inner.pause_writing()
-        elif self.guard.write_timeout:  # the client reads no answers: it gets writeTimeout to start again
+        else:  # the client reads no answers: no more are made, and it gets writeTimeout to start again
             self._pause("write")
             self._wait_for(self.guard.write_timeout, self._write_expired)
 
@@ -295,11 +299,14 @@ class HeaderGuardProtocol(asyncio.Protocol):
             self._idle.cancel()
         self._release()
         self.guard.fast_connections.discard(self)
+        writing_paused = "write" in self._paused
         for why in tuple(self._paused):
             self._resume(why)
         self.inner = self.make_inner()
         self.registry[self.inner] = self
         self.inner.connection_made(self.transport)
+        if writing_paused:
+            self.inner.pause_writing()
         buf, self._buf, self._head = b"".join([self._buf, *self._parts]), b"", None
         self._parts.clear()
         self.awaiting_headers, self._tail, self._header_bytes = True, b"", 0
