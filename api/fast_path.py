@@ -24,10 +24,11 @@ from aiohttp import web
 
 #: A request line this path takes; its path is then looked up among the fast routes
 _REQUEST_LINE = re.compile(rb"POST (/[!$&'()*+,\-./0-9:;=@A-Z_a-z~]*) HTTP/1\.1\r\n")
-#: One header field as RFC 9110 allows it (a token, then a value of visible characters, spaces and tabs)
-_FIELD = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[ \t]*(?:[\x21-\x7e\x80-\xff](?:[\x20-\x7e\x80-\xff\t]*[\x21-\x7e\x80-\xff])?)?[ \t]*\r\n"
-_FIELDS = re.compile(rb"(?:%s)*\r\n" % _FIELD)
-_FIELD_SPLIT = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r\n]*?)[ \t]*\r\n")
+#: Header fields as RFC 9110 allows them (a token, then a value of visible characters, spaces and tabs),
+#: each field's name and value (its spaces stripped after); no pattern here backtracks, so each is linear
+#: in the head's length
+_FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*\r\n")
+_FIELD_SPLIT = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\r\n]*)\r\n")
 #: Headers that change how the body or the connection is read: such a request goes to aiohttp
 _NOT_HERE = frozenset((b"transfer-encoding", b"expect", b"content-encoding", b"upgrade", b"sec-websocket-key1"))
 #: Headers aiohttp refuses twice in a request (RFC 9110's singletons): such a request goes to it
@@ -35,7 +36,7 @@ _SINGLETONS = frozenset((b"content-length", b"content-location", b"content-range
                          b"max-forwards", b"server", b"transfer-encoding", b"user-agent"))
 #: More header fields than this: aiohttp's to take or refuse
 _MAX_FIELDS = 32
-#: The longest head this path waits for (a router's is about 200 bytes): a longer one goes to aiohttp
+#: The longest head this path takes (a router's is about 200 bytes): a longer one goes to aiohttp
 FAST_HEAD_MAX = 4096
 #: The largest body this path waits for in parts: a larger one goes to aiohttp (its query would not be
 #: answered on the loop anyway: api/app.py, INLINE_BUDGET)
@@ -70,9 +71,10 @@ class Head:
 
 def parse_head(buf: bytes, end: int, routes: dict[str, FastRoute], max_body: int) -> Head | None:
     """The head ``buf[:end]`` (``end`` just past its blank line), or None where aiohttp must take the
-    request: a method, path, version or header field this path does not take, no ``Content-Length``, no
-    ``Host``, a field aiohttp refuses twice given twice, a body over ``max_body``."""
-    line = _REQUEST_LINE.match(buf)
+    request: a head over FAST_HEAD_MAX, a method, path, version or header field this path does not take,
+    no ``Content-Length``, no ``Host``, a field aiohttp refuses twice given twice, a body over
+    ``max_body``."""
+    line = _REQUEST_LINE.match(buf) if end <= FAST_HEAD_MAX else None
     if line is None:
         return None
     route = routes.get(path := line[1].decode("ascii"))
@@ -82,7 +84,7 @@ def parse_head(buf: bytes, end: int, routes: dict[str, FastRoute], max_body: int
     fields = _FIELD_SPLIT.findall(buf, line.end(), end)
     seen = set()
     for name, value in fields:
-        name = name.lower()
+        name, value = name.lower(), value.strip(b" \t")
         if name in _SINGLETONS:
             if name in seen:
                 return None
