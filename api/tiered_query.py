@@ -187,15 +187,16 @@ class TieredQueryApi:
     async def query_by_hash(self, request: web.Request) -> web.Response:
         return await self._answer(request, self._match_hashes)
 
-    def _scope(self, req) -> tuple[int, Callable[[str], bool]]:
+    def _scope(self, req) -> tuple[int, Callable[[str], bool] | None]:
         """The request's block size (given, else its model's registered one, else blockKey.blockSize) and
-        which instances may answer it: discovered pods always, registered ones for their model and group."""
+        which instances may answer it: discovered pods always, registered ones for their model and group
+        (None: every one, nothing being registered)."""
         model = req.model_name if req.model_name is not None else req.model
         group = req.routing_group or req.tenant_id or "default"
         store = self.registrations()
         registered = store.current if store is not None else {}
         if not registered:
-            return req.block_size or self.block_size, lambda pod: True
+            return req.block_size or self.block_size, None
         serving, others, sizes = set(), set(), set()
         for reg in registered.values():
             if (reg.model_name, reg.routing_group) == (model, group):

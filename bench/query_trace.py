@@ -31,25 +31,26 @@ from bench.common import free_port, machine, percentile, post_latencies
 from bench.dynamo import NETNS_ENV, _cpu, dynamo_python
 from bench.trace_engines import pod_host
 from bench.trace_model import Tokens, chain, load_trace
-from cache_indexer.api.tiered_query import answer, decode_query
+from cache_indexer.api.tiered_query import TieredQueryApi, answer, decode_query
 from cache_indexer.indexer.hit_rate import configure_native_query
 from cache_indexer.indexer.l1_state import L1State
 from cache_indexer.indexer.tier_match import NativeTierQuery
 from cache_indexer.schemas.block_hash import BlockHasher, find_token_ids, parse_token_array
+from cache_indexer.schemas.config import HttpConfig
 
 SAMPLE = "tests/data/traces/conversation_trace_sample.jsonl"
 PODS = 8
 
 
-def workload(trace: str, warm: int, queries: int) -> tuple[L1State, list[bytes]]:
-    """The index after ``warm`` requests (each prompt's chain stored on pod i % 8, as round robin would),
-    and the bodies of the ``queries`` requests after them."""
+def workload(trace: str, warm: int, queries: int, pods: int = PODS) -> tuple[L1State, list[bytes]]:
+    """The index after ``warm`` requests (each prompt's chain stored on pod i % ``pods``, as round robin
+    would), and the bodies of the ``queries`` requests after them."""
     reqs, block_tokens = load_trace(trace, warm + queries)
     tokens_of = Tokens(block_tokens)
     state = L1State()
-    seqs = [0] * PODS
+    seqs = [0] * pods
     for i, req in enumerate(reqs[:warm]):
-        pod = i % PODS
+        pod = i % pods
         state.apply({"type": "batch", "pod": pod_host(pod), "rank": 0, "gen": 1, "seq": seqs[pod],
                      "events": [{"kind": "stored", "medium": "GPU", "hashes": chain(tokens_of.prompt(req), 16)}]})
         seqs[pod] += 1
@@ -85,10 +86,12 @@ def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]
         a = array("Q")
         a.frombytes(parse_token_array(tj))
         arrays[b] = a
-    pods = [pod_host(i) for i in range(PODS)]
+    pods = [pod_host(0)]
 
     def walk_array(b: bytes) -> None:  # hashing and walk from parsed tokens
         NativeTierQuery.prepare(hasher, arrays[b], 16, "", l1, None).native.run()
+
+    route = TieredQueryApi(HttpConfig(), hasher, 16, lambda: (l1, None))
 
     def respond(b: bytes) -> None:
         import msgspec
@@ -119,6 +122,7 @@ def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]
         "native: parse + hash + walk (the call, memo warm)": _median_us(lambda b: prepared[b].native.run(), bodies, repeat),
         "worst: every block held, no memo (the call)": worst["us"],
         "answer + msgspec encode": _median_us(respond, bodies, repeat),
+        "all of it on the loop (the route's answer_now)": _median_us(route.answer_now, bodies, repeat),
     }
 
 
@@ -223,7 +227,6 @@ async def serve(trace: str, warm: int, queries: int, inline: int) -> None:
     from cache_indexer.api.app import HitRateApi
     from cache_indexer.api.server import HttpServer
     from cache_indexer.infra.metrics import Metrics
-    from cache_indexer.schemas.config import HttpConfig
     if inline == 0:  # every native call on the query threads
         app_mod.INLINE_BUDGET = -1
     elif inline == 1:  # every one on the loop
@@ -244,6 +247,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warm", type=int, default=500, help="requests whose chains the index holds")
     ap.add_argument("--queries", type=int, default=50, help="the requests after them, queried")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--pods", type=int, default=PODS, help="pods the warm requests are spread over (a /query "
+                    "asks about every one)")
     ap.add_argument("--http", type=int, default=500, help="HTTP round trips a mode (0: none)")
     ap.add_argument("--dynamo", action="store_true", help="Dynamo's round trip too (DYNAMO_PYTHON; runs the "
                     "whole benchmark in a loopback-only network namespace: Dynamo listens on every interface)")
@@ -263,8 +268,8 @@ def main(argv: list[str]) -> int:
             print(f"{name:8s} block size {bs:4d}, {chunks:2d} chunks: {size:7,d} bytes, worst {took * 1e6:8.1f} us "
                   f"({took * 1e9 / size:5.2f} ns a byte), inline_cost {bound * 1e6:8.1f} us")
         return 0
-    state, bodies = workload(a.trace, a.warm, a.queries)
-    print(f"# {machine()}; index: {state.index.entries():,} entries on {PODS} pods; {len(bodies)} queries")
+    state, bodies = workload(a.trace, a.warm, a.queries, a.pods)
+    print(f"# {machine()}; index: {state.index.entries():,} entries on {a.pods} pods; {len(bodies)} queries")
     for k, v in stages(state, bodies, a.repeat).items():
         print(f"{k:48s} {v:10.1f}" + ("" if "mean" in k else " us"))
     if a.http:

@@ -139,23 +139,58 @@ def configure_native_query(digest_memo_bytes: int) -> None:
         _native_index.set_memo_bytes(digest_memo_bytes)
 
 
+class CandidateWorkers:
+    """The candidates' workers in each tier as a native query takes them: per tier the worker ids in pod
+    order, per pod per tier its slice of them (and its ranks, or masters, in that order), the index chunks
+    they are in. It depends only on the tiers' worker tables (``WorkerTable.changes``), so a caller may
+    keep it while those do not change; each query reads the workers' epochs anew (``Table.candidates``)."""
+
+    __slots__ = ("pods", "wids", "slots", "ranks", "chunks")
+
+    def __init__(self, pods: Sequence[str], tiers: Sequence[Tier | None], with_ranks: bool = False) -> None:
+        self.pods = pods
+        self.wids: list[list[int] | None] = []
+        self.slots: list[list[tuple[int, int]]] = [[] for _ in pods]
+        self.ranks: list[list[list[int]]] | None = [[] for _ in pods] if with_ranks else None
+        chunks = 0
+        for t in tiers:
+            if t is None:
+                self.wids.append(None)
+                for pi in range(len(pods)):
+                    self.slots[pi].append((0, 0))
+                    if self.ranks is not None:
+                        self.ranks[pi].append([])
+                continue
+            wids: list[int] = []
+            for pi, pod in enumerate(pods):
+                start = len(wids)
+                workers = t.pod_workers(pod)
+                wids += workers.values()
+                self.slots[pi].append((start, len(wids)))
+                if self.ranks is not None:
+                    self.ranks[pi].append(list(workers))
+            self.wids.append(wids)
+            chunks += len({wid >> 6 for wid in wids})
+        self.chunks = max(1, chunks)
+
+
 class NativeQuery:
     """A request's hit-rate query for the native index: ``prepare`` reads the candidates' workers (with
     the GIL held), ``run`` (or ``QueryThreads.run``, on native threads) parses, hashes and walks without
     the GIL and holds no Python state the event loop changes, ``result`` turns the lengths into scores."""
 
-    __slots__ = ("call_args", "chunks", "_pods", "_slots", "_known", "_ranks")
+    __slots__ = ("call_args", "chunks", "workers", "_pods", "_slots", "_ranks", "_tiers")
 
-    def __init__(self, call_args: tuple, pods: Sequence[str], slots: list[list[tuple[int, int]]], known: list[bool],
-                 ranks: list[list[list[int]]] | None = None, chunks: int = 1) -> None:
+    def __init__(self, call_args: tuple, workers: CandidateWorkers, tiers: Sequence[Tier | None]) -> None:
         self.call_args = call_args  # _native_index.query's arguments
         #: the index chunks (64 workers each, over every tier) the walk may look a block up in: its cost a
         #: block grows with them (the API's bound on a query's time on the event loop)
-        self.chunks = chunks
-        self._pods = pods
-        self._slots = slots  # per pod, per tier: its workers' [start, stop) in that tier's candidate list
-        self._known = known
-        self._ranks = ranks  # per pod, per tier: the ranks (or masters) of those workers, in that order
+        self.chunks = workers.chunks
+        self.workers = workers  # the candidates' workers, in the order of the lengths ``run`` gives per tier
+        self._pods = workers.pods
+        self._slots = workers.slots  # per pod, per tier: its workers' [start, stop) in that tier's candidate list
+        self._ranks = workers.ranks  # per pod, per tier: the ranks (or masters) of those workers, in that order
+        self._tiers = tiers
 
     @property
     def block_size(self) -> int:
@@ -164,9 +199,11 @@ class NativeQuery:
 
     @classmethod
     def prepare(cls, hasher: BlockHasher, tokens: bytes | memoryview | array, block_size: int, cache_salt: str,
-                pods: Sequence[str], tiers: Sequence[Tier | None], with_ranks: bool = False) -> "NativeQuery | None":
+                pods: Sequence[str], tiers: Sequence[Tier | None], with_ranks: bool = False,
+                workers: CandidateWorkers | None = None) -> "NativeQuery | None":
         """None where only ``score`` answers: an index or hash the native query does not cover.
-        ``with_ranks``: keep each worker's rank, for ``rank_lengths``.
+        ``with_ranks``: keep each worker's rank, for ``rank_lengths``; ``workers``: the candidates' workers
+        as a caller kept them (of ``pods`` and ``tiers``, ``with_ranks`` as given).
         ``tokens``: the JSON text of the token array (bytes-like: parsed, and checked, by ``run``) or
         uint64s (an array of format 'Q'). A salted first block is hashed here (its extra keys are
         Python objects); the ValueError of a malformed array then comes from here."""
@@ -186,32 +223,12 @@ class NativeQuery:
             if len(tokens) >= block_size > 0:
                 pre += hasher.hash_block(pre, tokens[:block_size].tolist(),
                                          hasher.block_extra_keys(0, block_size, cache_salt))
-        per_tier = []
-        chunks = 0
-        slots: list[list[tuple[int, int]]] = [[] for _ in pods]
-        ranks: list[list[list[int]]] | None = [[] for _ in pods] if with_ranks else None
-        for t in tiers:
-            wids: list[int] = []
-            if t is not None:
-                for pi, pod in enumerate(pods):
-                    start = len(wids)
-                    workers = t.pod_workers(pod)
-                    wids += workers.values()
-                    slots[pi].append((start, len(wids)))
-                    if ranks is not None:
-                        ranks[pi].append(list(workers))
-                per_tier.append((t.index.table, t.index.table.candidates(wids)))
-                chunks += len({wid >> 6 for wid in wids})
-            else:
-                for pi in range(len(pods)):
-                    slots[pi].append((0, 0))
-                    if ranks is not None:
-                        ranks[pi].append([])
-                per_tier.append((None, b""))
-        known = [any(a != b for a, b in slots[pi]) or any(t is not None and t.knows(pod) for t in tiers)
-                 for pi, pod in enumerate(pods)]
+        if workers is None:
+            workers = CandidateWorkers(pods, tiers, with_ranks)
+        per_tier = [(None, b"") if wids is None else (t.index.table, t.index.table.candidates(wids))
+                    for t, wids in zip(tiers, workers.wids)]
         args = (tokens, raw, block_size, pre, hasher.algo.endswith("_cbor"), per_tier)
-        return cls(args, pods, slots, known, ranks, max(1, chunks))
+        return cls(args, workers, tiers)
 
     def run(self) -> tuple[int, int, list[list[int]]]:
         """(tokens, blocks hashed, per tier the candidates' lengths). ValueError: a malformed token
@@ -224,13 +241,18 @@ class NativeQuery:
         return [[dict(zip(ranks, held[a:b])) for ranks, held, (a, b) in zip(pod_ranks, lengths, pod_slots)]
                 for pod_ranks, pod_slots in zip(self._ranks, self._slots)]
 
+    def _known(self) -> list[bool]:
+        """Per pod: it has workers, or a tier knows it (events were seen for it)."""
+        return [any(a != b for a, b in slots) or any(t is not None and t.knows(pod) for t in self._tiers)
+                for pod, slots in zip(self._pods, self._slots)]
+
     def result(self, out: tuple[int, int, list[list[int]]]) -> ScoreResult:
         n_tokens, hashed, lengths = out
         n_blocks = n_tokens // self.block_size
         if not n_blocks:
             return ScoreResult(0, hashed, [PodScore(pod, [0.0] * len(lengths), known)
-                                           for pod, known in zip(self._pods, self._known)])
+                                           for pod, known in zip(self._pods, self._known())])
         per_tier = [[(held[a] if b - a == 1 else max(held[a:b], default=0)) / n_blocks for a, b in bounds]
                     for held, bounds in zip(lengths, zip(*self._slots))]  # one worker a pod: the usual
         return ScoreResult(n_blocks, hashed, [PodScore(pod, list(ratios), known) for pod, ratios, known
-                                              in zip(self._pods, zip(*per_tier), self._known)])
+                                              in zip(self._pods, zip(*per_tier), self._known())])

@@ -541,3 +541,39 @@ def test_the_replicas_periodic_gauges_do_not_walk_the_table():
     assert gauge["l1"] == 2 * 3 + 130 == nat.index.block_count()  # 7 and 8 in each of the 3 chunks
     assert nat.index.entries() == ref.index.entries() == 390 and len(nat.index) == len(ref.index) == 132
     assert nat.index.table.counts()[4] == scans + 1, "len() is the one that walks (the counter counts)"
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["store", "clear", "remove", "rank_removed", "reset"]),
+                              st.integers(0, 5), st.integers(0, 2), st.integers(0, 6)), max_size=40))
+def test_the_fleet_kept_between_queries_follows_workers_joining_leaving_and_ids_reused(ops):
+    """/query reads every pod's workers once and keeps them while the worker tables do not change
+    (``NativeTierQuery._fleet``): after every step of a random stream (workers interned, cleared, removed,
+    their ids handed to others), its answer equals the reference walk's over a pure-Python state."""
+    from cache_indexer.indexer.tier_match import NativeTierQuery, chain_keys, match_keys
+    hasher = BlockHasher("sha256_cbor", "0")
+    tokens = list(range(96))
+    chain = hasher.event_hashes(tokens, 16)
+    ref, nat = L1State(), L1State()
+    ref.index = BlockIndex()
+    seqs: dict = {}
+    for kind, p, rank, n in ops:
+        pod = f"10.0.0.{p}"
+        seq = seqs.get((pod, rank), 0)
+        if kind == "store":
+            msg = {"type": "batch", "pod": pod, "rank": rank, "gen": 1, "seq": seq,
+                   "events": [{"kind": "stored", "hashes": chain[:n], "medium": "GPU"}]}
+        elif kind == "clear":
+            msg = {"type": "batch", "pod": pod, "rank": rank, "gen": 1, "seq": seq, "events": [{"kind": "cleared"}]}
+        elif kind == "remove":
+            msg = {"type": "pod_removed", "pod": pod}
+        elif kind == "rank_removed":
+            msg = {"type": "rank_removed", "pod": pod, "rank": rank}
+        else:
+            msg = {"type": "reset", "pod": pod, "rank": rank, "gen": 2, "next_seq": 0, "reason": "test"}
+        seqs[(pod, rank)] = seq + 1 if kind in ("store", "clear") else 0
+        for state in (ref, nat):
+            state.apply(msg)
+        query = NativeTierQuery.prepare(hasher, array("Q", tokens), 16, "", nat, None)
+        got = query.result(query.native.run())
+        assert got == match_keys(chain_keys(hasher, tokens, 16, ""), 6, ref, None), (kind, pod, rank, n)
