@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from cache_indexer.indexer.hit_rate import CandidateWorkers, NativeQuery, Tier, _set_bits
+from cache_indexer.indexer.hit_rate import KeptCandidates, NativeQuery, Tier, _set_bits
 from cache_indexer.indexer.l1_state import OFFLOAD_MEDIA
 from cache_indexer.schemas.block_hash import BlockHasher, LoRAKey, MultiModalKey, event_block_hash
 
@@ -160,14 +160,13 @@ class NativeTierQuery:
     offloaded (the three L1 stages are then one) and the request has no extra keys. ``native`` runs on
     the caller's thread or the query threads (``QueryThreads.run``); ``result`` reads its answer."""
 
-    __slots__ = ("native", "_pods", "_l1", "_l3")
+    __slots__ = ("native", "_l1", "_l3")
 
-    #: the fleet's workers as the last query read them, and what they were read from (the tiers' worker
-    #: tables and their ``changes``): every query asks about every pod, O(pods) to read (1 ms at 1,000)
-    _fleet: tuple = ()
+    #: the fleet's workers (every query asks about every pod), kept while the worker tables stand
+    _fleet = KeptCandidates()
 
-    def __init__(self, native: NativeQuery, pods: list[str], l1: Tier | None, l3: Tier | None) -> None:
-        self.native, self._pods, self._l1, self._l3 = native, pods, l1, l3
+    def __init__(self, native: NativeQuery, l1: Tier | None, l3: Tier | None) -> None:
+        self.native, self._l1, self._l3 = native, l1, l3
 
     @classmethod
     def prepare(cls, hasher: BlockHasher, tokens: bytes | memoryview | array, block_size: int, cache_salt: str,
@@ -177,16 +176,8 @@ class NativeTierQuery:
         uint64s. None where only ``match_keys`` answers."""
         if lora is not None or mm_features or _offloaded(l1):
             return None
-        w1, w3 = (l1.workers if l1 is not None else None), (l3.workers if l3 is not None else None)
-        key = (w1, w3, w1.changes if w1 is not None else 0, w3.changes if w3 is not None else 0)
-        fleet = cls._fleet
-        if not fleet or fleet[0] is not w1 or fleet[1] is not w3 or fleet[2:4] != key[2:]:
-            pods = list(dict.fromkeys([*(l1.workers.pods() if l1 is not None else ()),
-                                       *(l3.workers.pods() if l3 is not None else ())]))
-            fleet = cls._fleet = (*key, CandidateWorkers(pods, (l1, l3), with_ranks=True))
-        workers = fleet[4]
-        native = NativeQuery.prepare(hasher, tokens, block_size, cache_salt, workers.pods, (l1, l3), True, workers)
-        return None if native is None else cls(native, workers.pods, l1, l3)
+        native = NativeQuery.prepare(hasher, tokens, block_size, cache_salt, None, (l1, l3), True, cls._fleet)
+        return None if native is None else cls(native, l1, l3)
 
     def result(self, out: tuple[int, int, list[list[int]]]) -> TierMatch:
         n_tokens, hashed, (held1, held3) = out
