@@ -142,7 +142,7 @@ class HitRateApi:
                 except asyncio.TimeoutError:
                     log.warning("response to %s not written within %ss; closing", request.remote, self.http.writeTimeout)
                     if request.transport is not None:
-                        request.transport.close()
+                        request.transport.abort()  # (a close would wait for the client to read what is buffered)
             return resp
         except web.HTTPException as exc:
             status = exc.status

@@ -34,6 +34,8 @@ _NOT_HERE = frozenset((b"transfer-encoding", b"expect", b"content-encoding", b"u
 #: Headers aiohttp refuses twice in a request (RFC 9110's singletons): such a request goes to it
 _SINGLETONS = frozenset((b"content-length", b"content-location", b"content-range", b"content-type", b"etag", b"host",
                          b"max-forwards", b"server", b"transfer-encoding", b"user-agent"))
+#: Headers that may ask for the connection's close (llhttp reads Proxy-Connection as Connection)
+_CONNECTION = frozenset((b"connection", b"proxy-connection"))
 #: More header fields than this: aiohttp's to take or refuse
 _MAX_FIELDS = 32
 #: The longest head this path takes (a router's is about 200 bytes): a longer one goes to aiohttp
@@ -93,12 +95,30 @@ def parse_head(buf: bytes, end: int, routes: dict[str, FastRoute], max_body: int
             if not value.isdigit() or len(value) > 12:
                 return None
             length = int(value)
-        elif name in _NOT_HERE or (name == b"connection" and b"close" in value.lower()):
+        elif name in _NOT_HERE or (name in _CONNECTION and b"close" in value.lower()):
             return None
     if (length is None or length > min(max_body, FAST_BODY_MAX) or b"host" not in seen
             or len(fields) > _MAX_FIELDS):
         return None
     return Head(route, path, end, end + length)
+
+
+#: What a head this path takes may be while it is coming: a start of ``POST /``, a request line, then
+#: whole field lines, then part of one (each pattern linear, as the others)
+_LINES = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*")
+_LINE_TAIL = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\r?")
+
+
+def could_be_fast(buf: bytes) -> bool:
+    """Whether ``buf``, a head not yet whole, may still become one this path takes: where it cannot,
+    aiohttp takes it at once (and refuses a bad one at its first bad byte, as without this path)."""
+    if not b"POST /".startswith(buf[:6]):
+        return False
+    line = _REQUEST_LINE.match(buf)
+    if line is None:
+        return b"\n" not in buf and _LINE_TAIL.fullmatch(buf) is not None
+    last = buf.rfind(b"\r\n") + 2
+    return _LINES.fullmatch(buf, line.end(), last) is not None and _LINE_TAIL.fullmatch(buf, last) is not None
 
 
 _STATUS = {200: b"200 OK", 408: b"408 Request Timeout"}
@@ -111,5 +131,5 @@ def response(status: int, body: bytes, close: bool = False) -> bytes:
     now = int(time.time())
     if _date[0] != now:
         _date = (now, formatdate(now, usegmt=True).encode("ascii"))
-    return b"HTTP/1.1 %s\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\nDate: %s\r\n%s\r\n%s" % (
+    return b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nDate: %s\r\n%s\r\n%s" % (
         _STATUS[status], len(body), _date[1], b"Connection: close\r\n" if close else b"", body)

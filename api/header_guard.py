@@ -30,7 +30,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 from aiohttp.tcp_helpers import tcp_keepalive
 
-from cache_indexer.api.fast_path import FAST_HEAD_MAX, Head, parse_head, response
+from cache_indexer.api.fast_path import FAST_HEAD_MAX, Head, could_be_fast, parse_head, response
 from cache_indexer.api.request_body import BodyBudget, late_body
 from cache_indexer.infra.throttled_log import ThrottledWarning
 
@@ -198,6 +198,8 @@ class HeaderGuardProtocol(asyncio.Protocol):
         elif "write" in self._paused:
             self._end_wait()
             self._resume("write")
+            if not self._paused and self._buf and self._head is None:  # requests that came meanwhile
+                asyncio.get_running_loop().call_soon(self._serve_next)
 
     # -- the fast path -----------------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -215,7 +217,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
                 self._refuse()
                 return
             if end < 0:
-                if len(buf) > FAST_HEAD_MAX:  # no routing query's head is this long: aiohttp's to parse
+                if len(buf) > FAST_HEAD_MAX or not could_be_fast(buf):  # aiohttp's to parse (or refuse)
                     self._to_aiohttp()
                 elif self._eof:
                     self.transport.close()
@@ -373,19 +375,20 @@ class HeaderGuardProtocol(asyncio.Protocol):
         self._wait = None
         log.warning("response to %s not written within %ss; closing", self.transport.get_extra_info("peername"),
                     self.guard.write_timeout)
-        self.transport.close()
+        self.transport.abort()  # (a close would wait for the client to read what is buffered)
 
 
 class HeaderGuard:
     """The middleware and the site for one server (``timeout`` 0: no timer). With ``fast_routes``
     (api/fast_path.py), a connection's plain routing queries are answered by its protocol, within the same
     bounds: the body ``max_body`` bytes, against ``body_budget``, within ``body_timeout``; the connection
-    closed after ``idle_timeout`` between requests, or ``write_timeout`` with an answer unread."""
+    closed after ``idle_timeout`` between requests, or ``write_timeout`` with an answer unread; at the
+    end, a query under way on the query threads answered within ``shutdown_timeout``."""
 
     def __init__(self, timeout: float, max_bytes: int, on_timeout: Callable[[], None] = lambda: None,
                  on_too_large: Callable[[], None] = lambda: None, fast_routes: dict | None = None,
                  max_body: int = 0, body_budget: BodyBudget | None = None, body_timeout: float = 0.0,
-                 idle_timeout: float = 0.0, write_timeout: float = 0.0) -> None:
+                 idle_timeout: float = 0.0, write_timeout: float = 0.0, shutdown_timeout: float = 0.0) -> None:
         self.timeout = timeout
         self.max_bytes = max_bytes
         self.on_timeout = on_timeout
@@ -398,6 +401,7 @@ class HeaderGuard:
         self.body_timeout = body_timeout
         self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
+        self.shutdown_timeout = shutdown_timeout
         self.refused = ThrottledWarning(log)
 
     @web.middleware
@@ -443,8 +447,12 @@ class HeaderGuardSite(web.BaseSite):
             self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
-        """Stops accepting and closes the connections aiohttp does not serve (aiohttp then shuts down its
-        own): theirs is no request under way but a body coming in parts."""
+        """Stops accepting, lets the queries under way on the query threads be answered (within
+        ``http.shutdownTimeout``, as aiohttp lets its handlers finish), then closes the connections aiohttp
+        does not serve (aiohttp then shuts down its own): a body still coming in parts is not waited for."""
         await super().stop()
+        answering = [conn._later for conn in self.guard.fast_connections if conn._later is not None]
+        if answering:
+            await asyncio.wait(answering, timeout=self.guard.shutdown_timeout or None)
         for conn in tuple(self.guard.fast_connections):
             conn.transport.close()

@@ -23,7 +23,8 @@ class HttpServer:
         self.guard = HeaderGuard(cfg.readHeaderTimeout, cfg.maxHeaderBytes, on_timeout, on_too_large,
                                  fast_routes=app.get(FAST_ROUTES), max_body=cfg.maxHitRateBodyBytes,
                                  body_budget=app.get(BODY_BUDGET), body_timeout=cfg.readTimeout,
-                                 idle_timeout=cfg.idleTimeout, write_timeout=cfg.writeTimeout)
+                                 idle_timeout=cfg.idleTimeout, write_timeout=cfg.writeTimeout,
+                                 shutdown_timeout=cfg.shutdownTimeout)
         app.middlewares.insert(0, self.guard.middleware)
         self.runner = web.AppRunner(
             app,

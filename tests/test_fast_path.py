@@ -168,6 +168,7 @@ ODD = {
     "a query string": request(hit_rate(), "/kv-cache/hit-rate?x=1"),
     "HTTP/1.0": request(hit_rate()).replace(b"HTTP/1.1", b"HTTP/1.0", 1),
     "Connection: close": request(hit_rate(), extra=b"Connection: close\r\n"),
+    "Proxy-Connection: close": request(hit_rate(), extra=b"Proxy-Connection: close\r\n"),
     "over the body limit": request(hit_rate(tokens=list(range(20000)))),
     "the Python path (a LoRA)": request(json.dumps({"token_ids": TOKENS, "model_name": "default",
                                                     "lora_name": "a", "lora_path": "/a"}).encode(), "/query"),
@@ -286,9 +287,12 @@ async def test_an_idle_connection_is_closed_after_the_idle_timeout():
         writer.close()
 
 
-async def test_a_client_that_reads_no_answers_is_closed_after_the_write_timeout(caplog):
+@pytest.mark.parametrize("fast", [True, False])
+async def test_a_client_that_reads_no_answers_is_cut_off_after_the_write_timeout(fast, caplog):
+    """Its answers pile up unread: after ``writeTimeout`` the connection is ended, answers and all (a close
+    would wait for the client to read them, for ever). aiohttp's connections alike."""
     caplog.set_level(logging.WARNING)
-    async with serving(writeTimeout=0.5) as (srv, _, _):
+    async with serving(fast=fast, writeTimeout=0.5) as (srv, _, _):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", srv.port))
@@ -302,10 +306,85 @@ async def test_a_client_that_reads_no_answers_is_closed_after_the_write_timeout(
             except (asyncio.TimeoutError, ConnectionError):
                 break  # the server reads no more: it holds more answers than it may
         await until(lambda: "not written within" in caplog.text, 10)
+        await until(lambda: not srv.guard.fast_connections and not srv.runner.server.connections, 5)
         writer.close()
 
 
+async def test_pipelined_requests_held_while_the_client_read_nothing_are_answered_when_it_reads():
+    """Reading stops while the client reads no answers; once it reads again, the requests it had already
+    sent are answered, every one (none left waiting in the buffer)."""
+    n = 2000
+    async with serving() as (fast, _, _), serving(fast=False) as (plain, _, _):
+        got = {}
+        for srv in (fast, plain):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", srv.port))
+            sock.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+            writer.write(request(hit_rate(PODS * 8)) * n)  # answers of about 2.6 kB, none read yet
+            await until(lambda: any("write" in c._paused for c in srv.guard.fast_connections)
+                        or any(c.transport.get_write_buffer_size() for c in srv.runner.server.connections))
+            got[srv] = 0
+            while got[srv] < n and await read_response(reader, within=5) is not None:
+                got[srv] += 1
+            writer.close()
+        assert got[plain] == n and got[fast] == n, (got[fast], got[plain])
+
+
+@pytest.mark.parametrize("fast", [True, False])
+async def test_stopping_answers_a_query_under_way_on_the_query_threads(fast, monkeypatch):
+    from cache_indexer.api import app as app_module
+    monkeypatch.setattr(app_module, "INLINE_BUDGET", -1.0)  # every native call on the query threads
+    started = asyncio.Event()
+
+    class SlowThreads:
+        async def run(self, q):
+            started.set()
+            await asyncio.sleep(0.5)
+            return q.run()
+    threads = SlowThreads()
+    monkeypatch.setattr(HitRateApi, "_threads", lambda self: threads)
+    async with serving(fast=fast) as (srv, _, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(request(hit_rate()))
+        await asyncio.wait_for(started.wait(), 5)
+        stopping = asyncio.create_task(srv.stop())
+        got = await read_response(reader)
+        await stopping
+        writer.close()
+    assert got is not None and got[0] == 200, got
+
+
+@pytest.mark.parametrize("sent", [b"GET /healthz HTTP/1.1\nHost: x\n\n",
+                                  b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03",
+                                  b"POST /query HTTP/1.1\r\nHost: x\r\nBad Header\r\n"],
+                         ids=["bare LF", "TLS", "a bad field"])
+async def test_a_head_aiohttp_refuses_at_its_first_bad_byte_is_refused_at_once(sent):
+    """Not held until the head's end or the header timeout: handed to aiohttp as soon as it cannot be a head
+    the fast path takes."""
+    async with serving(readHeaderTimeout=3) as (fast, _, _), serving(fast=False, readHeaderTimeout=3) as (plain, _, _):
+        t = time.monotonic()
+        want = await exchange(plain.port, [sent], 1)
+        got = await exchange(fast.port, [sent], 1)
+    assert want[0][0] == 400 and got == want and time.monotonic() - t < 2.5, got
+
+
+async def test_answers_carry_the_content_type_aiohttp_gives_them(both):
+    (fast, _, _), (plain, _, _) = both
+    for data in (request(hit_rate()), request(query(), "/query")):
+        heads = []
+        for srv in (fast, plain):
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(data)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            heads.append([line for line in head.lower().split(b"\r\n") if line.startswith(b"content-type")])
+            writer.close()
+        assert heads[0] == heads[1], heads
+
+
 async def test_stopping_closes_a_connection_whose_body_is_coming():
+    """Nothing under way to wait for (aiohttp answers 408 at readTimeout, later; the client then retries)."""
     async with serving() as (srv, _, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
         writer.write(request(hit_rate())[:-5])
@@ -322,22 +401,25 @@ _FIELDS = st.sampled_from([
     b"Expect: 100-continue", b"Content-Encoding: gzip", b"Connection: keep-alive", b"Connection: close",
     b"Connection: Keep-Alive, Close", b"X-Empty:", b"X-Tab:\tv", b"Bad Name: v", b"X-Nul: a\x00b", b"X-Bare: a\rb",
     b"X-Bare-Lf: a\nb", b" X-Lead: v", b"X-Utf8: \xc3\xa9", b"Upgrade: h2c", b"Host: a", b"Host: a", b"Host: a",
-    b"host:b", b"User-Agent: a", b"User-Agent: b", b"Content-Type: application/json"])
+    b"host:b", b"User-Agent: a", b"User-Agent: b", b"Content-Type: application/json", b"Proxy-Connection: close"])
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fields=st.lists(_FIELDS, max_size=4), path=st.sampled_from(["/kv-cache/hit-rate", "/query"]),
-       tail=st.sampled_from([b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"]))
-def test_any_head_gets_the_answer_aiohttp_gives_it(fields, path, tail):
+       tail=st.sampled_from([b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"]), cut=st.floats(0, 1))
+def test_any_head_gets_the_answer_aiohttp_gives_it(fields, path, tail, cut):
     """Whatever header fields a request carries, the server with the fast path answers it as the one
-    without does (on one fresh connection each, with a request after it to show where the framing ends)."""
+    without does (on one fresh connection each, with a request after it to show where the framing ends;
+    sent in two writes, cut anywhere)."""
     body = hit_rate() if path != "/query" else query()
     head = b"".join(f.replace(b"%d", b"%d" % len(body)) + b"\r\n" for f in fields)
     data = b"POST %s HTTP/1.1\r\n%s\r\n%s%s" % (path.encode(), head, body, tail)
+    at = int(len(data) * cut)
+    sent = [data[:at], data[at:]]
 
     async def run():
         async with serving(readTimeout=0.3) as (fast, _, _), serving(fast=False, readTimeout=0.3) as (plain, _, _):
-            return (await exchange(fast.port, [data], 1 + bool(tail)),
-                    await exchange(plain.port, [data], 1 + bool(tail)))
+            return (await exchange(fast.port, sent, 1 + bool(tail)),
+                    await exchange(plain.port, sent, 1 + bool(tail)))
     got, want = asyncio.run(run())
     assert got == want, (data, got, want)
