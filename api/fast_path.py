@@ -27,7 +27,8 @@ _REQUEST_LINE = re.compile(rb"POST (/[!$&'()*+,\-./0-9:;=@A-Z_a-z~]*) HTTP/1\.1\
 #: Header fields as RFC 9110 allows them (a token, then a value of visible characters, spaces and tabs),
 #: each field's name and value (its spaces stripped after); no pattern here backtracks, so each is linear
 #: in the head's length
-_FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*\r\n")
+_FIELD = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n"
+_FIELDS = re.compile(rb"(?:%s)*\r\n" % _FIELD)
 _FIELD_SPLIT = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\r\n]*)\r\n")
 #: Headers that change how the body or the connection is read: such a request goes to aiohttp
 _NOT_HERE = frozenset((b"transfer-encoding", b"expect", b"content-encoding", b"upgrade", b"sec-websocket-key1"))
@@ -105,7 +106,7 @@ def parse_head(buf: bytes, end: int, routes: dict[str, FastRoute], max_body: int
 
 #: What a head this path takes may be while it is coming: a start of ``POST /``, a request line, then
 #: whole field lines, then part of one (each pattern linear, as the others)
-_LINES = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*")
+_LINES = re.compile(rb"(?:%s)*" % _FIELD)
 _LINE_TAIL = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\r?")
 
 

@@ -208,7 +208,7 @@ class TieredQueryApi:
         others -= serving
         return block_size, lambda pod: pod not in others
 
-    def _native(self, body: bytes) -> tuple[_Query, bytes | memoryview, int, Callable[[str], bool],
+    def _native(self, body: bytes) -> tuple[_Query, bytes | memoryview, int, Callable[[str], bool] | None,
                                              NativeTierQuery | None]:
         """The request, its token array's JSON, its block size and scope, and its native query (None where
         only the Python hasher takes it: multimodal, a LoRA or index the native query does not cover)."""
