@@ -81,6 +81,10 @@ class ModelStream:
         self.last_seq = 0
         self.first_seq = 1
         self.ids: dict[str, int] = {}  # Nats-Msg-Id -> stream seq, within the duplicate window
+        #: per worker's subject, the newest generation ever stored on it and the last one (a purge keeps
+        #: neither from the model: the stream's last message may be all that is left of it)
+        self.newest_gen: dict[str, int] = {}
+        self.last_gen: dict[str, int] = {}
 
     def store(self, subject: str, data: bytes, headers: dict, now: int, dedupe: bool = True) -> int:
         msg_id = headers.get("Nats-Msg-Id")
@@ -90,6 +94,10 @@ class ModelStream:
         self.msgs[self.last_seq] = SimpleNamespace(seq=self.last_seq, subject=subject, data=data, headers=dict(headers),
                                                    stored_ns=now)
         self.ids[msg_id] = self.last_seq
+        if "Kv-Gen" in headers and headers.get("Kv-Type") in ("batch", "reset"):
+            gen = int(headers["Kv-Gen"])
+            self.newest_gen[subject] = max(self.newest_gen.get(subject, gen), gen)
+            self.last_gen[subject] = gen
         return self.last_seq
 
     def purge(self, upto: int) -> None:
@@ -400,7 +408,16 @@ class Sequencing(RuleBasedStateMachine):
         """Gone longer than the grace: ``pod_removed`` (its record deleted first)."""
         pod = sorted(self.away)[p % len(self.away)]
         self.away.discard(pod)
+        self._retired(lambda key: key[0] == pod)
         self.run(self.bridge.l1.pod_removed(pod, "discovery"))
+
+    def _retired(self, which) -> None:
+        """Workers a removal retires: their record is gone (its mark retires their generations), so a record
+        written later does not name them, whatever the model saw them resume from before
+        (SEQUENCING_SEED=2057677783: a pod removed, its removal lost with a killed bridge, the records
+        written by the next before the pod came back: the bridge rightly started it anew)."""
+        self.resumed = {key for key in self.resumed if not which(key)}
+        self.recorded = {key for key in self.recorded if not which(key)}
 
     @precondition(lambda self: len(self.present) < len(PODS))
     @rule(p=st.integers(0, 10**6), contact=st.sampled_from(["quiet", "queued", "raced"]))
@@ -428,6 +445,7 @@ class Sequencing(RuleBasedStateMachine):
         pod, rank = candidates[i % len(candidates)]
         self.listed[pod].discard(rank)
         self.bridge.unsubscribe((pod, rank))
+        self._retired(lambda key: key == (pod, rank))
         self.run(self.bridge.l1.rank_removed(pod, rank, "discovery"))
 
     @precondition(lambda self: self._ranks(False))
@@ -617,16 +635,10 @@ class Sequencing(RuleBasedStateMachine):
 
     def _older_generation_last(self) -> bool:
         """Whether some worker's last message on the stream is of an older generation than one stored
-        before it on its subject."""
-        newest: dict[str, int] = {}
-        last: dict[str, int] = {}
-        for seq in sorted(self.stream.msgs):
-            m = self.stream.msgs[seq]
-            if _worker(m.headers) is not None:
-                gen = int(m.headers["Kv-Gen"])
-                newest[m.subject] = max(newest.get(m.subject, gen), gen)
-                last[m.subject] = gen
-        return any(last[s] < newest[s] for s in last)
+        before it on its subject, purged since or not (SEQUENCING_SEED=3783171625: the newer generation's
+        messages purged behind a snapshot, the older one's batch stored after them left as the last)."""
+        last, newest = self.stream.last_gen, self.stream.newest_gen
+        return any(gen < newest[s] for s, gen in last.items())
 
     def _last(self, subject: str):
         return max((m for m in self.stream.msgs.values() if m.subject == subject), key=lambda m: m.seq, default=None)
@@ -1084,6 +1096,45 @@ def test_a_removal_stored_after_the_recorded_position_is_a_fresh_start_the_model
         m.engine_restarts(i=0)
         m.engine_bursts(count=2, i=0)
         m.bridge_replaced(graceful=True, records_first=False, upgrade=False)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_a_pod_removed_whose_removal_was_lost_with_the_bridge_comes_back_anew_as_the_model_allows():
+    """The sequencing model (CI, SEQUENCING_SEED=2057677783): a pod removed after its grace, its removal
+    lost in flight with a killed bridge, the next bridge's records written, and the pod back: its record's
+    mark retired the generation, so the bridge starts it anew. The model still counted the workers as
+    recorded from before the removal, and took that for a bridge starting over where it could resume."""
+    m = Sequencing()
+    try:
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.pod_leaves(p=0)
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=False)
+        m.pod_leaves(p=0)
+        m.pod_returns(contact="quiet", p=0)
+        m.grace_ends(p=0)
+        m.bridge_replaced(graceful=False, records_first=True, upgrade=False)
+        m.pod_returns(contact="quiet", p=0)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_an_older_generation_left_last_behind_a_purge_is_not_resumed_by_an_upgrade_in_the_model():
+    """The spilling model (SEQUENCING_SEED=3783171625, once it stored in-flight batches newest first): a pod
+    back within its grace with a new generation while the old one's batches were in flight, those stored
+    after the new one's, a purge that kept only the old one's last batch, then an upgrade. That is the
+    open window of docs/operations.md (an upgrade resuming the stream's last message, of the retired
+    generation); the model keeps upgrades out of it, and now sees it behind a purge too."""
+    m = SpillingSequencing()
+    try:
+        m.engine_bursts(count=2, i=0)
+        m.pod_leaves(p=0)
+        m.pod_returns(contact="quiet", p=0)
+        m.stored_batches_newest_first()
+        m.snapshot_and_purge(keep=1)
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=True)
         m.at_a_quiet_point_the_index_is_the_engines_truth()
     finally:
         m.loop.close()
