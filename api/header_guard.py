@@ -176,11 +176,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
-        self._end_wait()
-        if self._idle is not None:
-            self._idle.cancel()
-        self._release()
-        self.guard.fast_connections.discard(self)
+        self._leave_fast_path()
         if self.inner is not None:
             self.registry.pop(self.inner, None)
             self.inner.connection_lost(exc)
@@ -296,11 +292,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
     def _to_aiohttp(self) -> None:
         """From here on aiohttp's handler serves the connection, given what came of it from the start of the
         request it is to answer."""
-        self._end_wait()
-        if self._idle is not None:
-            self._idle.cancel()
-        self._release()
-        self.guard.fast_connections.discard(self)
+        self._leave_fast_path()
         writing_paused = "write" in self._paused
         for why in tuple(self._paused):
             self._resume(why)
@@ -316,6 +308,16 @@ class HeaderGuardProtocol(asyncio.Protocol):
             self.data_received(buf)
         if self._eof:
             self.inner.eof_received()
+
+    def _leave_fast_path(self) -> None:
+        """Its deadlines and idle timer stopped, its body budget given back, no longer one of the fast
+        connections (the connection went to aiohttp, or is gone)."""
+        self._end_wait()
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        self._release()
+        self.guard.fast_connections.discard(self)
 
     def _pause(self, why: str) -> None:
         if not self._paused:

@@ -86,7 +86,6 @@ def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]
         a = array("Q")
         a.frombytes(parse_token_array(tj))
         arrays[b] = a
-    pods = [pod_host(0)]
 
     def walk_array(b: bytes) -> None:  # hashing and walk from parsed tokens
         NativeTierQuery.prepare(hasher, arrays[b], 16, "", l1, None).native.run()
@@ -98,7 +97,7 @@ def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]
         msgspec.json.encode(answer(prepared[b].result(outs[b]).only(lambda pod: True), 16))
     full = L1State()  # every block of every queried prompt held (on pod 0): the walk hashes the whole chain
     for seq, b in enumerate(bodies):
-        full.apply({"type": "batch", "pod": pods[0], "rank": 0, "gen": 1, "seq": seq,
+        full.apply({"type": "batch", "pod": pod_host(0), "rank": 0, "gen": 1, "seq": seq,
                     "events": [{"kind": "stored", "medium": "GPU", "hashes": hasher.event_hashes(arrays[b].tolist(), 16)}]})
     worst = {}
 

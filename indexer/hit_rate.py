@@ -143,11 +143,15 @@ class CandidateWorkers:
     """The candidates' workers in each tier as a native query takes them: per tier the worker ids in pod
     order, per pod per tier its slice of them (and its ranks, or masters, in that order), the index chunks
     they are in. It depends only on the tiers' worker tables (``WorkerTable.changes``), so a caller may
-    keep it while those do not change; each query reads the workers' epochs anew (``Table.candidates``)."""
+    keep it while those do not change; each query reads the workers' epochs anew (``Table.candidates``).
+    A tier that is None has no workers: every pod's slice of it is empty."""
 
     __slots__ = ("pods", "wids", "slots", "ranks", "chunks")
 
-    def __init__(self, pods: Sequence[str], tiers: Sequence[Tier | None], with_ranks: bool = False) -> None:
+    def __init__(self, pods: Sequence[str] | None, tiers: Sequence[Tier | None], with_ranks: bool = False) -> None:
+        """``pods``: the candidates; None: every pod of the tiers' worker tables, in order."""
+        if pods is None:
+            pods = list(dict.fromkeys(p for t in tiers if t is not None for p in t.workers.pods()))
         self.pods = pods
         self.wids: list[list[int] | None] = []
         self.slots: list[list[tuple[int, int]]] = [[] for _ in pods]
@@ -194,9 +198,7 @@ class KeptCandidates:
             return CandidateWorkers(pods, tiers, with_ranks)
         key = (None if pods is None else tuple(pods), tables,
                tuple(w.changes if w is not None else 0 for w in tables), with_ranks)
-        if key != self._key or self._workers is None:
-            if pods is None:
-                pods = list(dict.fromkeys(p for w in tables if w is not None for p in w.pods()))
+        if key != self._key:
             self._key, self._workers = key, CandidateWorkers(pods, tiers, with_ranks)
         return self._workers
 
@@ -206,7 +208,7 @@ class NativeQuery:
     the GIL held), ``run`` (or ``QueryThreads.run``, on native threads) parses, hashes and walks without
     the GIL and holds no Python state the event loop changes, ``result`` turns the lengths into scores."""
 
-    __slots__ = ("call_args", "chunks", "workers", "_pods", "_slots", "_ranks", "_tiers")
+    __slots__ = ("call_args", "chunks", "workers", "_tiers")
 
     def __init__(self, call_args: tuple, workers: CandidateWorkers, tiers: Sequence[Tier | None]) -> None:
         self.call_args = call_args  # _native_index.query's arguments
@@ -214,9 +216,6 @@ class NativeQuery:
         #: block grows with them (the API's bound on a query's time on the event loop)
         self.chunks = workers.chunks
         self.workers = workers  # the candidates' workers, in the order of the lengths ``run`` gives per tier
-        self._pods = workers.pods
-        self._slots = workers.slots  # per pod, per tier: its workers' [start, stop) in that tier's candidate list
-        self._ranks = workers.ranks  # per pod, per tier: the ranks (or masters) of those workers, in that order
         self._tiers = tiers
 
     @property
@@ -250,7 +249,7 @@ class NativeQuery:
             if len(tokens) >= block_size > 0:
                 pre += hasher.hash_block(pre, tokens[:block_size].tolist(),
                                          hasher.block_extra_keys(0, block_size, cache_salt))
-        workers = (kept or KeptCandidates()).of(tiers, pods, with_ranks)
+        workers = kept.of(tiers, pods, with_ranks) if kept is not None else CandidateWorkers(pods, tiers, with_ranks)
         per_tier = [(None, b"") if wids is None else (t.index.table, t.index.table.candidates(wids))
                     for t, wids in zip(tiers, workers.wids)]
         args = (tokens, raw, block_size, pre, hasher.algo.endswith("_cbor"), per_tier)
@@ -265,7 +264,7 @@ class NativeQuery:
         """Per pod, per tier: rank (or master) -> blocks held from block 0 (prepared ``with_ranks``)."""
         lengths = out[2]
         return [[dict(zip(ranks, held[a:b])) for ranks, held, (a, b) in zip(pod_ranks, lengths, pod_slots)]
-                for pod_ranks, pod_slots in zip(self._ranks, self._slots)]
+                for pod_ranks, pod_slots in zip(self.workers.ranks, self.workers.slots)]
 
     def result(self, out: tuple[int, int, list[list[int]]]) -> ScoreResult:
         """Per pod, per tier: the longest run its workers hold, over the request's blocks; and whether the pod
@@ -275,7 +274,7 @@ class NativeQuery:
         n_blocks = n_tokens // self.block_size
         tiers = self._tiers
         scores = []
-        for pod, slots in zip(self._pods, self._slots):
+        for pod, slots in zip(self.workers.pods, self.workers.slots):
             ratios = []
             known = False
             for (a, b), held in zip(slots, lengths):

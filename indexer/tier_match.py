@@ -160,13 +160,13 @@ class NativeTierQuery:
     offloaded (the three L1 stages are then one) and the request has no extra keys. ``native`` runs on
     the caller's thread or the query threads (``QueryThreads.run``); ``result`` reads its answer."""
 
-    __slots__ = ("native", "_l1", "_l3")
+    __slots__ = ("native",)
 
     #: the fleet's workers (every query asks about every pod), kept while the worker tables stand
     _fleet = KeptCandidates()
 
-    def __init__(self, native: NativeQuery, l1: Tier | None, l3: Tier | None) -> None:
-        self.native, self._l1, self._l3 = native, l1, l3
+    def __init__(self, native: NativeQuery) -> None:
+        self.native = native
 
     @classmethod
     def prepare(cls, hasher: BlockHasher, tokens: bytes | memoryview | array, block_size: int, cache_salt: str,
@@ -177,22 +177,21 @@ class NativeTierQuery:
         if lora is not None or mm_features or _offloaded(l1):
             return None
         native = NativeQuery.prepare(hasher, tokens, block_size, cache_salt, None, (l1, l3), True, cls._fleet)
-        return None if native is None else cls(native, l1, l3)
+        return None if native is None else cls(native)
 
     def result(self, out: tuple[int, int, list[list[int]]]) -> TierMatch:
         n_tokens, hashed, (held1, held3) = out
         match = TierMatch(n_tokens // self.native.block_size, hashed)
         ranks, l3 = match.ranks, match.l3
-        with_l1, with_l3 = self._l1 is not None, self._l3 is not None
         w = self.native.workers  # one pass over the pods: every query has all of them (1,000 in a fleet)
-        for pod, ((a, b), (c, d)), (pod_ranks, _) in zip(w.pods, w.slots, w.ranks):
-            if with_l1 and b > a:
+        for pod, ((a, b), (c, d)), (pod_ranks, _) in zip(w.pods, w.slots, w.ranks):  # (a tier None: empty)
+            if b > a:
                 if b - a == 1:  # one rank: the usual
                     if n := held1[a]:
                         ranks[pod] = {pod_ranks[0]: (n, n, n)}
                 elif held := {rank: (n, n, n) for rank, n in zip(pod_ranks, held1[a:b]) if n}:
                     ranks[pod] = held
-            if with_l3 and d > c and (n := max(held3[c:d])):
+            if d > c and (n := max(held3[c:d])):
                 l3[pod] = n
         return match
 
