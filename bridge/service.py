@@ -407,18 +407,21 @@ class Bridge:
         unstored = {pod for pod, rank in self.l1.unstored_removals() if rank is None}
         return self._discovered_pods | self._leaving.keys() | pending | unstored
 
-    def _ranks_removing(self) -> set[tuple[str, int]]:
-        """DP ranks whose removal is pending or not stored yet: kept in the record (a bridge killed now
-        would otherwise take the only knowledge of them along)."""
+    def _ranks_unlisted(self) -> set[tuple[str, int]]:
+        """DP ranks known but not listed: those whose removal is pending or not stored yet, and those of the
+        pods in their grace or whose removal is pending. Kept in the record: a bridge killed (or losing its
+        lease) now would otherwise take the only knowledge of them along, and a pod back with fewer ranks
+        would keep the others indexed for ever."""
         ranks = {(pod, rank) for pod, rank in self.l1.unstored_removals() if rank is not None}
         if self.removals is not None:
             ranks |= {(r.name, r.rank) for r in self.removals.pending.values() if r.kind == "rank"}
-        return ranks
+        ranks |= {(pod, rank) for pod in self._pods_known() - self._discovered_pods for rank in self._ranks.get(pod, ())}
+        return ranks - {(e.pod, e.rank) for e in self._endpoints}
 
     async def _save_pods(self) -> None:
         self._record_stale = False
         await self.targets_record.save(pods=self._pods_known(), endpoints=self._endpoints,
-                                       removing=self._ranks_removing())
+                                       removing=self._ranks_unlisted())
 
     def _removal_stored(self) -> None:
         self._record_stale = True

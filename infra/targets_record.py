@@ -10,6 +10,8 @@ treats what it lists as known, so its first discovery result removes what has go
 DP ranks whose removal is not on the stream yet stay in it (``pods``; ``removing`` for ranks of pods
 still listed): a bridge killed with a removal in flight would otherwise leave them indexed for ever, as
 the next one would not know they were listed (sharded bridges: also removals pending, bridge/removals.py).
+``removing`` also holds the ranks of the pods in their ``ingest.l1.removalGrace``: one back within it
+with fewer ranks, under the next bridge, has the others removed.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ async def read_endpoints(store: RecordsKv) -> list[list] | None:
 
 
 async def read_ranks(store: RecordsKv) -> list[list] | None:
-    """[pod, rank] of every DP rank the active bridge last recorded: listed, or removed with the removal not
-    stored yet; None: no record."""
+    """[pod, rank] of every DP rank the active bridge last recorded: listed, of a pod in its grace, or
+    removed with the removal not stored yet; None: no record."""
     try:
         entry = await (await store()).get(KEY)
     except (KeyNotFoundError, NotFoundError):

@@ -640,6 +640,20 @@ async def test_a_removal_lost_with_a_killed_bridge_is_published_by_the_next_one(
     await _next_bridge_keeps_rank_0(stack, r0, "the rank whose removal was lost removed")
 
 
+async def test_a_pod_in_its_grace_back_with_fewer_ranks_after_a_bridge_change_loses_the_others(stack):
+    """The chaos soak (CHAOS_SEED=3784935789): the DP pod left discovery, and the bridge lost its lease (NATS
+    killed) within the pod's grace; the bridge that led next read the record, which named the pod (in its
+    grace) but not its ranks (only the listed endpoints'). The pod came back with one rank of two within the
+    new grace: nobody knew of the other rank, which stayed indexed for ever. The record keeps the ranks of
+    the pods in their grace too."""
+    stack.cfg.ingest.l1.removalGrace = 60  # (the pod comes back well within it)
+    r0 = await _two_ranks_recorded(stack)
+    await stack.bridge.set_endpoints([])
+    await wait_for(lambda: stack.bridge.targets_record._endpoints == [], 10, "the record written without the pod")
+    await stack.bridge.stop()
+    await _next_bridge_keeps_rank_0(stack, r0, "the rank gone while the pod was in its grace removed")
+
+
 async def test_a_pod_back_with_fewer_ranks_before_its_sharded_removal_was_stored_loses_the_others(nats_url,
                                                                                                  stream_prefix):
     """The chaos soak (sharded, CHAOS_SEED=127): the DP pod's grace ended (its pod_removed pending, the
