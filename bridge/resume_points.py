@@ -116,6 +116,8 @@ class ResumePoints:
         self._moved = asyncio.Event()
         #: a put of the write loop's last write failed: it waits RETRY_AFTER, then tries again
         self._failed = False
+        #: the pods this bridge publishes for (None: every pod; ``publishing_for``)
+        self._mine: set[str] | None = None
         self._warn = ThrottledWarning(log)
 
     def start(self) -> None:
@@ -128,10 +130,31 @@ class ResumePoints:
             self._task = None
         await self.write()
 
+    def publishing_for(self, pods: set[str] | None) -> None:
+        """The pods this bridge publishes for from now on (None: every pod; a sharded bridge's shards, none
+        for a bridge that lost its lease). What it knew of the others goes, and it writes their records no
+        more: the bridge that publishes for them now does, and a write of this one's (an ack of a batch in
+        flight when the pod moved, stored late) would put back the positions and removal marks of before
+        (the chaos soak, sharded, CHAOS_SEED=421964534: a rank's removal undone, its retired generation
+        resumed). A pod it publishes for again is taken from the record (``load``)."""
+        self._mine = None if pods is None else set(pods)
+        if pods is None:
+            return
+        for pod in [p for p in {*self._positions, *self._dirty, *self._urgent} if p not in pods]:
+            self._positions.pop(pod, None)
+            self._dirty.discard(pod)
+            self._urgent.discard(pod)
+        self._written = {key: at for key, at in self._written.items() if key[0] in pods}
+
+    def _publishes_for(self, pod: str) -> bool:
+        return self._mine is None or pod in self._mine
+
     def update(self, pod: str, rank: int, pos: Position) -> None:
         """A position the stream acknowledged (called from the publisher's ack handler)."""
         if pos.gen <= self.retired(pod, rank):
             return  # a late ack of a pod (or rank) since removed
+        if not self._publishes_for(pod):
+            return  # a late ack of a pod another bridge publishes for now
         ranks = self._positions.setdefault(pod, {})
         old = ranks.get(rank)
         # by generation and seq, not by stream sequence: acks come out of order (a retry), and the prefix a
@@ -152,7 +175,9 @@ class ResumePoints:
 
     async def load(self, pod: str) -> dict[int, Position] | None:
         """The positions last recorded for the pod's ranks on this stream (a rank without one is absent);
-        None when the pod has no record here, or it cannot be read."""
+        None when the pod has no record here, or it cannot be read. The bridge publishes for the pod (again)."""
+        if self._mine is not None:
+            self._mine.add(pod)
         try:
             entry = await (await self._store()).get(record_key(pod))
             record = msgpack.unpackb(entry.value, strict_map_key=False) if entry.value else {}
@@ -266,6 +291,8 @@ class ResumePoints:
             return
         writes = []
         for pod in pods:
+            if not self._publishes_for(pod):
+                continue
             ranks = self._positions.get(pod) or {}
             record = {"pod": pod, "stream": self.stream_id, "ranks": {
                 rank: [p.gen, p.seq, p.epoch, p.ts, p.stream_seq] for rank, p in ranks.items()}}
@@ -296,13 +323,13 @@ class ResumePoints:
         """Records NATS did not take: tried again after RETRY_AFTER, not only at the next ack (an idle
         worker has none) or the interval."""
         self._failed = True
-        self._urgent.update(pods)
+        self._urgent.update(pod for pod in pods if self._publishes_for(pod))
         self._due.set()
         self._again(*pods)
 
     def _again(self, *pods: str) -> None:
         """Records not written: tried again by the write loop (woken, if it sleeps for want of any)."""
-        self._dirty.update(pods)
+        self._dirty.update(pod for pod in pods if self._publishes_for(pod))
         self._moved.set()
 
     async def _write_loop(self) -> None:
