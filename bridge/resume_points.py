@@ -30,6 +30,11 @@ A record of another incarnation of the stream (one recreated since) is ignored. 
 up to it are retired, and a later bridge resumes none of them, also where the stream's last message on
 the worker's subject is one of theirs stored after the removal (a retry) and the removal itself was
 purged since (a snapshot), which the stream alone can no longer tell.
+
+Several bridges write a pod's record over time (sharded ones as its shard moves, leaders one after the
+other), and one that lost the pod may still get acks of its batches in flight, and write. A record is
+therefore written on the revision its writer last read or wrote (``_write_pod``): a write over another
+bridge's is refused, and the writer merges that record in first.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import logging
 from dataclasses import dataclass
 
 import msgpack
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from cache_indexer.infra.streams import RecordsKv, subject_token
 from cache_indexer.infra.tasks import cancel_and_wait
@@ -70,6 +75,9 @@ RECORD_LAG_MAX = 64
 #: After a failed write, when the write loop tries again (and the earliest it writes at once again: a
 #: refusing NATS would otherwise get a put per ack).
 RETRY_AFTER = 1.0
+#: How many times a write of a record another bridge keeps writing is read, merged and tried again before
+#: it waits for the write loop's next round.
+MERGE_TRIES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +124,8 @@ class ResumePoints:
         self._moved = asyncio.Event()
         #: a put of the write loop's last write failed: it waits RETRY_AFTER, then tries again
         self._failed = False
-        #: the pods this bridge publishes for (None: every pod; ``publishing_for``)
-        self._mine: set[str] | None = None
+        #: the revision of each pod's record as this bridge last wrote or read it (``_write_pod``)
+        self._revision: dict[str, int] = {}
         self._warn = ThrottledWarning(log)
 
     def start(self) -> None:
@@ -130,31 +138,10 @@ class ResumePoints:
             self._task = None
         await self.write()
 
-    def publishing_for(self, pods: set[str] | None) -> None:
-        """The pods this bridge publishes for from now on (None: every pod; a sharded bridge's shards, none
-        for a bridge that lost its lease). What it knew of the others goes, and it writes their records no
-        more: the bridge that publishes for them now does, and a write of this one's (an ack of a batch in
-        flight when the pod moved, stored late) would put back the positions and removal marks of before
-        (the chaos soak, sharded, CHAOS_SEED=421964534: a rank's removal undone, its retired generation
-        resumed). A pod it publishes for again is taken from the record (``load``)."""
-        self._mine = None if pods is None else set(pods)
-        if pods is None:
-            return
-        for pod in [p for p in {*self._positions, *self._dirty, *self._urgent} if p not in pods]:
-            self._positions.pop(pod, None)
-            self._dirty.discard(pod)
-            self._urgent.discard(pod)
-        self._written = {key: at for key, at in self._written.items() if key[0] in pods}
-
-    def _publishes_for(self, pod: str) -> bool:
-        return self._mine is None or pod in self._mine
-
     def update(self, pod: str, rank: int, pos: Position) -> None:
         """A position the stream acknowledged (called from the publisher's ack handler)."""
         if pos.gen <= self.retired(pod, rank):
             return  # a late ack of a pod (or rank) since removed
-        if not self._publishes_for(pod):
-            return  # a late ack of a pod another bridge publishes for now
         ranks = self._positions.setdefault(pod, {})
         old = ranks.get(rank)
         # by generation and seq, not by stream sequence: acks come out of order (a retry), and the prefix a
@@ -175,17 +162,28 @@ class ResumePoints:
 
     async def load(self, pod: str) -> dict[int, Position] | None:
         """The positions last recorded for the pod's ranks on this stream (a rank without one is absent);
-        None when the pod has no record here, or it cannot be read. The bridge publishes for the pod (again)."""
-        if self._mine is not None:
-            self._mine.add(pod)
+        None when the pod has no record here, or it cannot be read."""
         try:
-            entry = await (await self._store()).get(record_key(pod))
-            record = msgpack.unpackb(entry.value, strict_map_key=False) if entry.value else {}
-        except (KeyNotFoundError, NotFoundError):
-            return None
+            record = await self._read(await self._store(), pod)
         except Exception as exc:  # unreadable: the stream's last message alone decides, as before records
             self._warn("resume record of %s unreadable (%s)", pod, exc)
             return None
+        return self._take(pod, record)
+
+    async def _read(self, kv, pod: str) -> dict | None:
+        """The pod's record as stored (None: none), its revision noted: this bridge's next write of it is
+        made on that revision."""
+        try:
+            entry = await kv.get(record_key(pod))
+        except (KeyNotFoundError, NotFoundError):
+            self._revision.pop(pod, None)
+            return None
+        self._revision[pod] = entry.revision
+        return msgpack.unpackb(entry.value, strict_map_key=False) if entry.value else {}
+
+    def _take(self, pod: str, record: dict | None) -> dict[int, Position] | None:
+        """What a record holds becomes this bridge's own: its removal marks, and its positions on this
+        stream (returned)."""
         if not isinstance(record, dict) or record.get("pod") != pod:
             return None
         self._adopt_retired(pod, record)
@@ -218,6 +216,9 @@ class ResumePoints:
             mine = self._forgotten_ranks.setdefault(pod, {})
             if gen > mine.get(rank, -1):
                 mine[rank] = gen
+        known = self._positions.get(pod, {})
+        for rank in [r for r, pos in known.items() if pos.gen <= self.retired(pod, r)]:
+            del known[rank]  # another bridge removed it since this one saw it acked
 
     def retired(self, pod: str, rank: int) -> int:
         """The newest generation of the worker a removal retired (-1: none known): never resumed."""
@@ -289,47 +290,76 @@ class ResumePoints:
             self._retry(*pods)
             self._warn("resume records not written (%s)", exc)
             return
-        writes = []
-        for pod in pods:
-            if not self._publishes_for(pod):
-                continue
-            ranks = self._positions.get(pod) or {}
-            record = {"pod": pod, "stream": self.stream_id, "ranks": {
-                rank: [p.gen, p.seq, p.epoch, p.ts, p.stream_seq] for rank, p in ranks.items()}}
-            if pod in self._forgotten:
-                record["retired"] = self._forgotten[pod]
-            if self._forgotten_ranks.get(pod):
-                record["retiredRanks"] = dict(self._forgotten_ranks[pod])
-            if not ranks and len(record) == 3:
-                continue
-            # counted as written from now: the acks that come during the write wait for the next RECORD_LAG_MAX
-            self._written.update(((pod, r), (p.gen, p.seq)) for r, p in ranks.items())
-            writes.append(self._put(kv, pod, msgpack.packb(record), list(ranks)))
+        writes = [self._write_pod(kv, pod) for pod in pods]
         if len(writes) == 1:
             await writes[0]
         elif writes:
             await asyncio.gather(*writes)
 
-    async def _put(self, kv, pod: str, value: bytes, ranks: list[int]) -> None:
-        try:
-            await kv.put(record_key(pod), value)
-        except Exception as exc:
-            for rank in ranks:  # not written after all: the next ack asks for a write at once
-                self._written.pop((pod, rank), None)
-            self._retry(pod)
-            self._warn("resume record of %s not written (%s)", pod, exc)
+    def _record(self, pod: str) -> tuple[bytes, dict[int, Position]] | None:
+        """The pod's record as this bridge knows it (None: nothing to write), and the ranks it names."""
+        ranks = {rank: p for rank, p in (self._positions.get(pod) or {}).items() if p.gen > self.retired(pod, rank)}
+        record = {"pod": pod, "stream": self.stream_id, "ranks": {
+            rank: [p.gen, p.seq, p.epoch, p.ts, p.stream_seq] for rank, p in ranks.items()}}
+        if pod in self._forgotten:
+            record["retired"] = self._forgotten[pod]
+        if self._forgotten_ranks.get(pod):
+            record["retiredRanks"] = dict(self._forgotten_ranks[pod])
+        if not ranks and len(record) == 3:
+            return None
+        return msgpack.packb(record), ranks
+
+    async def _write_pod(self, kv, pod: str) -> None:
+        """The pod's record written on the revision this bridge last wrote or read. Another bridge may have
+        written it since: one the pod's shard moved to, or the next leader, while acks of batches in flight
+        still reach this one. Written over, its removal marks and newer positions would be lost, and a
+        retired generation resumed from the record (the chaos soak, sharded, CHAOS_SEED=421964534). So a
+        write on an older revision is refused; the record is read, what it holds merged in (marks and
+        positions only move forwards: ``_take``), and written again."""
+        for _ in range(MERGE_TRIES):
+            built = self._record(pod)
+            if built is None:
+                return
+            value, ranks = built
+            # counted as written from now: the acks that come during the write wait for the next RECORD_LAG_MAX
+            self._written.update(((pod, r), (p.gen, p.seq)) for r, p in ranks.items())
+            try:
+                revision = self._revision.get(pod)
+                self._revision[pod] = await (kv.create(record_key(pod), value) if revision is None else
+                                             kv.update(record_key(pod), value, last=revision))
+                return
+            except KeyWrongLastSequenceError:
+                self._drop_written(pod, ranks)
+                try:
+                    self._take(pod, await self._read(kv, pod))
+                except Exception as exc:
+                    self._not_written(pod, exc)
+                    return
+            except Exception as exc:
+                self._drop_written(pod, ranks)
+                self._not_written(pod, exc)
+                return
+        self._not_written(pod, f"written by another bridge {MERGE_TRIES} times while this one merged it")
+
+    def _drop_written(self, pod: str, ranks: dict[int, Position]) -> None:
+        for rank in ranks:  # not written after all: the next ack asks for a write at once
+            self._written.pop((pod, rank), None)
+
+    def _not_written(self, pod: str, why) -> None:
+        self._retry(pod)
+        self._warn("resume record of %s not written (%s)", pod, why)
 
     def _retry(self, *pods: str) -> None:
         """Records NATS did not take: tried again after RETRY_AFTER, not only at the next ack (an idle
         worker has none) or the interval."""
         self._failed = True
-        self._urgent.update(pod for pod in pods if self._publishes_for(pod))
+        self._urgent.update(pods)
         self._due.set()
         self._again(*pods)
 
     def _again(self, *pods: str) -> None:
         """Records not written: tried again by the write loop (woken, if it sleeps for want of any)."""
-        self._dirty.update(pod for pod in pods if self._publishes_for(pod))
+        self._dirty.update(pods)
         self._moved.set()
 
     async def _write_loop(self) -> None:

@@ -172,7 +172,6 @@ class Bridge:
                                       self._on_owned, metrics=self.metrics)
             self.removals = PendingRemovals(js, self.cfg.nats, self.l1, self.l3, lambda s: s in self.shards.owned,
                                             check_every=ttl / 4, publish_every=ttl)
-            self.resume_points.publishing_for(set())  # its shards' pods, as it takes them (_on_owned)
             self.shards.start()
             self.metrics.bridge_leader.set(1)  # every bridge is active, for its share
             await self._start_sources()
@@ -204,10 +203,8 @@ class Bridge:
             self.metrics.bridge_leader.set(1 if self.lease.is_leader else 0)
             try:
                 if self.lease.is_leader:
-                    self.resume_points.publishing_for(None)
                     await self._start_sources()
-                else:  # the next leader writes the resume records now (ResumePoints.publishing_for)
-                    self.resume_points.publishing_for(set())
+                else:
                     await self._stop_sources()
             except Exception:  # this loop must outlive any one change, or leadership is no longer followed
                 self.metrics.task_errors.labels("bridge-lease").inc()
@@ -498,9 +495,7 @@ class Bridge:
 
     async def _on_owned(self, owned: set[str]) -> None:
         """The shards this bridge holds changed: follow them (what moved away is stopped before its
-        lease is released; what arrived resumes from the stream); the resume records of the pods that moved
-        away are the new holders' to write."""
-        self.resume_points.publishing_for({shard[len(POD):] for shard in owned if shard.startswith(POD)})
+        lease is released; what arrived resumes from the stream)."""
         await self._subscribe_to(self._mine(self._endpoints))
         await self._poll(self._mine_masters(self._masters))
 
@@ -659,8 +654,7 @@ class Bridge:
         if self._restoring:
             await cancel_and_wait(self._restoring)
         await self._stop_sources()  # (the subscriptions' retry with them)
-        # the last acks and resume records before the leases go: written after, they would overwrite what
-        # the next holder has written by then
+        # the last acks and resume records before the leases go: the next holder resumes from them
         if self.publisher:
             await self.publisher.flush(5.0)
         if self.resume_points is not None:

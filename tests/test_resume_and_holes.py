@@ -541,14 +541,15 @@ async def test_a_busy_pods_write_at_once_leaves_the_other_pods_to_the_interval()
     assert _recorded_ranks(kv, quiet)[0][1] == 1, "written at the stop"
 
 
-async def test_a_bridge_that_no_longer_publishes_for_a_pod_never_writes_its_record_again(nats_url, stream_prefix):
+async def test_a_bridge_that_lost_a_pod_never_writes_its_record_back_over_the_next_holders(nats_url, stream_prefix):
     """The chaos soak (sharded, CHAOS_SEED=421964534): the DP pod's shard moved from bridge A to bridge B,
     and acks of A's batches still in flight reached A afterwards. B removed a rank (its record then kept the
     removal's mark); A's write loop then wrote the pod's record from what A knew, the positions of before
     and no mark. After the NATS restart A held the shard again, read its own record back and resumed the
-    retired generation: the indexers dropped it as stale, and the rank stayed empty for ever. A bridge now
-    writes only the records of the pods it publishes for; it takes a pod back from the record. Two bridges'
-    resume points on one records bucket of a real nats-server."""
+    retired generation: the indexers dropped it as stale, and the rank stayed empty for ever. A record is
+    now written on the revision its writer last saw: A's write is refused, A reads B's record, takes its
+    marks and newer positions, and writes what they make together. Two bridges' resume points on one
+    records bucket of a real nats-server."""
     import nats
 
     from cache_indexer.bridge.resume_points import Position, ResumePoints
@@ -559,27 +560,25 @@ async def test_a_bridge_that_no_longer_publishes_for_a_pod_never_writes_its_reco
         js = nc.jetstream()
         a, b = ResumePoints(js, bucket, interval=3600), ResumePoints(js, bucket, interval=3600)
         a.stream_id = b.stream_id = "s"
-        a.publishing_for(set())  # sharded: A publishes for the pods whose shards it holds
-        await a.load(pod)  # A subscribes to the pod's ranks: it publishes for it
         a.update(pod, 0, Position(5, 240, "-", 1.0, 1340))
         a.update(pod, 1, Position(5, 316, "-", 1.0, 1341))
         await a.write()
-        a.publishing_for(set())  # the shard moved to B
-        b.publishing_for({pod})
-        assert set(await b.load(pod)) == {0, 1}
+        assert set(await b.load(pod)) == {0, 1}  # the shard moved to B
         b.update(pod, 0, Position(5, 600, "-", 2.0, 2579))
         await b.forget_rank(pod, 1, before=9)  # rank 1 removed by B: generations up to 8 retired
         a.update(pod, 1, Position(5, 317, "-", 1.1, 1342))  # late acks of A's batches in flight at the move
         a.update(pod, 0, Position(5, 241, "-", 1.1, 1343))
-        a._retry(pod)  # (as a failed put would)
         await a.write()
         kv = await js.key_value(bucket)
         record = msgpack.unpackb((await kv.get(record_key(pod))).value, strict_map_key=False)
-        assert record["retiredRanks"] == {1: 8}, "the removal's mark B wrote is kept"
-        assert record["ranks"][0][1] == 600 and 1 not in record["ranks"], "B's positions are kept"
-        assert a.own(pod, 1) is None, "A forgot what it knew of the pod"
-        a.publishing_for({pod})  # the shard back at A: what it knows is the record's
-        assert await a.load(pod) == {0: Position(5, 600, "-", 2.0, 2579)}
+        assert record.get("retiredRanks") == {1: 8}, "the removal's mark B wrote is kept"
+        assert record["ranks"][0][1] == 600 and 1 not in record["ranks"], "B's newer positions are kept"
+        assert a.own(pod, 1) is None and a.own(pod, 0).seq == 600, "A took B's record"
+        assert await a.load(pod) == {0: Position(5, 600, "-", 2.0, 2579)}  # the shard back at A
         assert a.retired(pod, 1) == 8
+        b.update(pod, 0, Position(5, 601, "-", 2.1, 2600))  # B, still writing on the revision it last saw
+        await b.write()
+        record = msgpack.unpackb((await kv.get(record_key(pod))).value, strict_map_key=False)
+        assert record["ranks"][0][1] == 601 and record.get("retiredRanks") == {1: 8}
     finally:
         await nc.close()

@@ -54,7 +54,7 @@ import msgpack
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from cache_indexer.bridge.endpoint import Endpoint
 from cache_indexer.bridge.l1_publisher import L1Publisher
@@ -127,16 +127,35 @@ class InFlight:
 
 
 class MemoryKV:
+    """A KV bucket as the bridge uses it, in memory: get, put, create, and update on a revision (JetStream's
+    expected last subject sequence)."""
+
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
+        self.revisions: dict[str, int] = {}
+        self.last = 0
 
     async def get(self, key: str):
         if key not in self.data:
             raise KeyNotFoundError()
-        return SimpleNamespace(value=self.data[key])
+        return SimpleNamespace(value=self.data[key], revision=self.revisions[key])
 
-    async def put(self, key: str, value: bytes) -> None:
-        self.data[key] = value
+    async def put(self, key: str, value: bytes) -> int:
+        self.last += 1
+        self.data[key], self.revisions[key] = value, self.last
+        return self.last
+
+    async def create(self, key: str, value: bytes) -> int:
+        if key in self.data:
+            raise KeyWrongLastSequenceError()
+        await self.put(key, value)
+        return self.revisions[key]
+
+    async def update(self, key: str, value: bytes, last: int) -> int:
+        if key not in self.data or self.revisions[key] != last:
+            raise KeyWrongLastSequenceError()
+        await self.put(key, value)
+        return self.revisions[key]
 
     async def delete(self, key: str) -> None:
         self.data.pop(key, None)
@@ -281,6 +300,9 @@ class Sequencing(RuleBasedStateMachine):
         self.restarted: set[tuple[str, int]] = set()
         self.chains = itertools.count(1)
         self.quiet_points = 0
+        #: bridges replaced while they lived on (bridge_replaced, ``lingering``), with the acks that reach them
+        #: late: their records write to come
+        self.lingering: list[tuple[Bridge, list]] = []
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -488,13 +510,17 @@ class Sequencing(RuleBasedStateMachine):
         while self.bridge.flight.pending:
             self.stored_late(rng.randrange(1 << 20) if rng else 0, False)
 
-    def _store_now(self, keep) -> None:
-        """Store the messages in flight that ``keep`` picks, in order."""
+    def _store_now(self, keep, late_acks: list | None = None) -> None:
+        """Store the messages in flight that ``keep`` picks, in order; their acks into ``late_acks`` (to come
+        later) where given."""
         for entry in [e for e in self.bridge.flight.pending if keep(e)]:
             self.bridge.flight.pending.remove(entry)
             seq = self.stream.store(entry[0], entry[1], entry[2], self.now)
             if entry[3] is not None:
-                entry[3](seq)
+                if late_acks is None:
+                    entry[3](seq)
+                else:
+                    late_acks.append((entry[3], seq))
 
     # -- the bridge ----------------------------------------------------------------------------------
     @rule()
@@ -509,10 +535,13 @@ class Sequencing(RuleBasedStateMachine):
         record = self.kv.data.get(record_key(pod))
         return set(msgpack.unpackb(record, strict_map_key=False)["ranks"]) if record else set()
 
-    @rule(graceful=st.booleans(), records_first=st.booleans(), upgrade=st.booleans())
-    def bridge_replaced(self, graceful, records_first, upgrade):
+    @rule(graceful=st.booleans(), records_first=st.booleans(), upgrade=st.booleans(), lingering=st.booleans())
+    def bridge_replaced(self, graceful, records_first, upgrade, lingering=False):
         """kill -9 (what is in flight, and resume points not written yet, are lost; maybe right after a
-        write of them), or SIGTERM or a standby taking over after a clean stop. ``upgrade``: the bridge
+        write of them), or SIGTERM or a standby taking over after a clean stop. ``lingering``: not killed, it
+        lost its lease (a NATS outage) or its pods' shards, and lives on: what it had in flight is lost to
+        it as to a killed one, but it writes its records later (``lingering_bridge_writes``), after the next
+        bridge has moved on. ``upgrade``: the bridge
         replaced is a version from before the resume records (it kept none), stopped by the rolling update,
         so the new one resumes every worker from the stream's last message, and publishes the engine's
         buffer up to it again. Around a removal too: the new bridge subscribes to what discovery lists; a
@@ -525,6 +554,7 @@ class Sequencing(RuleBasedStateMachine):
         # where nothing is refused.
         upgrade = upgrade and not self.refusals
         graceful = graceful or upgrade
+        late: list = []  # acks that reach a lingering bridge after the handover
         if records_first:
             self.records_written()
         if not graceful:
@@ -547,7 +577,8 @@ class Sequencing(RuleBasedStateMachine):
             self._store_now(lambda e: _worker(e[2]) in new and int(e[2]["Kv-Gen"]) >= new[_worker(e[2])]
                             or e[2]["Kv-Type"] == "rank_removed"
                             or ":removed:after:" in e[2]["Nats-Msg-Id"]
-                            or e[2]["Kv-Pod"] not in self.present and _worker(e[2]) is not None)
+                            or e[2]["Kv-Pod"] not in self.present and _worker(e[2]) is not None,
+                            late_acks=late if lingering else None)
             new_pods = {pod for pod, _ in new}
             later, resume._dirty = resume._dirty - new_pods, resume._dirty & new_pods
             self.run(resume.write())
@@ -566,6 +597,11 @@ class Sequencing(RuleBasedStateMachine):
             self.recorded.clear()
         self.resets.update(self.bridge.resets())
         old = self.bridge
+        if lingering and not graceful:
+            self.lingering.append((old, late))
+        else:
+            for on_stored, seq in late:
+                on_stored(seq)
         self.bridge = Bridge(self.stream, self.kv, old.max_batches)
         for key, seq in old.seqs.items():  # judged from the model's own KV and stream, not the code's
             if seq.gen is not None and not self.checkable_position(key) and (
@@ -584,6 +620,18 @@ class Sequencing(RuleBasedStateMachine):
             if headers["Kv-Type"] == "pod_removed" and pod not in self.present:
                 self.away.add(pod)
         self.run(self.bridge.quiet())
+
+    @precondition(lambda self: self.lingering)
+    @rule()
+    def lingering_bridge_writes(self):
+        """A bridge replaced while it lived on writes its resume records (its write loop's interval, or a
+        failed write tried again), from what it knew and from the acks that reached it: it must not undo
+        what the bridges after it wrote (the chaos soak, sharded, CHAOS_SEED=421964534: a rank's removal
+        mark overwritten, and the retired generation resumed)."""
+        old, late = self.lingering.pop(0)
+        for on_stored, seq in late:
+            on_stored(seq)
+        self.run(old.resume.write())
 
     def checkable_position(self, key: tuple[str, int]) -> bool:
         """Whether a new subscription can know where the engine stands, and check it is the same engine
@@ -1135,6 +1183,28 @@ def test_an_older_generation_left_last_behind_a_purge_is_not_resumed_by_an_upgra
         m.stored_batches_newest_first()
         m.snapshot_and_purge(keep=1)
         m.bridge_replaced(graceful=False, records_first=False, upgrade=True)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_a_bridge_replaced_while_it_lived_on_never_undoes_a_removal_in_the_records():
+    """The chaos soak (sharded, CHAOS_SEED=421964534) in the model: a bridge lost the pod (its shard moved,
+    or its lease in a NATS outage) and lived on; the next one removed a DP rank of it (the record kept the
+    removal's mark), and a purge took the removal from the stream. The first bridge then wrote its records
+    from what it knew: the rank's old position back, the mark gone. The rank listed again under a later
+    bridge resumed the retired generation, which the indexers drop as stale: the rank stayed empty. A
+    bridge writes only the records of the pods it publishes for (``ResumePoints.publishing_for``)."""
+    m = Sequencing()
+    try:
+        m.engine_bursts(2, 3)  # WORKERS[2] (10.0.0.2 rank 1): acked to the bridge after it lost the pod
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=False, lingering=True)
+        m.rank_leaves(1)  # removed by the next bridge
+        m.store_all()
+        m.snapshot_and_purge(0)
+        m.lingering_bridge_writes()
+        m.bridge_replaced(graceful=True, records_first=False, upgrade=False)
+        m.rank_returns(0, "quiet")
         m.at_a_quiet_point_the_index_is_the_engines_truth()
     finally:
         m.loop.close()
