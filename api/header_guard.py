@@ -65,6 +65,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
         # the fast path's state (api/fast_path.py)
         self._buf = b""  # from the start of the request not yet answered
         self._head: Head | None = None  # that request's head, once parsed
+        self._head_at = 0.0  # when it was (time.perf_counter)
         self._parts: list[bytes] = []  # what came of its body after the buffer
         self._have = 0  # the buffer's bytes and its parts'
         self._reserved = 0  # bytes of the body budget held while its body comes in parts
@@ -219,6 +220,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
                     self.transport.close()
                 return
             self._disarm()
+            self._head_at = time.perf_counter()  # its latency counts from here, as aiohttp's handler's does
             head = self._head = parse_head(buf, end + 4, self.guard.fast_routes, self.guard.max_body)
             if head is None:
                 self._to_aiohttp()
@@ -238,7 +240,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
             return
         self._end_wait()
         self._release()
-        started = time.perf_counter()
+        started = self._head_at
         try:
             answer = head.route.answer(buf[head.body_start:head.body_end])
         except Exception:  # aiohttp's handler answers it again, and logs the failure where it fails there
@@ -367,7 +369,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
                            self.transport.get_extra_info("peername"), message)
         self._release()
         self.transport.write(response(408, head.route.refuse(408, message), close=True))
-        head.route.count(408, time.perf_counter())
+        head.route.count(408, self._head_at)
         self._buf, self._head = b"", None
         self._parts.clear()
         self._discarding = True

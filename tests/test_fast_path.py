@@ -251,6 +251,8 @@ async def test_a_body_that_stops_coming_gets_408_in_the_routes_shape_and_is_coun
         assert status == 408 and 0.4 < time.monotonic() - t < 3 and shape in answer, answer
         assert await reader.read() == b""  # closed after it
         assert answered(metrics, path, 408) == 1 and app[BODY_BUDGET].used == 0
+        waited = metrics.http_latency.labels(path, "408")._sum.get()
+        assert 0.4 < waited < 3, f"its latency counts from its head, as aiohttp's does ({waited:.3f}s)"
         assert "refused (408)" in caplog.text
         writer.close()
 
