@@ -93,6 +93,12 @@ class Position:
     #: publishes the engine's buffer up to it again, and those acks record it)
     tail_checked: bool = True
 
+    def after(self, other: "Position") -> bool:
+        """Whether this position is past ``other``: by generation (a newer one is a later wall clock), then
+        seq; not by stream sequence alone, as acks come out of order (a retry) and a batch of an older
+        generation may be stored after a newer one's (another bridge's retry)."""
+        return (self.gen, self.seq, self.stream_seq) > (other.gen, other.seq, other.stream_seq)
+
 
 def record_key(pod: str) -> str:
     return KEY_PREFIX + subject_token(pod)
@@ -147,7 +153,7 @@ class ResumePoints:
         # by generation and seq, not by stream sequence: acks come out of order (a retry), and the prefix a
         # late ack completes ends in a message the stream stored before the one that moved it last (it stuck
         # at a generation's reset, whose missing timestamp then made the next bridge start a new one)
-        if old is None or (pos.gen, pos.seq, pos.stream_seq) > (old.gen, old.seq, old.stream_seq):
+        if old is None or pos.after(old):
             ranks[rank] = pos
             self._dirty.add(pod)
             self._moved.set()
@@ -238,7 +244,7 @@ class ResumePoints:
             if pos.gen <= max(forgotten, self._forgotten_ranks.get(pod, {}).get(rank, -1)):
                 continue
             old = ranks.get(rank)
-            if old is None or pos.stream_seq > old.stream_seq:
+            if old is None or pos.after(old):  # (another bridge's record merged in: what it names may be older)
                 ranks[rank] = pos
 
     async def forget_rank(self, pod: str, rank: int, before: int = -1) -> None:
@@ -331,11 +337,23 @@ class ResumePoints:
             except KeyWrongLastSequenceError:
                 self._drop_written(pod, ranks)
                 try:
-                    self._take(pod, await self._read(kv, pod))
+                    record = await self._read(kv, pod)
                 except Exception as exc:
                     self._not_written(pod, exc)
                     return
+                self._take(pod, record)
+                theirs = record.get("stream") if isinstance(record, dict) else None
+                if isinstance(theirs, str) and self.stream_id and theirs > self.stream_id:
+                    # written on a newer incarnation of the stream (recreated since): what this bridge knows
+                    # of the pod's positions is of the old one; the record stays as the newer writer left it
+                    log.info("resume record of %s is of a newer incarnation of the stream (%s, not %s): "
+                             "not written over", pod, theirs, self.stream_id)
+                    self._positions.pop(pod, None)
+                    return
             except Exception as exc:
+                # (what the bucket holds is unknown now, even which revisions it numbers: one recreated counts
+                # from 1 again, and a write on a revision remembered from before could land blind)
+                self._revision.pop(pod, None)
                 self._drop_written(pod, ranks)
                 self._not_written(pod, exc)
                 return

@@ -582,3 +582,36 @@ async def test_a_bridge_that_lost_a_pod_never_writes_its_record_back_over_the_ne
         assert record["ranks"][0][1] == 601 and record.get("retiredRanks") == {1: 8}
     finally:
         await nc.close()
+
+
+async def test_a_late_ack_of_an_older_generation_never_takes_the_record_back_to_it(nats_url, stream_prefix):
+    """From a review of the merged write: bridge B took the pod and started a new generation (no removal);
+    a batch of A's older one, a retry, was stored after B's reset and its ack reached A. Merged by stream
+    sequence alone, A's write put the older generation back into the record, and B's next merge took it
+    too: with the worker idle, that batch the subject's last message, the next bridge would resume the
+    generation the indexers had left behind. Positions are ordered by generation, then seq."""
+    import nats
+
+    from cache_indexer.bridge.resume_points import Position, ResumePoints
+
+    pod, bucket = "127.0.0.91", f"{stream_prefix}_META"
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        a, b = ResumePoints(js, bucket, interval=3600), ResumePoints(js, bucket, interval=3600)
+        a.stream_id = b.stream_id = "s"
+        a.update(pod, 0, Position(1000, 100, "-", 1.0, 10))
+        await a.write()
+        await b.load(pod)
+        b.update(pod, 0, Position(2000, 4, "-", None, 20))  # B's new generation (its reset and replay)
+        await b.write()
+        a.update(pod, 0, Position(1000, 101, "-", 1.1, 21))  # A's retry, stored after B's messages
+        await a.write()
+        kv = await js.key_value(bucket)
+        record = msgpack.unpackb((await kv.get(record_key(pod))).value, strict_map_key=False)
+        assert record["ranks"][0][:2] == [2000, 4], "the newer generation stays recorded"
+        b.update(pod, 0, Position(2000, 5, "-", 2.0, 22))
+        await b.write()
+        assert b.own(pod, 0).gen == 2000 and (await a.load(pod))[0].gen == 2000
+    finally:
+        await nc.close()

@@ -1194,7 +1194,9 @@ def test_a_bridge_replaced_while_it_lived_on_never_undoes_a_removal_in_the_recor
     removal's mark), and a purge took the removal from the stream. The first bridge then wrote its records
     from what it knew: the rank's old position back, the mark gone. The rank listed again under a later
     bridge resumed the retired generation, which the indexers drop as stale: the rank stayed empty. A
-    bridge writes only the records of the pods it publishes for (``ResumePoints.publishing_for``)."""
+    record is written on the revision its writer last saw, else read and merged first. (The model stores a
+    lingering bridge's messages at the hand-over and only delays their acks: one of its batches stored after
+    the next bridge's messages is tests/test_resume_and_holes.py's.)"""
     m = Sequencing()
     try:
         m.engine_bursts(2, 3)  # WORKERS[2] (10.0.0.2 rank 1): acked to the bridge after it lost the pod
