@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 
 LINGER_SECONDS = 2.0
+#: set on each request that reached the middlewares (the application counts it; api/server.py counts those
+#: aiohttp refused before)
+ROUTED = web.RequestKey("routed", bool) if hasattr(web, "RequestKey") else "cache_indexer.routed"  # (aiohttp < 3.12)
 _TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n"
               b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s")
 
@@ -410,6 +413,7 @@ class HeaderGuard:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
+        request[ROUTED] = True
         wrapper = self.connections.get(request.protocol)
         if wrapper is None:
             return await handler(request)

@@ -5,14 +5,29 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
 from cache_indexer.api.fast_path import FAST_ROUTES
-from cache_indexer.api.header_guard import HeaderGuard
+from cache_indexer.api.header_guard import ROUTED, HeaderGuard
 from cache_indexer.api.request_body import BODY_BUDGET
 from cache_indexer.infra.loop_lag import LoopLagMonitor
 from cache_indexer.schemas.config import HttpConfig
 
 log = logging.getLogger(__name__)
+
+
+def _counting_refusals(metrics) -> type[AbstractAccessLogger]:
+    """An access "logger" that logs nothing (aiohttp's own log says why it refused a request) but counts,
+    in ``http_requests_total{path="other"}``, the requests aiohttp answered before any middleware ran:
+    those its parser refused (a malformed request line or header, one over its line and field limits)."""
+
+    class CountRefusals(AbstractAccessLogger):
+        def log(self, request, response, time: float) -> None:
+            if ROUTED not in request:
+                metrics.http_requests.labels("other", str(response.status)).inc()
+                metrics.http_latency.labels("other", str(response.status)).observe(time)
+
+    return CountRefusals
 
 
 class HttpServer:
@@ -32,7 +47,8 @@ class HttpServer:
             keepalive_timeout=cfg.idleTimeout,
             max_line_size=cfg.maxHeaderBytes,
             max_field_size=cfg.maxHeaderBytes,
-            access_log=None,
+            access_log=log if metrics is not None else None,
+            access_log_class=_counting_refusals(metrics) if metrics is not None else web.AccessLogger,
             # a body answered before its end (413, 408, 400) is not read on: the connection closes after
             # the answer. aiohttp's lingering close read up to 10 s more of it, inflating a compressed one
             # on the loop, and held a stalled sender's connection (and the shutdown) that long

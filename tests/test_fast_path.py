@@ -24,6 +24,7 @@ from cache_indexer.indexer.l1_state import L1State
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.schemas.block_hash import BlockHasher
 from cache_indexer.schemas.config import HttpConfig
+from tests.conftest import wait_for
 
 HASHER = BlockHasher("sha256_cbor", "0")
 TOKENS = list(range(1000, 1064))  # 4 blocks of 16
@@ -425,3 +426,21 @@ def test_any_head_gets_the_answer_aiohttp_gives_it(fields, path, tail, cut):
                     await exchange(plain.port, sent, 1 + bool(tail)))
     got, want = asyncio.run(run())
     assert got == want, (data, got, want)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "aiohttp"])
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"POST /query HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n",
+                                 b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"],
+                         ids=["request-line", "header-name", "two-lengths"])
+async def test_a_request_aiohttps_parser_refuses_is_counted(fast, raw):
+    """Bad input is counted: a request aiohttp's parser refused with 400 never reached the middlewares, so
+    ``http_requests_total`` missed it; it counts now, under path "other"."""
+    async with serving(fast=fast) as (srv, metrics, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(raw)
+        status, _ = await read_response(reader)
+        assert status == 400
+        await wait_for(lambda: answered(metrics, "other", 400) == 1, 5, "the refusal counted")
+        writer.close()
+        ok = await exchange(srv.port, [request(query(), "/query")], 1)
+        assert ok[0][0] == 200 and answered(metrics, "other", 400) == 1, "a request the app counts is not counted again"
