@@ -415,7 +415,8 @@ class Bridge:
         ranks = {(pod, rank) for pod, rank in self.l1.unstored_removals() if rank is not None}
         if self.removals is not None:
             ranks |= {(r.name, r.rank) for r in self.removals.pending.values() if r.kind == "rank"}
-        ranks |= {(pod, rank) for pod in self._pods_known() - self._discovered_pods for rank in self._ranks.get(pod, ())}
+        ranks |= {(pod, rank) for pod in self._pods_known() - self._discovered_pods
+                  for rank in self._ranks.get(pod, ())}
         return ranks - {(e.pod, e.rank) for e in self._endpoints}
 
     async def _save_pods(self) -> None:
