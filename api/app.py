@@ -35,7 +35,8 @@ from cache_indexer.infra.streams import RecordsKv
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.infra.throttled_log import ThrottledWarning
 from cache_indexer.schemas.block_hash import BlockHasher, find_token_ids
-from cache_indexer.indexer.hit_rate import NativeQuery, ScoreResult, Tier, configure_native_query, score
+from cache_indexer.indexer.hit_rate import (KeptCandidates, NativeQuery, ScoreResult, Tier, configure_native_query,
+                                            score)
 from cache_indexer.indexer.query_threads import QueryThreads
 from cache_indexer.schemas.config import HttpConfig
 
@@ -101,6 +102,7 @@ class HitRateApi:
         #: Native queries run here, one thread per core, while the loop goes on serving I/O
         self._query_threads: QueryThreads | None = None
         self._by_path_status: dict[tuple[str, int], tuple] = {}  # the request metrics' children
+        self._candidates = KeptCandidates()  # the candidates' workers, while the router names the same ones
         self._best_l1 = metrics.best_hit_ratio.labels("l1")
         self._best_l3 = metrics.best_hit_ratio.labels("l3")
         configure_native_query(http.digestMemoBytes)
@@ -194,7 +196,8 @@ class HitRateApi:
         if req.lora is not None or req.mm_features:
             return None
         try:
-            return NativeQuery.prepare(self.hasher, req.token_json, req.block_size, req.cache_salt, req.server_ip, tiers)
+            return NativeQuery.prepare(self.hasher, req.token_json, req.block_size, req.cache_salt, req.server_ip, tiers,
+                                       kept=self._candidates)
         except ValueError as exc:
             raise RequestError(f"body.token_ids: {exc}") from None
 

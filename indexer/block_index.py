@@ -80,6 +80,8 @@ class WorkerTable:
         self._generations: dict[int, int] = {}  # ids released at least once -> how many times
         #: releases so far (a walk compares it first, and looks at its workers' generations only if it moved)
         self.releases = 0
+        #: workers interned, restored or released so far: what was read of the table stands while it stays
+        self.changes = 0
 
     def get(self, pod: str, rank: int) -> int | None:
         return self._ids.get((pod, rank))
@@ -98,6 +100,7 @@ class WorkerTable:
                 self._next += 1
             self._ids[(pod, rank)] = wid
             self._by_pod.setdefault(pod, {})[rank] = wid
+            self.changes += 1
         return wid
 
     def restore(self, pod: str, rank: int, wid: int) -> None:
@@ -105,6 +108,7 @@ class WorkerTable:
         check_wid(wid)
         self._ids[(pod, rank)] = wid
         self._by_pod.setdefault(pod, {})[rank] = wid
+        self.changes += 1
         if wid >= self._next:
             self._free.extend(i for i in range(self._next, wid) if i not in self._ids.values())
             self._next = wid + 1
@@ -122,6 +126,7 @@ class WorkerTable:
             self._free.append(wid)
             self._generations[wid] = self._generations.get(wid, 0) + 1
             self.releases += 1
+            self.changes += 1
 
     def generation(self, wid: int) -> int:
         """How many times the id was released: a worker looked up at one generation is gone at another."""

@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from cache_indexer.indexer.hit_rate import NativeQuery, Tier, _set_bits
+from cache_indexer.indexer.hit_rate import KeptCandidates, NativeQuery, Tier, _set_bits
 from cache_indexer.indexer.l1_state import OFFLOAD_MEDIA
 from cache_indexer.schemas.block_hash import BlockHasher, LoRAKey, MultiModalKey, event_block_hash
 
@@ -162,6 +162,9 @@ class NativeTierQuery:
 
     __slots__ = ("native",)
 
+    #: the fleet's workers (every query asks about every pod), kept while the worker tables stand
+    _fleet = KeptCandidates()
+
     def __init__(self, native: NativeQuery) -> None:
         self.native = native
 
@@ -173,7 +176,7 @@ class NativeTierQuery:
         uint64s. None where only ``match_keys`` answers."""
         if lora is not None or mm_features or _offloaded(l1):
             return None
-        native = NativeQuery.prepare(hasher, tokens, block_size, cache_salt, None, (l1, l3), True)
+        native = NativeQuery.prepare(hasher, tokens, block_size, cache_salt, None, (l1, l3), True, cls._fleet)
         return None if native is None else cls(native)
 
     def result(self, out: tuple[int, int, list[list[int]]]) -> TierMatch:

@@ -546,13 +546,15 @@ def test_the_replicas_periodic_gauges_do_not_walk_the_table():
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["store", "clear", "remove", "rank_removed", "reset"]),
                               st.integers(0, 5), st.integers(0, 2), st.integers(0, 6)), max_size=40))
-def test_queries_follow_workers_joining_leaving_and_ids_reused(ops):
-    """/query over every pod and the seed API over a router's candidates: after every step of a random
-    stream (workers interned, cleared, removed, their ids handed to others), both answers equal the
-    reference's over a pure-Python state."""
+def test_the_fleet_kept_between_queries_follows_workers_joining_leaving_and_ids_reused(ops):
+    """/query reads every pod's workers once and keeps them while the worker tables do not change
+    (``NativeTierQuery._fleet``), and the seed API the candidates' (``KeptCandidates``): after every step
+    of a random stream (workers interned, cleared, removed, their ids handed to others), both answers equal
+    the reference's over a pure-Python state."""
+    from cache_indexer.indexer.hit_rate import KeptCandidates
     from cache_indexer.indexer.tier_match import NativeTierQuery, chain_keys, match_keys
     hasher = BlockHasher("sha256_cbor", "0")
-    candidates = [f"10.0.0.{p}" for p in range(7)]  # a router's, the same each time
+    kept, candidates = KeptCandidates(), [f"10.0.0.{p}" for p in range(7)]  # a router's, the same each time
     tokens = list(range(96))
     chain = hasher.event_hashes(tokens, 16)
     ref, nat = L1State(), L1State()
@@ -578,5 +580,5 @@ def test_queries_follow_workers_joining_leaving_and_ids_reused(ops):
         query = NativeTierQuery.prepare(hasher, array("Q", tokens), 16, "", nat, None)
         got = query.result(query.native.run())
         assert got == match_keys(chain_keys(hasher, tokens, 16, ""), 6, ref, None), (kind, pod, rank, n)
-        seed = NativeQuery.prepare(hasher, array("Q", tokens), 16, "", candidates, [nat, None])
+        seed = NativeQuery.prepare(hasher, array("Q", tokens), 16, "", candidates, [nat, None], kept=kept)
         assert seed.result(seed.run()) == score(hasher, tokens, 16, "", candidates, [ref, None]), (kind, pod, rank, n)
