@@ -566,9 +566,11 @@ static const unsigned char *bh_token_members(const unsigned char *p, const unsig
         if (mode == BH_TOKENS_IN_BODY && klen == 4 && !memcmp(key, "body", 4)) {
             if (body_seen++ || p >= end || *p != '{') return NULL;
             if (!(p = bh_token_members(p + 1, end, begin, 0, depth + 1, start, stop, found))) return NULL;
-        } else if (mode != BH_TOKENS_IN_BODY && klen == 9 && !memcmp(key, "token_ids", 9) && p < end && *p == '[') {
+        } else if (mode != BH_TOKENS_IN_BODY && klen == 9 && !memcmp(key, "token_ids", 9)) {
             /* A flat array of numbers ends at its first ']'; one that is not flat fails the parse of
-             * [start, stop), as the whole decode refuses it. */
+             * [start, stop), as the whole decode refuses it. A second token_ids, whatever its value, is not
+             * the plain shape: the whole decode takes the last one (a fuzz run: an array, then a number). */
+            if (p >= end || *p != '[') return NULL;
             const unsigned char *close = memchr(p, ']', (size_t)(end - p));
             if ((*found)++ || !close) return NULL;
             *start = (size_t)(p - begin);

@@ -168,6 +168,25 @@ def test_the_request_split_equals_the_whole_decode(rng):
     assert split >= min(n, len(corpus)), "the plain requests of the corpus were split"
 
 
+@pytest.mark.parametrize("second", [b"4", b"[5, 6]", b'"x"', b"null", b"{}"])
+def test_a_token_array_given_twice_is_decoded_whole(second):
+    """A fuzz run (FUZZ_SEED=2121627850): body.token_ids given twice, an array, then a number. The splitter
+    saw only a second array as a second token_ids, so it cut out the first, and the rest's decoder took the
+    number's place, where the whole decode (the last one wins) refuses the request: one accepted what the
+    other refused, and with two arrays they would hash different tokens. A second token_ids, whatever its
+    value, is now decoded whole; the same at the top of a /query."""
+    needs_native(block_hash.find_token_ids is not None, "the request splitter's C accelerator")
+    from cache_indexer.api.hit_rate_request import decode_hit_rate_request
+
+    seed = b'{"server_ip": ["a"], "body": {"token_ids": [1, 2], "block_size": 2, "token_ids": %s}}' % second
+    assert block_hash.find_token_ids(seed) is None
+    assert _decoded(decode_hit_rate_request, seed) == (None if second != b"[5, 6]" else
+                                                       (["a"], [5, 6], 2, "", None, ()))
+    query = b'{"token_ids": [1, 2], "model_name": "m", "token_ids": %s}' % second
+    assert block_hash.find_token_ids(query, True) is None
+    assert _query_decoded(query, True) == _query_decoded(query, False)
+
+
 def _query_decoded(raw: bytes, split: bool):
     """What a /query body asks (its token array parsed), or None where it is refused; whole or split."""
     from cache_indexer.api import tiered_query
@@ -193,7 +212,7 @@ def _query_body(rng: random.Random) -> bytes:
     members = [("token_ids", json.dumps(tokens)), ("model_name", json.dumps(rng.choice(["m", "qwen", ""])))]
     for name, value in [("cache_salt", '"s"'), ("block_size", str(rng.choice([1, 16, 0, -3]))),
                         ("routing_group", '"g"'), ("other", json.dumps({"token_ids": [9, 9], "x": [[1], {}]})),
-                        ("lora_name", '"a"'), ("token_ids", "[1, 2]"), ("token_\\u0069ds", "[7]"),
+                        ("lora_name", '"a"'), ("token_ids", "[1, 2]"), ("token_ids", "4"), ("token_\\u0069ds", "[7]"),
                         ("instance_id", "5"), ("mm_features", "[]")]:
         if rng.random() < 0.3:
             members.append((name, value))
