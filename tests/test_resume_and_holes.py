@@ -10,6 +10,7 @@ the engine's events are unknown, a new generation), never in a worker frozen or 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 
 import msgpack
@@ -541,6 +542,29 @@ async def test_a_busy_pods_write_at_once_leaves_the_other_pods_to_the_interval()
     assert _recorded_ranks(kv, quiet)[0][1] == 1, "written at the stop"
 
 
+@contextlib.asynccontextmanager
+async def two_bridges_records(nats_url: str, stream_prefix: str):
+    """Two bridges' resume points (A, B) on one records bucket of a real nats-server, and a reader of what
+    the bucket holds for a pod: (a, b, stored)."""
+    import nats
+
+    from cache_indexer.bridge.resume_points import ResumePoints
+
+    bucket = f"{stream_prefix}_META"
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        a, b = ResumePoints(js, bucket, interval=3600), ResumePoints(js, bucket, interval=3600)
+        a.stream_id = b.stream_id = "s"
+
+        async def stored(pod: str) -> dict:
+            kv = await js.key_value(bucket)
+            return msgpack.unpackb((await kv.get(record_key(pod))).value, strict_map_key=False)
+        yield a, b, stored
+    finally:
+        await nc.close()
+
+
 async def test_a_bridge_that_lost_a_pod_never_writes_its_record_back_over_the_next_holders(nats_url, stream_prefix):
     """The chaos soak (sharded, CHAOS_SEED=421964534): the DP pod's shard moved from bridge A to bridge B,
     and acks of A's batches still in flight reached A afterwards. B removed a rank (its record then kept the
@@ -550,16 +574,10 @@ async def test_a_bridge_that_lost_a_pod_never_writes_its_record_back_over_the_ne
     now written on the revision its writer last saw: A's write is refused, A reads B's record, takes its
     marks and newer positions, and writes what they make together. Two bridges' resume points on one
     records bucket of a real nats-server."""
-    import nats
+    from cache_indexer.bridge.resume_points import Position
 
-    from cache_indexer.bridge.resume_points import Position, ResumePoints
-
-    pod, bucket = "127.0.0.91", f"{stream_prefix}_META"
-    nc = await nats.connect(nats_url)
-    try:
-        js = nc.jetstream()
-        a, b = ResumePoints(js, bucket, interval=3600), ResumePoints(js, bucket, interval=3600)
-        a.stream_id = b.stream_id = "s"
+    pod = "127.0.0.91"
+    async with two_bridges_records(nats_url, stream_prefix) as (a, b, stored):
         a.update(pod, 0, Position(5, 240, "-", 1.0, 1340))
         a.update(pod, 1, Position(5, 316, "-", 1.0, 1341))
         await a.write()
@@ -569,8 +587,7 @@ async def test_a_bridge_that_lost_a_pod_never_writes_its_record_back_over_the_ne
         a.update(pod, 1, Position(5, 317, "-", 1.1, 1342))  # late acks of A's batches in flight at the move
         a.update(pod, 0, Position(5, 241, "-", 1.1, 1343))
         await a.write()
-        kv = await js.key_value(bucket)
-        record = msgpack.unpackb((await kv.get(record_key(pod))).value, strict_map_key=False)
+        record = await stored(pod)
         assert record.get("retiredRanks") == {1: 8}, "the removal's mark B wrote is kept"
         assert record["ranks"][0][1] == 600 and 1 not in record["ranks"], "B's newer positions are kept"
         assert a.own(pod, 1) is None and a.own(pod, 0).seq == 600, "A took B's record"
@@ -578,10 +595,8 @@ async def test_a_bridge_that_lost_a_pod_never_writes_its_record_back_over_the_ne
         assert a.retired(pod, 1) == 8
         b.update(pod, 0, Position(5, 601, "-", 2.1, 2600))  # B, still writing on the revision it last saw
         await b.write()
-        record = msgpack.unpackb((await kv.get(record_key(pod))).value, strict_map_key=False)
+        record = await stored(pod)
         assert record["ranks"][0][1] == 601 and record.get("retiredRanks") == {1: 8}
-    finally:
-        await nc.close()
 
 
 async def test_a_late_ack_of_an_older_generation_never_takes_the_record_back_to_it(nats_url, stream_prefix):
@@ -590,16 +605,10 @@ async def test_a_late_ack_of_an_older_generation_never_takes_the_record_back_to_
     sequence alone, A's write put the older generation back into the record, and B's next merge took it
     too: with the worker idle, that batch the subject's last message, the next bridge would resume the
     generation the indexers had left behind. Positions are ordered by generation, then seq."""
-    import nats
+    from cache_indexer.bridge.resume_points import Position
 
-    from cache_indexer.bridge.resume_points import Position, ResumePoints
-
-    pod, bucket = "127.0.0.91", f"{stream_prefix}_META"
-    nc = await nats.connect(nats_url)
-    try:
-        js = nc.jetstream()
-        a, b = ResumePoints(js, bucket, interval=3600), ResumePoints(js, bucket, interval=3600)
-        a.stream_id = b.stream_id = "s"
+    pod = "127.0.0.91"
+    async with two_bridges_records(nats_url, stream_prefix) as (a, b, stored):
         a.update(pod, 0, Position(1000, 100, "-", 1.0, 10))
         await a.write()
         await b.load(pod)
@@ -607,11 +616,8 @@ async def test_a_late_ack_of_an_older_generation_never_takes_the_record_back_to_
         await b.write()
         a.update(pod, 0, Position(1000, 101, "-", 1.1, 21))  # A's retry, stored after B's messages
         await a.write()
-        kv = await js.key_value(bucket)
-        record = msgpack.unpackb((await kv.get(record_key(pod))).value, strict_map_key=False)
+        record = await stored(pod)
         assert record["ranks"][0][:2] == [2000, 4], "the newer generation stays recorded"
         b.update(pod, 0, Position(2000, 5, "-", 2.0, 22))
         await b.write()
         assert b.own(pod, 0).gen == 2000 and (await a.load(pod))[0].gen == 2000
-    finally:
-        await nc.close()
