@@ -70,10 +70,14 @@ class _Pending:
 
 class JetStreamPublisher:
     def __init__(self, nc, metrics: Metrics, window: int = 2048, ack_timeout: float = 5.0,
-                 on_no_stream: Callable[[], None] | None = None) -> None:
+                 on_stream_lost: Callable[[], None] | None = None) -> None:
         self._nc = nc
-        #: called when the server says no stream takes the subject (503): the stream may have been lost
-        self._on_no_stream = on_no_stream or (lambda: None)
+        #: called when a stream may have been lost: the server says no stream takes the subject (503), or
+        #: an ack names a sequence at or below one acked before on that stream (one created again counts
+        #: from 1; a duplicate's ack names the original's and does not count)
+        self._on_stream_lost = on_stream_lost or (lambda: None)
+        #: the last sequence acked for a new message, by stream
+        self._last_seq: dict[str, int] = {}
         self._metrics = metrics
         self._window = asyncio.Semaphore(window)
         self._ack_timeout = ack_timeout
@@ -179,7 +183,7 @@ class JetStreamPublisher:
         rec = self._pending.get(msg_id) if msg_id is not None else None
         if rec is None or rec.token != token:
             return  # a late ack of an earlier send: the current one decides
-        error, permanent, stream_seq = _ack_error(msg)
+        error, permanent, stream_seq, stream = _ack_error(msg)
         if permanent:
             if error.endswith(f"err_code {WRONG_LAST_SEQUENCE})"):  # sent onto a subject that moved on since
                 self._refuse(msg_id, rec.subject, "superseded", error, rec.on_refused, logging.INFO)
@@ -189,12 +193,16 @@ class JetStreamPublisher:
             return
         if error:
             if error == "status 503":
-                self._on_no_stream()
+                self._on_stream_lost()
             self._retry_warning("publish %s not stored (%s); re-sending", msg_id, error)
             rec.token = ""  # the watchdog re-sends
             self._due(rec, time.monotonic() + self._retry_after)
             return
         self._done(msg_id)
+        if stream:
+            if stream_seq <= self._last_seq.get(stream, 0):
+                self._on_stream_lost()
+            self._last_seq[stream] = stream_seq
         if rec.on_stored is not None:
             _tell(rec.on_stored, stream_seq)
 
@@ -265,24 +273,27 @@ def _tell(callback, *args) -> None:
         log.exception("a publish callback failed")
 
 
-def _ack_error(msg) -> tuple[str, bool, int]:
+def _ack_error(msg) -> tuple[str, bool, int, str]:
     """Why a reply is not a positive JetStream ack ("" when it is one), whether the refusal is for good
-    (a 4xx: the stream will never take this message) rather than passing (503: no stream yet), and the
-    stream sequence a positive ack names."""
+    (a 4xx: the stream will never take this message) rather than passing (503: no stream yet), the
+    stream sequence a positive ack names, and its stream where it stored a new message ("" for a
+    duplicate, whose ack names the original's sequence)."""
     status = (msg.headers or {}).get("Status") if msg.headers else None
     if status:  # e.g. 503 no responders: no stream (yet) for the subject
-        return f"status {status}", False, 0
+        return f"status {status}", False, 0, ""
     try:
         reply = json.loads(msg.data)
     except ValueError:
-        return "not JSON", False, 0
+        return "not JSON", False, 0, ""
     if not isinstance(reply, dict):
-        return "not an ack", False, 0
+        return "not an ack", False, 0, ""
     error = reply.get("error")
     if error is not None:
         code = error.get("code") if isinstance(error, dict) else None
         text = error.get("description", str(error)) if isinstance(error, dict) else str(error)
         return f"{text} (code {code}, err_code {error.get('err_code') if isinstance(error, dict) else '-'})", \
-            isinstance(code, int) and 400 <= code < 500, 0
-    seq = reply.get("seq")
-    return ("", False, seq) if type(seq) is int else ("not an ack", False, 0)
+            isinstance(code, int) and 400 <= code < 500, 0, ""
+    seq, stream = reply.get("seq"), reply.get("stream")
+    if type(seq) is not int:
+        return "not an ack", False, 0, ""
+    return "", False, seq, stream if isinstance(stream, str) and not reply.get("duplicate") else ""

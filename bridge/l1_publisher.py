@@ -36,13 +36,17 @@ from dataclasses import dataclass
 from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
 from cache_indexer.bridge.resume_points import Position, ResumePoints
 from cache_indexer.infra.event_codec import MSGPACK, Codec, decode
-from cache_indexer.infra.streams import l1_lifecycle_subject, l1_subject
+from cache_indexer.infra.streams import l1_lifecycle_subject, l1_subject, stream_born_ns
 from cache_indexer.schemas.events import CONTENT_TYPE_L1, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
 #: Removals this bridge remembers (bounded: the stream keeps each one's mark too)
 _RETIRED_KEPT = 100_000
+#: A generation (the bridge's wall clock when it began) older than the stream by more than this began on
+#: a stream lost since: what it stored before is not on this one, so it is not resumed. The margin is for
+#: clocks: a bridge's behind nats-server's would otherwise start anew the generations begun just after.
+STREAM_CLOCK_SKEW_NS = 2_000_000_000
 #: Told (gen, first seq, last seq) when the stream refused a message of the worker for good.
 OnRefusedBatch = Callable[[int, int, int], None]
 
@@ -192,6 +196,13 @@ class L1Publisher:
             # a generation younger than the record's last write (ingest.l1.resumeInterval): the stream's
             # last message may lie past one that never made it, the record never does. Starting anew loses
             # nothing so young
+            return None
+        born = stream_born_ns(self.resume.stream_id) if self.resume is not None else 0
+        if best is not None and best.gen < born - STREAM_CLOCK_SKEW_NS:
+            # begun on a stream deleted since; batches of it stored on this one (retries, a bridge that had
+            # not noticed yet) would resume it without what it stored before
+            log.info("%s rank %d: generation %d began before the stream was created again: a new generation",
+                     pod, rank, best.gen, extra={"pod": pod, "rank": rank})
             return None
         # this bridge's removals, and those the resume record keeps (any bridge's, also purged from the stream)
         retired = max(self._mark(pod, None), self._mark(pod, rank),

@@ -60,6 +60,10 @@ log = logging.getLogger(__name__)
 
 #: A lost stream is looked for at most this often (a publish to it fails once per message).
 _RESTORE_EVERY = 2.0
+#: How often the streams are looked at without a sign of their loss: a stream created again (by a
+#: replica, another bridge, an operator) whose sequence has passed the last this bridge was acked gives
+#: none (bridge/jetstream_publisher.py), and what the lost one held would be missing for good.
+STREAMS_CHECK_EVERY = 30.0
 #: Bytes of a message's limit kept for its headers (ours take about 300).
 _HEADER_ROOM = 1024
 #: A subscription without a connection to its engine for longer makes the bridge not ready: a pod that
@@ -120,11 +124,15 @@ class Bridge:
         self.discovery: KubernetesDiscovery | None = None
         self.master_discovery: KubernetesDiscovery | None = None
         self.pollers: dict[MasterTarget, MooncakePoller] = {}
-        self._restoring: asyncio.Task | None = None
+        #: looks at the streams when told (``_stream_lost``) and every STREAMS_CHECK_EVERY
+        self._streams_task: asyncio.Task | None = None
+        self._stream_doubt = asyncio.Event()
+        #: the incarnation (streams.stream_id) of each tier's stream this bridge publishes to
+        self._stream_ids: dict[str, str] = {}
+        self._streams_unchecked = ThrottledWarning(log)
         #: subscriptions whose start failed are tried again by this task, after ``_subscribe_retry``
         self._resubscribing: asyncio.Task | None = None
         self._subscribe_retry = SUBSCRIBE_RETRY
-        self._last_restore = float("-inf")
         self.l3: L3Publisher | None = None
         self._http = None
         self.lease: Lease | None = None
@@ -145,14 +153,16 @@ class Bridge:
                                 reconnected_cb=self._nats_back)
         js = self.nc.jetstream()
         l1_info = await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
-        await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
+        l3_info = await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
+        self._stream_ids = {"l1": stream_id(l1_info), "l3": stream_id(l3_info)}
         self.resume_points = ResumePoints(js, records_bucket(self.cfg), self.cfg.nats.replicas,
                                           self.cfg.ingest.l1.resumeInterval)
         self.resume_points.stream_id = stream_id(l1_info)
         self.resume_points.start()
         self.publisher = JetStreamPublisher(self.nc, self.metrics, self.cfg.nats.publish.window,
-                                            self.cfg.nats.publish.ackTimeout, on_no_stream=self._stream_missing)
+                                            self.cfg.nats.publish.ackTimeout, on_stream_lost=self._stream_lost)
         await self.publisher.start()
+        self._streams_task = asyncio.create_task(self._watch_streams(), name="bridge-streams")
         nc, nats = self.nc, self.cfg.nats
         holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.l1 = L1Publisher(self.publisher, nats.l1Stream.subjectPrefix, js, nats.l1Stream.name,
@@ -547,29 +557,49 @@ class Bridge:
             self.metrics.task_errors.labels("vllm-subscribe").inc()
             log.exception("subscribing again failed")
 
-    def _stream_missing(self) -> None:
-        """A publish found no stream: look (at most every few seconds) and recreate what was lost."""
-        if self._restoring is None or self._restoring.done():
-            if time.monotonic() - self._last_restore >= _RESTORE_EVERY:
-                self._last_restore = time.monotonic()
-                self._restoring = asyncio.create_task(self._restore_streams(), name="bridge-restore-streams")
+    def _stream_lost(self) -> None:
+        """A publish found no stream, or an ack named a sequence that went back: look at the streams."""
+        self._stream_doubt.set()
+
+    async def _watch_streams(self) -> None:
+        """Looks at the streams when a publish gives cause, at most every _RESTORE_EVERY (a publish to a
+        lost stream fails once per message), and every STREAMS_CHECK_EVERY without one."""
+        last = float("-inf")
+        while True:
+            try:
+                await asyncio.wait_for(self._stream_doubt.wait(), STREAMS_CHECK_EVERY)
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.sleep(max(0.0, last + _RESTORE_EVERY - time.monotonic()))
+            last = time.monotonic()
+            self._stream_doubt.clear()
+            await self._restore_streams()
 
     async def _restore_streams(self) -> None:
-        """What the lost stream held is lost: every engine starts a new generation from its replay
-        buffer, every master publishes its full state."""
+        """A stream gone, or created again since this bridge last looked (its creation time differs), lost
+        what it held: every engine starts a new generation from its replay buffer, every master
+        publishes its full state. Batches went on mid-generation on a stream recreated by someone else
+        (a replica, another bridge): without this their predecessors would be missing for good."""
         js = self.nc.jetstream()
         for tier, name in (("l1", self.cfg.nats.l1Stream.name), ("l3", self.cfg.nats.l3Stream.name)):
             try:
                 info, recreated = await ensure_again(js, self.cfg.nats, tier)
-                if not recreated:
+                sid = stream_id(info)
+                if not recreated and sid == self._stream_ids.get(tier, sid):
                     continue
+                if not recreated:
+                    log.error("stream %s was created again since this bridge published to it; what it held is "
+                              "lost: every engine and master starts over", name)
+                self._stream_ids[tier] = sid
                 if tier == "l1":  # positions on the lost stream mean nothing on the new one
-                    self.resume_points.stream_id = stream_id(info)
+                    self.resume_points.stream_id = sid
                 self.metrics.streams_recreated.labels(name).inc()
                 for source in (self.subscribers if tier == "l1" else self.pollers).values():
                     source.start_over()
-            except Exception:
-                log.exception("stream %s: cannot check or recreate it", name)
+            except Exception as exc:  # NATS away: looked at again the next round
+                self.metrics.task_errors.labels("bridge-streams").inc()
+                self._streams_unchecked("stream %s: cannot check or recreate it (%s); looking again", name,
+                                        exc or type(exc).__name__)
 
     def _l3_refused(self, master: str) -> None:
         """The stream refused a message of ``master`` for good: indexers would wait on its seq, so the
@@ -652,8 +682,8 @@ class Bridge:
     async def stop(self) -> None:
         if self._lease_task:
             await cancel_and_wait(self._lease_task)
-        if self._restoring:
-            await cancel_and_wait(self._restoring)
+        if self._streams_task:
+            await cancel_and_wait(self._streams_task)
         await self._stop_sources()  # (the subscriptions' retry with them)
         # the last acks and resume records before the leases go: the next holder resumes from them
         if self.publisher:

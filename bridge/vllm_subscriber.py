@@ -94,8 +94,11 @@ class VllmSubscriber:
         self.sequencer.resume(await self.sink.last_position(self.ep.pod, self.ep.rank))
 
     def start_over(self) -> None:
-        """The stream lost what was published: the next batch starts a new generation."""
+        """The stream lost what was published: a new generation from what the engine's buffer holds, at
+        once (an idle engine's blocks would otherwise be missing until its next batch)."""
         self.sequencer.start_over()
+        self._catch_up_due = True
+        self._queued.set()
 
     def start(self) -> None:
         """Raises what the socket's making raised (an endpoint libzmq refuses, no file descriptors

@@ -34,6 +34,33 @@ async def test_every_message_is_stored_once_and_the_window_drains(nc, stream_pre
         await pub.close()
 
 
+async def test_a_stream_created_again_is_told_by_its_sequence_and_a_duplicate_is_not(nc, stream_prefix):
+    """A stream deleted and created again by another process takes the next publish: only its sequence,
+    back to 1, tells. A duplicate's ack names the original's (lower) sequence and tells nothing."""
+    js = nc.jetstream()
+    await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"])
+    told: list[int] = []
+    pub = JetStreamPublisher(nc, Metrics(), ack_timeout=2, on_stream_lost=lambda: told.append(1))
+    await pub.start()
+    try:
+        for i in range(10):
+            await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
+        assert await pub.flush(10)
+        await pub.publish(f"{stream_prefix}.a", b"3", {"Nats-Msg-Id": "m3"})  # acked before: the server's duplicate
+        assert await pub.flush(10)
+        assert (await js.stream_info(stream_prefix)).state.messages == 10 and told == []
+        await js.delete_stream(stream_prefix)
+        await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"])
+        await pub.publish(f"{stream_prefix}.a", b"10", {"Nats-Msg-Id": "m10"})
+        assert await pub.flush(10)
+        assert told == [1]
+        await pub.publish(f"{stream_prefix}.a", b"11", {"Nats-Msg-Id": "m11"})
+        assert await pub.flush(10)
+        assert told == [1], "told once a new stream, not at every message on it"
+    finally:
+        await pub.close()
+
+
 async def test_a_refused_message_is_resent_until_a_stream_takes_it(nc, stream_prefix):
     metrics = Metrics()
     pub = JetStreamPublisher(nc, metrics, window=8, ack_timeout=0.3)

@@ -13,6 +13,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from cache_indexer.bridge import service as bridge_service
+from cache_indexer.infra.streams import ensure_l1_stream
 from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import VLLM_EVENTS, make_config, wait_for
 from tests.l1_stack import L1Stack
@@ -529,6 +531,48 @@ async def test_a_deleted_stream_is_recreated_and_rebuilt_from_the_engines(stack)
                    "the replica to notice")
     await wait_for(lambda: stack.replica.indexer.is_ready(), 20, "the replica rebuilt")
     await until_ratio(stack, POD, 1.0, what="everything the engine holds, from the new stream")
+
+
+async def test_a_stream_recreated_by_another_process_is_rebuilt_from_the_engines(stack):
+    """A stream deleted and created again by someone else (a replica's or another bridge's restore, an
+    operator) before this bridge's next publish: that publish is stored, so no "no stream" error told
+    the bridge, and its batches went on mid-generation on the new stream, what the lost one held missing
+    for good. The bridge tells the new stream by its ack (a sequence that went back) and starts the
+    engine over from its replay buffer at once, without waiting for another batch."""
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:4])])
+    await eng.publish([stored(CHAIN[4:5], parent=CHAIN[3])])
+    await until_ratio(stack, POD, 5 / 8)
+    name = stack.cfg.nats.l1Stream.name
+    js = stack.replica.indexer.js
+    await js.delete_stream(name)
+    await ensure_l1_stream(js, stack.cfg.nats)  # created again before the bridge publishes
+    await eng.publish([stored(CHAIN[5:8], parent=CHAIN[4])])  # stored on the new stream; the engine goes idle
+    await wait_for(lambda: stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1, 20,
+                   "the replica to notice")
+    await until_ratio(stack, POD, 1.0, what="everything the engine holds, from the new stream", timeout=20)
+    assert stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1
+
+
+async def test_a_stream_recreated_under_an_idle_engine_is_rebuilt_from_it(stack, monkeypatch):
+    """As above, with the engine idle, and the new stream's sequence past the last this bridge was acked
+    (other bridges publish to it): no ack tells, so the bridge also looks at the streams on its own."""
+    monkeypatch.setattr(bridge_service, "STREAMS_CHECK_EVERY", 0.5)
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:8])])
+    await until_ratio(stack, POD, 1.0)
+    name = stack.cfg.nats.l1Stream.name
+    js = stack.replica.indexer.js
+    await js.delete_stream(name)
+    await ensure_l1_stream(js, stack.cfg.nats)
+    for _ in range(10):  # what other bridges published meanwhile (malformed to the replicas: counted, dropped)
+        await js.publish(f"{stack.cfg.nats.l1Stream.subjectPrefix}.other", b"x")
+    await wait_for(lambda: stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1, 20,
+                   "the replica to notice")
+    await until_ratio(stack, POD, 1.0, what="the idle engine's blocks, from the new stream", timeout=20)
+    assert stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1
 
 
 async def two_pods_indexed(stack):

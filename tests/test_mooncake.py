@@ -415,27 +415,63 @@ async def test_a_slow_segment_list_fails_the_poll_at_segments_fetch_timeout():
         await master.runner.cleanup()
 
 
-async def test_a_master_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(nats_url, stream_prefix):
+async def _master_in_l3(cfg):
+    """A master holding block 1 on 127.0.0.2, a replica and a leading bridge polling it, started; the
+    block in L3. Returns (master, indexer, bridge) for the caller to stop."""
     from cache_indexer.bridge.service import Bridge
     from cache_indexer.indexer.service import Indexer
 
-    cfg = make_config(nats_url, stream_prefix, ingest={"l3": {"pollInterval": 0.05}})
     master = await FakeMaster().start()
     master.segments = ["127.0.0.2:12001"]
     master.keys = {key(1): ["127.0.0.2:16001"]}
     indexer, bridge = Indexer(cfg), Bridge(cfg)
     await indexer.start()
     await bridge.start()
+    await wait_for(lambda: bridge.targets_record is not None and bridge.lease.is_leader, 10, "a leading bridge")
+    await bridge.set_masters([MasterTarget("m0", master.url)])
+    await wait_for(lambda: l3_held(indexer.l3, "127.0.0.2") == {1}, 10, "the master's block in L3")
+    return master, indexer, bridge
+
+
+async def test_a_master_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(nats_url, stream_prefix):
+    from cache_indexer.bridge.service import Bridge
+
+    cfg = make_config(nats_url, stream_prefix, ingest={"l3": {"pollInterval": 0.05}})
+    master, indexer, bridge = await _master_in_l3(cfg)
     try:
-        await wait_for(lambda: bridge.targets_record is not None and bridge.lease.is_leader, 10, "a leading bridge")
-        await bridge.set_masters([MasterTarget("m0", master.url)])
-        await wait_for(lambda: l3_held(indexer.l3, "127.0.0.2") == {1}, 10, "the master's block in L3")
         await bridge.stop()  # no bridge runs while the master goes away
         bridge = Bridge(cfg)
         await bridge.start()
         await wait_for(lambda: bridge._inherited_masters == {"m0"}, 10, "the next bridge to lead and read the record")
         await bridge.set_masters([])  # discovery no longer shows it
         await wait_for(lambda: l3_held(indexer.l3, "127.0.0.2") == set(), 10, "its L3 entries dropped")
+    finally:
+        await bridge.stop()
+        await indexer.stop()
+        await master.runner.cleanup()
+
+
+async def test_an_l3_stream_a_replica_created_again_gets_every_masters_full_state(nats_url, stream_prefix,
+                                                                                    monkeypatch):
+    """The L3 stream deleted (an operator, storage lost) and created again by a replica's lag round: the
+    bridge's publishes never failed, so its pollers went on publishing diffs, and with a master whose
+    keys did not change, nothing: the new stream lacked the master's state until the next full state
+    (``fullStateEvery`` polls: 5 minutes by default). The bridge looks at the streams on its own too and
+    has every master publish its full state at its next poll."""
+    from cache_indexer.bridge import service as bridge_service
+    from cache_indexer.indexer import service
+
+    monkeypatch.setattr(service, "TRACK_EVERY", 0.2)
+    monkeypatch.setattr(bridge_service, "STREAMS_CHECK_EVERY", 0.5)
+    cfg = make_config(nats_url, stream_prefix, ingest={"l3": {"pollInterval": 0.05, "fullStateEvery": 100_000}})
+    master, indexer, bridge = await _master_in_l3(cfg)
+    try:
+        name = cfg.nats.l3Stream.name
+        await indexer.js.delete_stream(name)  # the replica's lag round makes it again and follows it anew
+        await wait_for(lambda: indexer.metrics.streams_recreated.labels(name)._value.get() == 1, 10,
+                       "the replica to follow a new stream")
+        await wait_for(lambda: l3_held(indexer.l3, "127.0.0.2") == {1}, 10, "the master's block from the new stream")
+        assert bridge.metrics.streams_recreated.labels(name)._value.get() == 1
     finally:
         await bridge.stop()
         await indexer.stop()

@@ -12,7 +12,8 @@ lost on the way; into the buffer alone while no bridge subscribes), engines rest
 are stored late, out of order, or again past the duplicate window, the bridge is killed (in-flight
 messages and unwritten resume records lost) or stopped gracefully and replaced, resume records are
 written, snapshots are taken and the stream purged behind them, the indexer restarts from the snapshot,
-time passes; and discovery (issue 36): a pod leaves (its subscribers stop) and comes back within
+the stream is deleted and created again by another process (what it held is lost; the bridge publishes
+to the new one until it notices, and starts every subscription over then), time passes; and discovery (issue 36): a pod leaves (its subscribers stop) and comes back within
 ``removalGrace`` (a new subscription resumes from the record or the stream) or after it (``pod_removed``
 first, maybe still in flight when it is back: a new generation), one DP rank is unlisted
 (``rank_removed``) and listed again (a new generation), and a new subscription meets its engine quiet
@@ -43,6 +44,7 @@ seed, and ``SEQUENCING_SEED=N`` replays a whole run.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import itertools
 import os
 import random
@@ -57,6 +59,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from cache_indexer.bridge.endpoint import Endpoint
+from cache_indexer.bridge import l1_publisher
 from cache_indexer.bridge.l1_publisher import L1Publisher
 from cache_indexer.bridge.l1_sequencer import L1Sequencer, Replayed
 from cache_indexer.bridge.receive_budget import ReceiveBudget
@@ -77,6 +80,15 @@ class ModelStream:
     """JetStream as the bridge and the indexers use it."""
 
     def __init__(self) -> None:
+        self.incarnation = 0
+        self.recreate()
+
+    def recreate(self) -> None:
+        """The stream deleted and created again (another incarnation, named by its creation time as
+        streams.stream_id names it; the bridge's generations are its wall clock): nothing of it left."""
+        self.incarnation += 1
+        self.born = time.time_ns()
+        self.id = datetime.datetime.fromtimestamp(self.born / 1e9, datetime.timezone.utc).isoformat()
         self.msgs: dict[int, SimpleNamespace] = {}
         self.last_seq = 0
         self.first_seq = 1
@@ -206,7 +218,7 @@ class Bridge:
         self.flight = InFlight()
         self.resume = ResumePoints(None, "meta")
         self.resume._store._kv = kv
-        self.resume.stream_id = "s"
+        self.resume.stream_id = stream.id
         self.l1 = L1Publisher(self.flight, PREFIX, stream, STREAM, lambda: 1 << 20, "model", self.resume)
         self.metrics = Metrics()
         self.budget = ReceiveBudget(1 << 40)
@@ -303,6 +315,14 @@ class Sequencing(RuleBasedStateMachine):
         #: bridges replaced while they lived on (bridge_replaced, ``lingering``), with the acks that reach them
         #: late: their records write to come
         self.lingering: list[tuple[Bridge, list]] = []
+        #: the stream was created again and the bridge has not noticed yet (its acks, or its look every
+        #: STREAMS_CHECK_EVERY: bridge/service.py)
+        self.stream_unnoticed = False
+        #: pods away within their grace when the stream was lost: retries of their batches may have been
+        #: stored on the new one, a part of some state their engine went through
+        self.lost_with_stream: set[str] = set()
+        #: the model's clocks are one: no margin for a bridge's behind nats-server's
+        self._skew, l1_publisher.STREAM_CLOCK_SKEW_NS = l1_publisher.STREAM_CLOCK_SKEW_NS, 0
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -430,6 +450,7 @@ class Sequencing(RuleBasedStateMachine):
         """Gone longer than the grace: ``pod_removed`` (its record deleted first)."""
         pod = sorted(self.away)[p % len(self.away)]
         self.away.discard(pod)
+        self.lost_with_stream.discard(pod)
         self._retired(lambda key: key[0] == pod)
         self.run(self.bridge.l1.pod_removed(pod, "discovery"))
 
@@ -449,6 +470,7 @@ class Sequencing(RuleBasedStateMachine):
         pod = gone[p % len(gone)]
         fresh = pod not in self.away
         self.away.discard(pod)
+        self.lost_with_stream.discard(pod)
         self.present.add(pod)
         for rank in sorted(self.listed[pod]):
             self._subscribe((pod, rank), contact, fresh)
@@ -606,6 +628,9 @@ class Sequencing(RuleBasedStateMachine):
             for on_stored, seq in late:
                 on_stored(seq)
         self.bridge = Bridge(self.stream, self.kv, old.max_batches)
+        if self.stream_unnoticed:  # the new one starts on the stream as it is
+            self.stream_unnoticed = False
+            self.lost_with_stream |= self.away
         for key, seq in old.seqs.items():  # judged from the model's own KV and stream, not the code's
             if seq.gen is not None and not self.checkable_position(key) and (
                     key not in self.recorded or self._removal_after_record(key)):
@@ -650,7 +675,8 @@ class Sequencing(RuleBasedStateMachine):
         tomb = max(record.get("retired", -1), (record.get("retiredRanks") or {}).get(rank, -1))
         if last is not None and last.headers["Kv-Type"] == "rank_removed":
             return False
-        if (row[0] if row is not None else int(last.headers["Kv-Gen"]) if last is not None else -1) <= tomb:
+        gen = row[0] if row is not None else int(last.headers["Kv-Gen"]) if last is not None else -1
+        if gen <= tomb or gen < self.stream.born:  # retired, or begun on a stream lost since
             return False
         removal = self._last(l1_lifecycle_subject(PREFIX, pod))  # it retired generations before its mark
         retired, removed_at = (int(removal.headers["Kv-Gen"]), removal.seq) if removal is not None else (-1, -1)
@@ -693,6 +719,38 @@ class Sequencing(RuleBasedStateMachine):
 
     def _last(self, subject: str):
         return max((m for m in self.stream.msgs.values() if m.subject == subject), key=lambda m: m.seq, default=None)
+
+    # -- the stream lost ---------------------------------------------------------------------------
+    @rule()
+    def stream_recreated(self):
+        """The stream deleted (an operator, storage lost) and created again by another process (a replica's
+        lag round): what it held is lost, and so is every snapshot of it; the replica rebuilds from the new
+        one. Messages in flight are stored on the new one (their retries), and the bridge goes on
+        publishing to it mid-generation until it notices (``bridge_notices_the_new_stream``). The resume
+        records name the old one: no new bridge resumes from them."""
+        self.stream.recreate()
+        self.state, self.applied, self.snapshot = L1State(self.max_early, self.max_journal), 0, None
+        self.recorded.clear()
+        self.resumed.clear()
+        self.lost_with_stream |= self.away
+        self.stream_unnoticed = True
+
+    @precondition(lambda self: self.stream_unnoticed)
+    @rule()
+    def bridge_notices_the_new_stream(self):
+        """What the bridge does once an ack's sequence went back, or its look at the streams finds another
+        creation time (bridge/service.py ``_restore_streams``): the new stream's id for its records, and
+        every subscription starts over at once from its engine's buffer (VllmSubscriber.start_over)."""
+        self.stream_unnoticed = False
+        self.lost_with_stream |= self.away  # left since, their batches published to the new stream meanwhile
+        self.bridge.resume.stream_id = self.stream.id
+        for seq in self.bridge.seqs.values():
+            seq.start_over()
+        for key, seq in self.bridge.seqs.items():
+            self.fresh_starts += 1
+            self.run(seq.catch_up(first_contact=True))
+            self.by_key[key].unseen = False
+        self.run(self.bridge.quiet())
 
     # -- the indexer ---------------------------------------------------------------------------------
     def apply_stored(self) -> None:
@@ -755,6 +813,7 @@ class Sequencing(RuleBasedStateMachine):
             self.at_a_quiet_point_the_index_is_the_engines_truth()
         finally:
             self.loop.close()
+            l1_publisher.STREAM_CLOCK_SKEW_NS = self._skew
 
     @rule()
     def at_a_quiet_point_the_index_is_the_engines_truth(self):
@@ -764,6 +823,8 @@ class Sequencing(RuleBasedStateMachine):
         cannot be seen by anyone until the engine publishes again), and again all is stored and applied. A pod away within its grace keeps what its index held
         when it was last watched (some state its engine went through); a pod or rank removed holds nothing."""
         self.quiet_points += 1
+        if self.stream_unnoticed:  # within STREAMS_CHECK_EVERY at the latest
+            self.bridge_notices_the_new_stream()
         rng = random.Random(self.quiet_points)  # the order things are stored in: replayable
         whole = self.buffer >= 100000 and not self.refusals
         if whole:  # first without a live batch: a quiet engine the bridge caught up is whole already
@@ -790,7 +851,7 @@ class Sequencing(RuleBasedStateMachine):
                 else:
                     assert index <= e.holds(), f"{where}: index holds {sorted(index - e.holds())} the engine does not"
             elif e.pod in self.away and e.rank in self.listed[e.pod]:
-                if whole:
+                if whole and e.pod not in self.lost_with_stream:
                     assert index in e.states, f"{where} (away): index {sorted(index)} was never the engine's"
                 else:
                     ever = set().union(*e.states)
@@ -857,6 +918,10 @@ class SpillingSequencing(Sequencing):
     def __init__(self) -> None:
         super().__init__()
         #: a second replica behind the one that writes snapshots and purges (within ``keep`` of it or not)
+        self.lagging, self.lagging_applied = L1State(self.max_early, self.max_journal), 0
+
+    def stream_recreated(self):
+        super().stream_recreated()
         self.lagging, self.lagging_applied = L1State(self.max_early, self.max_journal), 0
 
     @precondition(lambda self: len(self.bridge.flight.pending) >= 3)
