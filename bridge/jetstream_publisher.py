@@ -70,12 +70,12 @@ class _Pending:
 
 class JetStreamPublisher:
     def __init__(self, nc, metrics: Metrics, window: int = 2048, ack_timeout: float = 5.0,
-                 on_stream_lost: Callable[[], None] | None = None) -> None:
+                 on_stream_lost: Callable[[str], None] | None = None) -> None:
         self._nc = nc
-        #: called when a stream may have been lost: the server says no stream takes the subject (503), or
-        #: an ack names a sequence at or below one acked before on that stream (one created again counts
-        #: from 1; a duplicate's ack names the original's and does not count)
-        self._on_stream_lost = on_stream_lost or (lambda: None)
+        #: called when a stream may have been lost: with "" when the server says no stream takes the
+        #: subject (503), with the stream's name when an ack names a sequence at or below one acked before
+        #: on it (one created again counts from 1; a duplicate's ack names the original's: not counted)
+        self._on_stream_lost = on_stream_lost or (lambda stream: None)
         #: the last sequence acked for a new message, by stream
         self._last_seq: dict[str, int] = {}
         self._metrics = metrics
@@ -193,7 +193,7 @@ class JetStreamPublisher:
             return
         if error:
             if error == "status 503":
-                self._on_stream_lost()
+                self._on_stream_lost("")
             self._retry_warning("publish %s not stored (%s); re-sending", msg_id, error)
             rec.token = ""  # the watchdog re-sends
             self._due(rec, time.monotonic() + self._retry_after)
@@ -201,7 +201,7 @@ class JetStreamPublisher:
         self._done(msg_id)
         if stream:
             if stream_seq <= self._last_seq.get(stream, 0):
-                self._on_stream_lost()
+                self._on_stream_lost(stream)
             self._last_seq[stream] = stream_seq
         if rec.on_stored is not None:
             _tell(rec.on_stored, stream_seq)

@@ -45,8 +45,10 @@ log = logging.getLogger(__name__)
 _RETIRED_KEPT = 100_000
 #: A generation (the bridge's wall clock when it began) older than the stream by more than this began on
 #: a stream lost since: what it stored before is not on this one, so it is not resumed. The margin is for
-#: clocks: a bridge's behind nats-server's would otherwise start anew the generations begun just after.
-STREAM_CLOCK_SKEW_NS = 2_000_000_000
+#: clocks: with a bridge's behind nats-server's, the first generations of a new installation begin
+#: "before" its stream, and each bridge restart would start those engines anew, losing what their replay
+#: buffers no longer hold. Its cost: a generation begun within it before a stream's loss may be resumed.
+STREAM_CLOCK_SKEW_NS = 60_000_000_000
 #: Told (gen, first seq, last seq) when the stream refused a message of the worker for good.
 OnRefusedBatch = Callable[[int, int, int], None]
 

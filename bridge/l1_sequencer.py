@@ -136,6 +136,7 @@ class L1Sequencer:
         """The stream lost what was published: the next batch starts a new generation (a reset, then
         what the engine's replay buffer holds from seq 0)."""
         self.gen = self.last = self.last_live = self.last_ts = None
+        self.refused_upto = None  # what the lost stream refused: the new generation starts before it
         self.pending.take()  # of the lost generation
 
     def refused(self, gen: int, first: int, last: int) -> bool:

@@ -147,7 +147,8 @@ class L3Publisher:
             await self._full(master, {}, msg_id=f"{master}:gone:after:{after}")
 
     def forget(self, master: str) -> None:
-        """This bridge no longer polls ``master``: where its subject stands is read again if it polls it again."""
+        """Where ``master``'s subject stands is read again at its next publish (this bridge no longer polls
+        it, or the stream was created again)."""
         self._last.pop(master, None)
 
     async def full(self, master: str, pods: dict[str, list[int]], msg_id: str | None = None) -> bool:

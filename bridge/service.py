@@ -55,6 +55,7 @@ from cache_indexer.infra.streams import (connect, ensure_again, ensure_l1_stream
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.infra.throttled_log import ThrottledWarning
 from cache_indexer.schemas.config import Config
+from cache_indexer.infra.log_format import describe
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,9 @@ class Bridge:
         self._stream_doubt = asyncio.Event()
         #: the incarnation (streams.stream_id) of each tier's stream this bridge publishes to
         self._stream_ids: dict[str, str] = {}
+        #: streams an ack showed a sequence that went back on: they lost what they held, even where the
+        #: creation time stayed (a cluster's stream assignment kept while a server's storage was lost)
+        self._went_back: set[str] = set()
         self._streams_unchecked = ThrottledWarning(log)
         #: subscriptions whose start failed are tried again by this task, after ``_subscribe_retry``
         self._resubscribing: asyncio.Task | None = None
@@ -557,8 +561,11 @@ class Bridge:
             self.metrics.task_errors.labels("vllm-subscribe").inc()
             log.exception("subscribing again failed")
 
-    def _stream_lost(self) -> None:
-        """A publish found no stream, or an ack named a sequence that went back: look at the streams."""
+    def _stream_lost(self, stream: str) -> None:
+        """A publish found no stream (``stream`` ""), or an ack on ``stream`` named a sequence that went
+        back: look at the streams."""
+        if stream:
+            self._went_back.add(stream)
         self._stream_doubt.set()
 
     async def _watch_streams(self) -> None:
@@ -576,30 +583,40 @@ class Bridge:
             await self._restore_streams()
 
     async def _restore_streams(self) -> None:
-        """A stream gone, or created again since this bridge last looked (its creation time differs), lost
-        what it held: every engine starts a new generation from its replay buffer, every master
-        publishes its full state. Batches went on mid-generation on a stream recreated by someone else
-        (a replica, another bridge): without this their predecessors would be missing for good."""
+        """A stream gone, created again since this bridge last looked (its creation time differs), or one
+        an ack showed going back, lost what it held: every engine starts a new generation from its replay
+        buffer, every master publishes its full state. Batches went on mid-generation on a stream
+        recreated by someone else (a replica, another bridge): without this their predecessors would be
+        missing for good. Done between reconciles, so that a subscription starting meanwhile resumes
+        with the new stream's creation time or is started over."""
         js = self.nc.jetstream()
+        went_back, self._went_back = self._went_back, set()
         for tier, name in (("l1", self.cfg.nats.l1Stream.name), ("l3", self.cfg.nats.l3Stream.name)):
             try:
-                info, recreated = await ensure_again(js, self.cfg.nats, tier)
-                sid = stream_id(info)
-                if not recreated and sid == self._stream_ids.get(tier, sid):
-                    continue
-                if not recreated:
-                    log.error("stream %s was created again since this bridge published to it; what it held is "
-                              "lost: every engine and master starts over", name)
-                self._stream_ids[tier] = sid
-                if tier == "l1":  # positions on the lost stream mean nothing on the new one
-                    self.resume_points.stream_id = sid
-                self.metrics.streams_recreated.labels(name).inc()
-                for source in (self.subscribers if tier == "l1" else self.pollers).values():
-                    source.start_over()
+                info, _ = await ensure_again(js, self.cfg.nats, tier)
             except Exception as exc:  # NATS away: looked at again the next round
                 self.metrics.task_errors.labels("bridge-streams").inc()
                 self._streams_unchecked("stream %s: cannot check or recreate it (%s); looking again", name,
-                                        exc or type(exc).__name__)
+                                        describe(exc))
+                if name in went_back:
+                    self._went_back.add(name)
+                continue
+            sid = stream_id(info)
+            if sid == self._stream_ids.get(tier) and name not in went_back:
+                continue
+            log.error("stream %s lost what this bridge published to it (deleted or its storage lost, and created "
+                      "again): every %s starts over", name, "engine" if tier == "l1" else "master")
+            async with self._reconciling:
+                self._stream_ids[tier] = sid
+                self.metrics.streams_recreated.labels(name).inc()
+                if tier == "l1":  # positions on the lost stream mean nothing on the new one
+                    self.resume_points.stream_id = sid
+                    for sub in self.subscribers.values():
+                        sub.start_over()
+                else:
+                    for target, poller in self.pollers.items():
+                        self.l3.forget(target.name)  # the subject's last sequence on the lost stream
+                        poller.start_over()
 
     def _l3_refused(self, master: str) -> None:
         """The stream refused a message of ``master`` for good: indexers would wait on its seq, so the

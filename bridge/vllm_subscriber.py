@@ -87,6 +87,8 @@ class VllmSubscriber:
         self.disconnected_since: float | None = None
         #: the socket was made anew and is connected: what the engine published meanwhile is to be asked
         self._catch_up_due = False
+        #: the stream lost what was published: the loop starts a new generation between its operations
+        self._start_over_due = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def resume_from_stream(self) -> None:
@@ -94,10 +96,11 @@ class VllmSubscriber:
         self.sequencer.resume(await self.sink.last_position(self.ep.pod, self.ep.rank))
 
     def start_over(self) -> None:
-        """The stream lost what was published: a new generation from what the engine's buffer holds, at
-        once (an idle engine's blocks would otherwise be missing until its next batch)."""
-        self.sequencer.start_over()
-        self._catch_up_due = True
+        """The stream lost what was published: a new generation from what the engine's buffer holds, as
+        soon as the engine is there (an idle engine's blocks would otherwise be missing until its next
+        batch). The loop applies it between its operations: a replay or a publish under way ends with the
+        generation it began with."""
+        self._start_over_due = True
         self._queued.set()
 
     def start(self) -> None:
@@ -318,11 +321,13 @@ class VllmSubscriber:
         if self.sequencer.refused(gen, first, last):
             self._queued.set()  # handled by the loop, between two bursts
 
-    async def _loop(self) -> None:
+    async def _contact(self, what: str) -> None:
+        """The catch-up of a subscription's start, or of a new generation after the stream lost what was
+        published. Where no generation is known (a first contact), the engine's buffer is asked once the
+        engine is there (connected, or a batch came), not before (an engine still starting would time the
+        replay out into its cooldown), and only while it is quiet: a busy engine's live batches start its
+        generation, as they always did."""
         if self.sequencer.gen is None and self.ep.replay:
-            # first contact: the engine's buffer is asked once the engine is there (connected, or a batch
-            # came), not before (an engine still starting would time the replay out into its cooldown), and
-            # only while it is quiet: a busy engine's live batches start its generation, as they always did
             while self.disconnected_since is not None and not self._queue:
                 self._queued.clear()
                 await self._queued.wait()
@@ -332,8 +337,16 @@ class VllmSubscriber:
                     await asyncio.wait_for(self._queued.wait(), FIRST_CONTACT_QUIET)
                 except asyncio.TimeoutError:
                     pass
-        await self._guarded(self.sequencer.catch_up(first_contact=not self._queue), "catching up on first contact")
+        await self._guarded(self.sequencer.catch_up(first_contact=not self._queue), what)
+
+    async def _loop(self) -> None:
+        await self._contact("catching up on first contact")
         while True:
+            if self._start_over_due:
+                self._start_over_due = self._catch_up_due = False
+                self.sequencer.start_over()
+                await self._contact("starting over on a new stream")
+                continue
             if self._catch_up_due:  # subscribed anew: what the engine's buffer holds after the last published
                 self._catch_up_due = False
                 await self._guarded(self.sequencer.catch_up(first_contact=not self._queue),

@@ -27,6 +27,7 @@ from cache_indexer.infra.event_codec import MalformedEvent, decode
 from cache_indexer.infra.nats_auth import connect_options
 from cache_indexer.infra.streams import servers
 from cache_indexer.schemas.config import Config, NatsConfig
+from cache_indexer.infra.log_format import describe
 
 #: ``view`` stops with an error when the stream goes quiet this long before it has shown what it found
 #: (the messages it counted were purged meanwhile).
@@ -104,7 +105,7 @@ async def inspect(cfg: Config, mode: str, subject: str | None, last: int, out=sy
         hint = (" (is `cache-indexer local` running? In a pod: --config /etc/cache-indexer/config.yaml, or "
                 "CACHE_INDEXER_CONFIG)") if source == "default" else ""
         print(f"cache-indexer: no NATS server answered at {ncfg.url} within {ncfg.connectTimeout:g}s{hint}: "
-              f"{exc or type(exc).__name__}", file=err)
+              f"{describe(exc)}", file=err)
         return 1
     try:
         return await _inspect(nc, ncfg, mode, subject, last, out, tier, err)

@@ -43,6 +43,7 @@ from cache_indexer.indexer.l3_state import L3State
 from cache_indexer.indexer.run_slices import run_slices
 from cache_indexer.indexer.snapshot import L1Snapshot, PartsReader, SnapshotStore
 from cache_indexer.schemas.config import Config
+from cache_indexer.infra.log_format import describe
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +319,7 @@ class Indexer:
                         break
                     except Exception as exc:  # NATS away: the replica waits, as its consumer does
                         log.warning("stream %s: reading back seq %d failed (%s); retrying", self._stream, at,
-                                    exc or type(exc).__name__)
+                                    describe(exc))
                         await asyncio.sleep(0.5)
                         if self.l1 is not state or self._reloading or self._stopping:
                             return False
@@ -483,14 +484,14 @@ class Indexer:
                         except Exception as exc:
                             self.metrics.ingest_consumer_errors.labels(l3_stream).inc()
                             log.error("stream %s: following it anew failed (%s); trying again in %gs", l3_stream,
-                                      exc or type(exc).__name__, TRACK_EVERY)
+                                      describe(exc), TRACK_EVERY)
                 finally:
                     self.update_gauges()  # NATS away too: the ready gauge drops after disconnectGrace
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.metrics.task_errors.labels("indexer-lag").inc()
-                log.warning("indexer-lag: %s; trying again in %gs", exc or type(exc).__name__, TRACK_EVERY)
+                log.warning("indexer-lag: %s; trying again in %gs", describe(exc), TRACK_EVERY)
             await asyncio.sleep(TRACK_EVERY)
 
     async def _stream_as_followed(self, tier: str, followed_id: str):

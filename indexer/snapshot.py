@@ -49,6 +49,7 @@ from cache_indexer.infra.streams import RecordsKv, object_store, unsubscribe_qui
 from cache_indexer.indexer.block_index import BlockIndex, Chunks
 from cache_indexer.indexer.l1_state import L1State
 from cache_indexer.schemas.block_hash import U64_MASK
+from cache_indexer.infra.log_format import describe
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ class SnapshotStore:
             except (SnapshotUnreadable, NatsTimeoutError, asyncio.TimeoutError) as exc:
                 self.failed_loads += 1
                 log.warning("snapshot %s (attempt %d of %d): %s; reading the pointer again", ref.name, attempt,
-                            self.load_attempts, exc or type(exc).__name__)
+                            self.load_attempts, describe(exc))
                 continue
             try:
                 return decode_l1(blob)

@@ -17,6 +17,8 @@ from typing import Any, Callable
 import msgpack
 import msgspec
 
+from cache_indexer.infra.log_format import describe
+
 try:  # built where a C compiler was (setup.py); else every payload goes through msgpack
     from cache_indexer.infra._event_unpack import unpack as _unpack_packed
 except ImportError:  # pragma: no cover - exercised by the no-compiler CI step
@@ -87,7 +89,7 @@ def decode(data: bytes) -> Any:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several kinds (ValueError, ExtraData, StackError, ...)
         raise MalformedEvent(f"neither JSON (an object starts with '{{') nor msgpack "
-                             f"({exc or type(exc).__name__})") from None
+                             f"({describe(exc)})") from None
 
 
 def decode_packed(data: bytes) -> Any:

@@ -26,6 +26,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from cache_indexer.infra.streams import kv_bucket
 from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.infra.log_format import describe
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +98,11 @@ class Lease:
             except Exception as exc:
                 if self.is_leader and time.monotonic() < held_until:
                     log.warning("lease %s not renewed (%s); still held for %.1fs, retrying", self.key,
-                                exc or type(exc).__name__, held_until - time.monotonic())
+                                describe(exc), held_until - time.monotonic())
                     retry_soon = True
                 else:
                     log.debug("lease %s: %s", self.key, exc)
-                    self._set(False, f"not renewed within 80% of the TTL ({exc or type(exc).__name__})")
+                    self._set(False, f"not renewed within 80% of the TTL ({describe(exc)})")
             if retry_soon:
                 await asyncio.sleep(min(0.5, self.ttl / 10))
             else:

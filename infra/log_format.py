@@ -17,6 +17,12 @@ from datetime import datetime, timezone
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
 
 
+def describe(exc: BaseException) -> str:
+    """What a log line says of an exception: its message, or its type where it has none (an
+    ``asyncio.TimeoutError`` has an empty one, and every exception is truthy)."""
+    return str(exc) or type(exc).__name__
+
+
 def rfc3339(created: float) -> str:
     return datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 

@@ -39,6 +39,7 @@ from nats.js import api
 
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.infra.log_format import describe
 
 log = logging.getLogger(__name__)
 
@@ -300,4 +301,4 @@ class OrderedFeed:
     def _error(self, what: str, exc: BaseException) -> None:
         self.errors += 1
         self._on_error()
-        self._warn("stream %s: %s failed (%s); trying again", self.stream, what, exc or type(exc).__name__)
+        self._warn("stream %s: %s failed (%s); trying again", self.stream, what, describe(exc))

@@ -26,6 +26,7 @@ from cache_indexer.infra.streams import RecordsKv
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.infra.throttled_log import ThrottledWarning
 from cache_indexer.schemas.events import MAX_BLOCK_SIZE
+from cache_indexer.infra.log_format import describe
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class RegistrationStore:
                 raise
             except Exception as exc:  # followed again from the bucket's values; what was known stays meanwhile
                 self._on_error()
-                self._warn("registrations not followed (%s); again in %.1fs", exc or type(exc).__name__, backoff)
+                self._warn("registrations not followed (%s); again in %.1fs", describe(exc), backoff)
             finally:
                 if feed is not None:
                     try:

@@ -20,6 +20,7 @@ from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFo
 from cache_indexer.infra.nats_auth import connect_options
 from cache_indexer.infra.throttled_log import ThrottledWarning
 from cache_indexer.schemas.config import Config, NatsConfig, StreamConfig
+from cache_indexer.infra.log_format import describe
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ async def connect(cfg: NatsConfig, name: str, **callbacks) -> nats.NATS:
     warn = ThrottledWarning(log)
 
     async def _error_cb(exc: Exception) -> None:
-        warn("nats: %s", exc or type(exc).__name__)
+        warn("nats: %s", describe(exc))
 
     opts = {"error_cb": _error_cb, **connect_options(cfg), **callbacks}
     return await nats.connect(

@@ -39,8 +39,8 @@ async def test_a_stream_created_again_is_told_by_its_sequence_and_a_duplicate_is
     back to 1, tells. A duplicate's ack names the original's (lower) sequence and tells nothing."""
     js = nc.jetstream()
     await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"])
-    told: list[int] = []
-    pub = JetStreamPublisher(nc, Metrics(), ack_timeout=2, on_stream_lost=lambda: told.append(1))
+    told: list[str] = []
+    pub = JetStreamPublisher(nc, Metrics(), ack_timeout=2, on_stream_lost=told.append)
     await pub.start()
     try:
         for i in range(10):
@@ -53,10 +53,10 @@ async def test_a_stream_created_again_is_told_by_its_sequence_and_a_duplicate_is
         await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"])
         await pub.publish(f"{stream_prefix}.a", b"10", {"Nats-Msg-Id": "m10"})
         assert await pub.flush(10)
-        assert told == [1]
+        assert told == [stream_prefix]
         await pub.publish(f"{stream_prefix}.a", b"11", {"Nats-Msg-Id": "m11"})
         assert await pub.flush(10)
-        assert told == [1], "told once a new stream, not at every message on it"
+        assert told == [stream_prefix], "told once a new stream, not at every message on it"
     finally:
         await pub.close()
 

@@ -7,6 +7,7 @@ bridge and indexer talk to a real nats-server, ratios are read over HTTP.
 from __future__ import annotations
 
 import json
+import time
 
 import msgpack
 import pytest
@@ -533,6 +534,23 @@ async def test_a_deleted_stream_is_recreated_and_rebuilt_from_the_engines(stack)
     await until_ratio(stack, POD, 1.0, what="everything the engine holds, from the new stream")
 
 
+async def created_again(stack) -> str:
+    """The L1 stream deleted and created again by another process (here: the test's); its name."""
+    name, js = stack.cfg.nats.l1Stream.name, stack.replica.indexer.js
+    await js.delete_stream(name)
+    await ensure_l1_stream(js, stack.cfg.nats)
+    return name
+
+
+@pytest.fixture
+def streams_checked_often(monkeypatch):
+    """The bridge looks at the streams every 0.5 s, the replica every 0.2 s (set before the stack starts)."""
+    from cache_indexer.indexer import service as indexer_service
+
+    monkeypatch.setattr(bridge_service, "STREAMS_CHECK_EVERY", 0.5)
+    monkeypatch.setattr(indexer_service, "TRACK_EVERY", 0.2)
+
+
 async def test_a_stream_recreated_by_another_process_is_rebuilt_from_the_engines(stack):
     """A stream deleted and created again by someone else (a replica's or another bridge's restore, an
     operator) before this bridge's next publish: that publish is stored, so no "no stream" error told
@@ -544,10 +562,7 @@ async def test_a_stream_recreated_by_another_process_is_rebuilt_from_the_engines
     await eng.publish([stored(CHAIN[:4])])
     await eng.publish([stored(CHAIN[4:5], parent=CHAIN[3])])
     await until_ratio(stack, POD, 5 / 8)
-    name = stack.cfg.nats.l1Stream.name
-    js = stack.replica.indexer.js
-    await js.delete_stream(name)
-    await ensure_l1_stream(js, stack.cfg.nats)  # created again before the bridge publishes
+    name = await created_again(stack)  # before the bridge publishes
     await eng.publish([stored(CHAIN[5:8], parent=CHAIN[4])])  # stored on the new stream; the engine goes idle
     await wait_for(lambda: stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1, 20,
                    "the replica to notice")
@@ -555,24 +570,74 @@ async def test_a_stream_recreated_by_another_process_is_rebuilt_from_the_engines
     assert stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1
 
 
-async def test_a_stream_recreated_under_an_idle_engine_is_rebuilt_from_it(stack, monkeypatch):
+async def test_a_stream_recreated_under_an_idle_engine_is_rebuilt_from_it(streams_checked_often, stack):
     """As above, with the engine idle, and the new stream's sequence past the last this bridge was acked
     (other bridges publish to it): no ack tells, so the bridge also looks at the streams on its own."""
-    monkeypatch.setattr(bridge_service, "STREAMS_CHECK_EVERY", 0.5)
     eng = stack.engine(POD)
     await stack.connect((eng, POD, 0))
     await eng.publish([stored(CHAIN[:8])])
     await until_ratio(stack, POD, 1.0)
-    name = stack.cfg.nats.l1Stream.name
-    js = stack.replica.indexer.js
-    await js.delete_stream(name)
-    await ensure_l1_stream(js, stack.cfg.nats)
+    name = await created_again(stack)
     for _ in range(10):  # what other bridges published meanwhile (malformed to the replicas: counted, dropped)
-        await js.publish(f"{stack.cfg.nats.l1Stream.subjectPrefix}.other", b"x")
+        await stack.replica.indexer.js.publish(f"{stack.cfg.nats.l1Stream.subjectPrefix}.other", b"x")
     await wait_for(lambda: stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1, 20,
                    "the replica to notice")
-    await until_ratio(stack, POD, 1.0, what="the idle engine's blocks, from the new stream", timeout=20)
+    await until_ratio(stack, POD, 1.0, what="the idle engine's blocks, from the new stream", timeout=10)
     assert stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1
+
+
+async def test_a_stream_recreated_while_a_gap_is_being_replayed_starts_over_after_the_replay(
+        streams_checked_often, stack, caplog):
+    """From a review: the bridge started a subscription over from its own task, while the subscription
+    waited for a replay: the replay went on with no generation (a TypeError, a run published under
+    generation None, an answer's budget never given back). It is now a flag the subscription applies
+    between its operations."""
+    import logging
+
+    stack.cfg.ingest.l1.replayTimeout = 1.0
+    stack.cfg.ingest.l1.replayCooldown = 0.1
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:1])])
+    await until_ratio(stack, POD, 1 / 8)
+    eng.replay_deaf = 1  # the gap's replay request goes unanswered for replayTimeout
+    await eng.publish([stored(CHAIN[1:3], parent=CHAIN[0])], send=False)
+    await eng.publish([stored(CHAIN[3:8], parent=CHAIN[2])])
+    await wait_for(lambda: eng.replay_deaf == 0, 10, "the gap's replay asked")
+    name = await created_again(stack)
+    await wait_for(lambda: stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1, 10,
+                   "the bridge to notice while the replay waits")
+    await until_ratio(stack, POD, 1.0, what="everything the engine holds, from the new stream", timeout=15)
+    assert stack.bridge.receive_budget.taken == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info]
+    assert not errors, errors
+
+
+async def test_a_stream_recreated_while_the_engine_is_away_starts_over_once_it_is_back(streams_checked_often,
+                                                                                        stack):
+    """From a review: started over while its engine was unreachable, a subscription asked the engine's
+    buffer at once: the request held a replay slot until it timed out, into the replay cooldown
+    (``replayCooldown``, 0 here), within which the engine's first batch once back would start the new
+    generation at its own seq, without what the engine held before. The buffer is now asked once the
+    engine is there again, as at a first contact."""
+    stack.cfg.ingest.l1.replayTimeout = 1.0
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:4])])
+    await until_ratio(stack, POD, 0.5)
+    await eng.go_away()
+    sub = next(iter(stack.bridge.subscribers.values()))
+    await wait_for(lambda: sub.disconnected_since is not None, 10, "the bridge to see the engine gone")
+    name = await created_again(stack)
+    await wait_for(lambda: stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1, 10,
+                   "the bridge to notice")
+    await wait_for(lambda: time.monotonic() - sub.disconnected_since > 1.5, 10,
+                   "the engine away for longer than a replay's timeout")
+    eng.come_back()
+    await eng.wait_subscribed()
+    await eng.publish([stored(CHAIN[4:8], parent=CHAIN[3])])
+    await until_ratio(stack, POD, 1.0, what="what the engine held before, from its buffer", timeout=10)
+    assert stack.bridge_metrics.bridge_replays.labels("timeout")._value.get() == 0
 
 
 async def two_pods_indexed(stack):

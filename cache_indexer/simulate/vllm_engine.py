@@ -159,14 +159,24 @@ class VllmPublisher:
     async def restart_process(self) -> None:
         """A restarted engine process: new sockets bound to the same ports (subscribers reconnect)."""
         self.restart_engine()
+        await self.go_away()
+        self.come_back()
+
+    async def go_away(self) -> None:
+        """The engine unreachable (its sockets closed: a network partition, a pod being moved), its seq and
+        buffer kept; ``come_back`` binds the same ports again."""
         if self._replay_task:
             self._replay_task.cancel()
             await asyncio.gather(self._replay_task, return_exceptions=True)
+            self._replay_task = None
         self.pub.close(0)
+        if self.router is not None:
+            self.router.close(0)
+
+    def come_back(self) -> None:
         self.pub = self._bind(zmq.XPUB, self.pub_port)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         if self.router is not None:
-            self.router.close(0)
             self.router = self._bind(zmq.ROUTER, self.replay_port)
             self._replay_task = asyncio.create_task(self._serve_replay())
 
