@@ -76,8 +76,8 @@ class JetStreamPublisher:
         #: subject (503), with the stream's name when an ack names a sequence at or below one acked before
         #: on it (one created again counts from 1; a duplicate's ack names the original's: not counted)
         self._on_stream_lost = on_stream_lost or (lambda stream: None)
-        #: the last sequence acked for a new message, by stream
-        self._last_seq: dict[str, int] = {}
+        #: the last sequence acked for a new message, and its Nats-Msg-Id, by stream
+        self._last_acked: dict[str, tuple[int, str]] = {}
         self._metrics = metrics
         self._window = asyncio.Semaphore(window)
         self._ack_timeout = ack_timeout
@@ -136,6 +136,14 @@ class JetStreamPublisher:
         self._idle.clear()
         self._metrics.publish_inflight.set(len(self._pending))
         await self._send(msg_id, rec)
+
+    def last_acked(self, stream: str) -> tuple[int, str] | None:
+        """The stream sequence and ``Nats-Msg-Id`` of the last new message ``stream`` acked (None: none yet)."""
+        return self._last_acked.get(stream)
+
+    def forget_stream(self, stream: str) -> None:
+        """The stream was lost and is followed anew: its sequences count from where the new one stands."""
+        self._last_acked.pop(stream, None)
 
     def connection_lost(self) -> None:
         """The NATS connection broke: what was sent on it and is not acked yet may be lost with it."""
@@ -200,9 +208,9 @@ class JetStreamPublisher:
             return
         self._done(msg_id)
         if stream:
-            if stream_seq <= self._last_seq.get(stream, 0):
+            if stream_seq <= self._last_acked.get(stream, (0, ""))[0]:
                 self._on_stream_lost(stream)
-            self._last_seq[stream] = stream_seq
+            self._last_acked[stream] = (stream_seq, msg_id)
         if rec.on_stored is not None:
             _tell(rec.on_stored, stream_seq)
 

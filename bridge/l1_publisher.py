@@ -36,19 +36,13 @@ from dataclasses import dataclass
 from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
 from cache_indexer.bridge.resume_points import Position, ResumePoints
 from cache_indexer.infra.event_codec import MSGPACK, Codec, decode
-from cache_indexer.infra.streams import l1_lifecycle_subject, l1_subject, stream_born_ns
+from cache_indexer.infra.streams import l1_lifecycle_subject, l1_subject
 from cache_indexer.schemas.events import CONTENT_TYPE_L1, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
 #: Removals this bridge remembers (bounded: the stream keeps each one's mark too)
 _RETIRED_KEPT = 100_000
-#: A generation (the bridge's wall clock when it began) older than the stream by more than this began on
-#: a stream lost since: what it stored before is not on this one, so it is not resumed. The margin is for
-#: clocks: with a bridge's behind nats-server's, the first generations of a new installation begin
-#: "before" its stream, and each bridge restart would start those engines anew, losing what their replay
-#: buffers no longer hold. Its cost: a generation begun within it before a stream's loss may be resumed.
-STREAM_CLOCK_SKEW_NS = 60_000_000_000
 #: Told (gen, first seq, last seq) when the stream refused a message of the worker for good.
 OnRefusedBatch = Callable[[int, int, int], None]
 
@@ -130,6 +124,11 @@ class _Retired:
     stored_at: int = 0
     stray_at: int = 0
     owed: bool = False  # a publish again is due (or under way)
+    #: the stray it was last published again after (the same message id again would be a duplicate: an
+    #: ack of a lost stream's higher sequence must not have it published again and again)
+    again_after: int = 0
+    #: stored on a stream lost since (``stream_lost``): the next stray on the new one has it published again
+    lost: bool = False
 
 
 @dataclass(slots=True)
@@ -170,6 +169,10 @@ class L1Publisher:
         self._republishing: set[asyncio.Task] = set()
         #: told when one of this bridge's removals is stored (the targets record keeps it until then)
         self.on_removal_stored: Callable[[], None] | None = None
+        #: the generations before this began on a stream this bridge found lost (``stream_lost``): what
+        #: they stored is gone, so none is resumed (a pod away then, whose batch a retry stored on the new
+        #: stream, would otherwise resume without it)
+        self.lost_before = -1
 
     async def last_position(self, pod: str, rank: int) -> Position | None:
         """Where a bridge resumes (pod, rank): the resume record (within a generation, what followed it comes
@@ -199,12 +202,9 @@ class L1Publisher:
             # last message may lie past one that never made it, the record never does. Starting anew loses
             # nothing so young
             return None
-        born = stream_born_ns(self.resume.stream_id) if self.resume is not None else 0
-        if best is not None and best.gen < born - STREAM_CLOCK_SKEW_NS:
-            # begun on a stream deleted since; batches of it stored on this one (retries, a bridge that had
-            # not noticed yet) would resume it without what it stored before
-            log.info("%s rank %d: generation %d began before the stream was created again: a new generation",
-                     pod, rank, best.gen, extra={"pod": pod, "rank": rank})
+        if best is not None and best.gen < self.lost_before:
+            log.info("%s rank %d: generation %d began on a stream lost since: a new generation", pod, rank, best.gen,
+                     extra={"pod": pod, "rank": rank})
             return None
         # this bridge's removals, and those the resume record keeps (any bridge's, also purged from the stream)
         retired = max(self._mark(pod, None), self._mark(pod, rank),
@@ -398,16 +398,29 @@ class L1Publisher:
             return
         first = not r.stored_at
         r.stored_at = max(r.stored_at, stream_seq)
+        r.lost = False
         self._owe(key, r)
         if first and self.on_removal_stored is not None:
             self.on_removal_stored()
 
     def unstored_removals(self) -> set[tuple[str, int | None]]:
         """(pod, None) and (pod, rank) of this bridge's removals the stream has not stored yet."""
-        return {key for key, r in self._retired.items() if not r.stored_at}
+        return {key for key, r in self._retired.items() if not r.stored_at and not r.lost}
+
+    def stream_lost(self) -> None:
+        """The stream was created again: no generation begun before is resumed, and where it stored this
+        bridge's removals and their strays means nothing on the new one. A removal is published again once
+        a message it retired (a retry) is stored on the new stream: the indexers rebuilt from it would
+        otherwise take that message in."""
+        self.lost_before = new_generation()
+        if self.resume is not None:
+            self.resume.stream_lost()
+        for r in self._retired.values():
+            r.lost = r.lost or r.stored_at > 0
+            r.stored_at = r.stray_at = r.again_after = 0
 
     def _owe(self, key: tuple[str, int | None], r: _Retired) -> None:
-        if r.owed or not r.stored_at or r.stray_at <= r.stored_at:
+        if r.owed or r.stray_at <= r.again_after or not r.lost and (not r.stored_at or r.stray_at <= r.stored_at):
             return
         r.owed = True
         log.info("%s%s: a message of a retired generation was stored after its removal: published again",
@@ -428,7 +441,7 @@ class L1Publisher:
         """Each removal that a retired message was stored after goes out again, with the same mark."""
         for key, r in list(self._retired.items()):
             if r.owed:
-                r.owed = False
+                r.owed, r.again_after = False, r.stray_at
                 await self._publish_removal(key, r.mark, r.reason, f"after:{r.stray_at}")
 
     async def rank_removed(self, pod: str, rank: int, reason: str, after: int | None = None) -> None:

@@ -230,6 +230,11 @@ class ResumePoints:
         """The newest generation of the worker a removal retired (-1: none known): never resumed."""
         return max(self._forgotten.get(pod, -1), self._forgotten_ranks.get(pod, {}).get(rank, -1))
 
+    def stream_lost(self) -> None:
+        """The positions known name a stream lost since: none is resumed or written (records of the lost
+        stream name it, and are ignored)."""
+        self._positions.clear()
+
     def own(self, pod: str, rank: int) -> Position | None:
         """The last position of the worker this bridge saw acked (or adopted from the record), written or not."""
         return self._positions.get(pod, {}).get(rank)

@@ -30,6 +30,7 @@ import uuid
 
 import aiohttp
 import zmq.asyncio
+from nats.js.errors import NotFoundError
 
 from cache_indexer.bridge.block_key_check import BlockKeyCheck
 from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 _RESTORE_EVERY = 2.0
 #: How often the streams are looked at without a sign of their loss: a stream created again (by a
 #: replica, another bridge, an operator) whose sequence has passed the last this bridge was acked gives
-#: none (bridge/jetstream_publisher.py), and what the lost one held would be missing for good.
+#: none in the acks (bridge/jetstream_publisher.py); the message at that sequence then is another.
 STREAMS_CHECK_EVERY = 30.0
 #: Bytes of a message's limit kept for its headers (ours take about 300).
 _HEADER_ROOM = 1024
@@ -128,10 +129,7 @@ class Bridge:
         #: looks at the streams when told (``_stream_lost``) and every STREAMS_CHECK_EVERY
         self._streams_task: asyncio.Task | None = None
         self._stream_doubt = asyncio.Event()
-        #: the incarnation (streams.stream_id) of each tier's stream this bridge publishes to
-        self._stream_ids: dict[str, str] = {}
-        #: streams an ack showed a sequence that went back on: they lost what they held, even where the
-        #: creation time stayed (a cluster's stream assignment kept while a server's storage was lost)
+        #: streams an ack showed a sequence that went back on: they lost what they held
         self._went_back: set[str] = set()
         self._streams_unchecked = ThrottledWarning(log)
         #: subscriptions whose start failed are tried again by this task, after ``_subscribe_retry``
@@ -157,8 +155,7 @@ class Bridge:
                                 reconnected_cb=self._nats_back)
         js = self.nc.jetstream()
         l1_info = await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
-        l3_info = await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
-        self._stream_ids = {"l1": stream_id(l1_info), "l3": stream_id(l3_info)}
+        await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
         self.resume_points = ResumePoints(js, records_bucket(self.cfg), self.cfg.nats.replicas,
                                           self.cfg.ingest.l1.resumeInterval)
         self.resume_points.stream_id = stream_id(l1_info)
@@ -583,40 +580,60 @@ class Bridge:
             await self._restore_streams()
 
     async def _restore_streams(self) -> None:
-        """A stream gone, created again since this bridge last looked (its creation time differs), or one
-        an ack showed going back, lost what it held: every engine starts a new generation from its replay
-        buffer, every master publishes its full state. Batches went on mid-generation on a stream
-        recreated by someone else (a replica, another bridge): without this their predecessors would be
-        missing for good. Done between reconciles, so that a subscription starting meanwhile resumes
-        with the new stream's creation time or is started over."""
+        """A stream gone (created again here), one an ack showed going back, or one whose message at the
+        last sequence this bridge was acked is not the one it sent, lost what it held: every engine starts
+        a new generation from its replay buffer, every master publishes its full state. Batches went on
+        mid-generation on a stream created again by someone else (a replica, another bridge): without
+        this, what they followed would be missing for good. (Not judged by the stream's creation time:
+        nats-server 2.14 may change it across restarts after an update, nats-io/nats-server#8470.) Done
+        between reconciles, so that a subscription starting meanwhile is started over too."""
         js = self.nc.jetstream()
         went_back, self._went_back = self._went_back, set()
         for tier, name in (("l1", self.cfg.nats.l1Stream.name), ("l3", self.cfg.nats.l3Stream.name)):
             try:
-                info, _ = await ensure_again(js, self.cfg.nats, tier)
+                info, recreated = await ensure_again(js, self.cfg.nats, tier)
+                lost = recreated or name in went_back or await self._not_ours(js, name, info)
             except Exception as exc:  # NATS away: looked at again the next round
                 self.metrics.task_errors.labels("bridge-streams").inc()
                 self._streams_unchecked("stream %s: cannot check or recreate it (%s); looking again", name,
                                         describe(exc))
                 if name in went_back:
                     self._went_back.add(name)
+                    self._stream_doubt.set()
                 continue
-            sid = stream_id(info)
-            if sid == self._stream_ids.get(tier) and name not in went_back:
+            if not lost:
                 continue
-            log.error("stream %s lost what this bridge published to it (deleted or its storage lost, and created "
-                      "again): every %s starts over", name, "engine" if tier == "l1" else "master")
+            if not recreated:
+                log.error("stream %s lost what this bridge published to it (deleted or its storage lost, and "
+                          "created again): every %s starts over", name, "engine" if tier == "l1" else "master")
             async with self._reconciling:
-                self._stream_ids[tier] = sid
                 self.metrics.streams_recreated.labels(name).inc()
+                self.publisher.forget_stream(name)
+                self._went_back.discard(name)  # acks of the new stream counted from the old one's
                 if tier == "l1":  # positions on the lost stream mean nothing on the new one
-                    self.resume_points.stream_id = sid
+                    self.resume_points.stream_id = stream_id(info)
+                    self.l1.stream_lost()
                     for sub in self.subscribers.values():
                         sub.start_over()
                 else:
                     for target, poller in self.pollers.items():
                         self.l3.forget(target.name)  # the subject's last sequence on the lost stream
                         poller.start_over()
+
+    async def _not_ours(self, js, name: str, info) -> bool:
+        """Whether the stream lost the last message this bridge was acked on it: its sequence is past the
+        stream's last, or the message there is another. One purged (behind a snapshot) tells nothing."""
+        acked = self.publisher.last_acked(name)
+        if acked is None:
+            return False
+        seq, msg_id = acked
+        if info.state.last_seq < seq:
+            return True
+        try:
+            msg = await js.get_msg(name, seq=seq)
+        except NotFoundError:
+            return False
+        return (msg.headers or {}).get("Nats-Msg-Id") != msg_id
 
     def _l3_refused(self, master: str) -> None:
         """The stream refused a message of ``master`` for good: indexers would wait on its seq, so the

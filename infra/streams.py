@@ -9,7 +9,6 @@ the ``Kv-Pod`` header.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import re
 
@@ -136,16 +135,6 @@ def stream_id(info: api.StreamInfo) -> str:
     """What tells one incarnation of a stream from another of the same name: its creation time."""
     return info.created.isoformat() if info.created else ""
 
-
-def stream_born_ns(sid: str) -> int:
-    """When the stream incarnation ``sid`` (``stream_id``) was created, in ns since the epoch (0: not told)."""
-    try:
-        born = datetime.datetime.fromisoformat(sid)
-    except ValueError:
-        return 0
-    if born.tzinfo is None:
-        born = born.replace(tzinfo=datetime.timezone.utc)
-    return int(born.timestamp() * 1e6) * 1000
 
 
 def l3_subject(prefix: str, master: str) -> str:
