@@ -9,6 +9,7 @@ the ``Kv-Pod`` header.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import re
 
@@ -83,7 +84,8 @@ def stream_differences(existing: api.StreamConfig, wanted: api.StreamConfig) -> 
 
 
 async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.StreamInfo:
-    """The stream as configured: looked up first, created when missing, updated only on a real difference.
+    """The stream as configured: looked up first, created when missing, updated only on a real difference
+    (or to name its incarnation: ``stream_id``).
 
     A single nats-server checks its storage reservation before it notices that a stream exists, so an
     ``add_stream`` of an existing stream can fail with 10047 (insufficient storage) where the store holds
@@ -94,6 +96,7 @@ async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.Strea
         info = await js.stream_info(cfg.name)
     except NotFoundError:
         try:
+            sc.metadata = {INCARNATION: datetime.datetime.now(datetime.timezone.utc).isoformat()}
             info = await js.add_stream(sc)
             await wait_for_leader(js, cfg.name)
             return info
@@ -102,11 +105,16 @@ async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.Strea
                 raise
             info = await js.stream_info(cfg.name)
     diff = stream_differences(info.config, sc)
-    if not diff:
+    named = (info.config.metadata or {}).get(INCARNATION)
+    if not diff and named:
         return info
+    # the server's own keys (_nats.*) are its to set; ours is kept, or set to what named the stream so far
+    sc.metadata = {**{k: v for k, v in (info.config.metadata or {}).items() if not k.startswith("_nats.")},
+                   INCARNATION: named or stream_id(info)}
     try:
         updated = await js.update_stream(sc)
-        log.info("stream %s updated to the configured limits: %s", cfg.name, "; ".join(diff))
+        if diff:
+            log.info("stream %s updated to the configured limits: %s", cfg.name, "; ".join(diff))
         return updated
     except APIError as exc:
         log.error("stream %s differs from the configuration (%s) and the server refused the update: %s; "
@@ -131,9 +139,19 @@ async def ensure_again(js, cfg: NatsConfig, tier: str) -> tuple[api.StreamInfo, 
     return info, True
 
 
+#: The stream metadata key that names its incarnation (``stream_id``).
+INCARNATION = "cache_indexer.incarnation"
+
+
 def stream_id(info: api.StreamInfo) -> str:
-    """What tells one incarnation of a stream from another of the same name: its creation time."""
-    return info.created.isoformat() if info.created else ""
+    """What tells one incarnation of a stream from another of the same name: the creation time its creator
+    wrote into its metadata (``INCARNATION``), else (a stream made before that, or by someone else) the
+    server's creation time, which ``ensure_stream`` then writes there. Not the server's alone: nats-server
+    2.14 may change it across restarts after an update (nats-io/nats-server#8470), and every replica would
+    take its stream for a new one, dropping its snapshots. Ordered by time, as the resume records' merge
+    compares them."""
+    named = (info.config.metadata or {}).get(INCARNATION) if info.config is not None else None
+    return named or (info.created.isoformat() if info.created else "")
 
 
 

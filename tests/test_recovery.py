@@ -714,3 +714,78 @@ async def test_a_snapshot_written_while_a_replica_loads_the_one_before_is_loaded
         if late is not None:
             await late.stop()
         await writer.stop()
+
+
+async def test_a_stream_updated_between_two_nats_restarts_is_still_the_one_a_replica_followed(
+        restartable_nats, stream_prefix, monkeypatch):
+    """From a review: nats-server 2.14 gives a stream a new creation time when it restarts after an update
+    made since its previous start (nats-io/nats-server#8470), and replicas told streams apart by creation
+    time: after a values change (the update) and two restarts of NATS, every replica took the stream for a
+    new one and rebuilt from it alone, its snapshot of another stream now; behind a purge, what the
+    snapshot held was gone from the index. A stream is now named by the time its creator wrote into its
+    metadata (streams.stream_id), kept across updates."""
+    import nats as nats_client
+
+    from cache_indexer.indexer import service
+    from cache_indexer.infra.streams import ensure_l1_stream, stream_id
+
+    monkeypatch.setattr(service, "TRACK_EVERY", 0.2)
+    srv = restartable_nats
+    cfg = make_config(srv.url, stream_prefix, snapshot={"everyMessages": 10**9, "interval": "1h", "purgeKeep": 0})
+    name = cfg.nats.l1Stream.name
+    idx = Indexer(cfg)
+    await idx.start()
+    try:
+        await _Publisher(idx.js, cfg, "10.9.2.1").applied(idx, 4)
+        assert await idx.snapshot_now()
+        held = dict(idx.l1.index.blocks)
+        assert len(held) == 4 and (await idx.js.stream_info(name)).state.messages == 0, "purged behind the snapshot"
+        first = stream_id(await idx.js.stream_info(name))
+
+        async def restarted() -> None:
+            srv.stop()
+            srv.start()
+            await wait_for(lambda: idx.nc.is_connected, 20, "the replica back on NATS")
+        await restarted()
+        cfg.nats.l1Stream.maxBytes *= 2  # a values change: the next process to start updates the stream
+        nc = await nats_client.connect(srv.url)
+        try:
+            await ensure_l1_stream(nc.jetstream(), cfg.nats)
+        finally:
+            await nc.close()
+        await restarted()
+        rounds = idx.metrics.ingest_lag.labels(name)
+        rounds.set(-1)
+        await wait_for(lambda: rounds._value.get() >= 0 and not idx._reloading, 10, "a round of the replica's check")
+        assert idx.metrics.streams_recreated.labels(name)._value.get() == 0, "taken for a new stream"
+        blocks = idx.l1.index.blocks
+        assert all(blocks.get(h, 0) & m == m for h, m in held.items()), "what the snapshot held"
+        info = await idx.js.stream_info(name)
+        assert stream_id(info) == first and info.config.max_bytes == cfg.nats.l1Stream.maxBytes
+    finally:
+        await idx.stop()
+
+
+async def test_a_stream_made_before_it_had_a_name_keeps_the_id_replicas_and_records_know_it_by(nats_url,
+                                                                                                  stream_prefix):
+    """An upgrade: a stream made by an earlier version (no incarnation in its metadata) is known to every
+    snapshot and resume record by its creation time; the first process to start names it with that time,
+    so nothing takes it for a new one, and the name survives the next update."""
+    from cache_indexer.infra.streams import INCARNATION, ensure_l1_stream, stream_config, stream_id
+
+    cfg = make_config(nats_url, stream_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        legacy = await js.add_stream(stream_config(cfg.nats.l1Stream, [f"{cfg.nats.l1Stream.subjectPrefix}.>"]))
+        before = stream_id(legacy)
+        assert before == legacy.created.isoformat() and INCARNATION not in (legacy.config.metadata or {})
+        named = await ensure_l1_stream(js, cfg.nats)
+        assert named.config.metadata[INCARNATION] == before and stream_id(named) == before
+        cfg.nats.l1Stream.maxBytes *= 2
+        updated = await ensure_l1_stream(js, cfg.nats)
+        assert stream_id(updated) == before and updated.config.max_bytes == cfg.nats.l1Stream.maxBytes
+        await js.delete_stream(cfg.nats.l1Stream.name)
+        assert stream_id(await ensure_l1_stream(js, cfg.nats)) > before, "a new one: named anew, later"
+    finally:
+        await nc.close()
