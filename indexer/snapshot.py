@@ -244,7 +244,7 @@ class SnapshotRef:
     name: str
     stream_seq: int
     revision: int
-    stream_id: str = ""  # the stream's creation time: a snapshot of a stream since recreated is not ours
+    stream_id: str = ""  # streams.stream_id: a snapshot of a stream since recreated is not ours
 
 
 def _stream_tag(name: str) -> str:

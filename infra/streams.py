@@ -9,7 +9,7 @@ the ``Kv-Pod`` header.
 from __future__ import annotations
 
 import asyncio
-import datetime
+import dataclasses
 import logging
 import re
 
@@ -84,8 +84,8 @@ def stream_differences(existing: api.StreamConfig, wanted: api.StreamConfig) -> 
 
 
 async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.StreamInfo:
-    """The stream as configured: looked up first, created when missing, updated only on a real difference
-    (or to name its incarnation: ``stream_id``).
+    """The stream as configured: looked up first, created when missing, updated only on a real difference,
+    and named (``stream_id``) where it is not yet.
 
     A single nats-server checks its storage reservation before it notices that a stream exists, so an
     ``add_stream`` of an existing stream can fail with 10047 (insufficient storage) where the store holds
@@ -96,30 +96,36 @@ async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.Strea
         info = await js.stream_info(cfg.name)
     except NotFoundError:
         try:
-            sc.metadata = {INCARNATION: datetime.datetime.now(datetime.timezone.utc).isoformat()}
             info = await js.add_stream(sc)
             await wait_for_leader(js, cfg.name)
-            return info
         except BadRequestError as exc:
             if exc.err_code != 10058:  # created meanwhile by another process: compare below
                 raise
             info = await js.stream_info(cfg.name)
     diff = stream_differences(info.config, sc)
-    named = (info.config.metadata or {}).get(INCARNATION)
-    if not diff and named:
-        return info
-    # the server's own keys (_nats.*) are its to set; ours is kept, or set to what named the stream so far
-    sc.metadata = {**{k: v for k, v in (info.config.metadata or {}).items() if not k.startswith("_nats.")},
-                   INCARNATION: named or stream_id(info)}
-    try:
-        updated = await js.update_stream(sc)
-        if diff:
+    if diff:
+        try:
+            info = await js.update_stream(_named(sc, info))
             log.info("stream %s updated to the configured limits: %s", cfg.name, "; ".join(diff))
-        return updated
-    except APIError as exc:
-        log.error("stream %s differs from the configuration (%s) and the server refused the update: %s; "
-                  "using the stream as it is", cfg.name, "; ".join(diff), exc.description or exc)
-        return info
+        except APIError as exc:
+            log.error("stream %s differs from the configuration (%s) and the server refused the update: %s; "
+                      "using the stream as it is", cfg.name, "; ".join(diff), exc.description or exc)
+    if not (info.config.metadata or {}).get(INCARNATION):
+        try:
+            info = await js.update_stream(_named(info.config, info))
+        except APIError as exc:  # known by its creation time meanwhile, as before
+            log.warning("stream %s: naming it in its metadata failed: %s", cfg.name, exc.description or exc)
+    return info
+
+
+def _named(config: api.StreamConfig, info: api.StreamInfo) -> api.StreamConfig:
+    """``config`` with the stream's name in its metadata: kept where it has one, else its creation time (what
+    it was known by; named in the run of nats-server that created it, that time is the one every version
+    reads). The server's own keys (``_nats.*``) are left to it."""
+    config = dataclasses.replace(config)
+    config.metadata = {**{k: v for k, v in (info.config.metadata or {}).items() if not k.startswith("_nats.")},
+                       INCARNATION: stream_id(info)}
+    return config
 
 
 async def ensure_l1_stream(js, cfg: NatsConfig) -> api.StreamInfo:
@@ -144,12 +150,11 @@ INCARNATION = "cache_indexer.incarnation"
 
 
 def stream_id(info: api.StreamInfo) -> str:
-    """What tells one incarnation of a stream from another of the same name: the creation time its creator
-    wrote into its metadata (``INCARNATION``), else (a stream made before that, or by someone else) the
-    server's creation time, which ``ensure_stream`` then writes there. Not the server's alone: nats-server
-    2.14 may change it across restarts after an update (nats-io/nats-server#8470), and every replica would
-    take its stream for a new one, dropping its snapshots. Ordered by time, as the resume records' merge
-    compares them."""
+    """What tells one incarnation of a stream from another of the same name: its creation time as written
+    into its metadata (``INCARNATION``, by ``ensure_stream``), else the server's creation time. Not the
+    server's alone: nats-server 2.14 may change it across restarts after an update (nats-io/nats-server#8470),
+    and every replica would take its stream for a new one, dropping its snapshots. Ordered by time, as the
+    resume records' merge compares them."""
     named = (info.config.metadata or {}).get(INCARNATION) if info.config is not None else None
     return named or (info.created.isoformat() if info.created else "")
 

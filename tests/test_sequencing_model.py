@@ -737,9 +737,10 @@ class Sequencing(RuleBasedStateMachine):
     @precondition(lambda self: self.stream_unnoticed)
     @rule()
     def bridge_notices_the_new_stream(self):
-        """What the bridge does once an ack's sequence went back, or its look at the streams finds another
-        creation time (bridge/service.py ``_restore_streams``): the new stream's id for its records, and
-        every subscription starts over at once from its engine's buffer (VllmSubscriber.start_over)."""
+        """What the bridge does once an ack's sequence went back, or its look at the streams finds the last
+        message it was acked gone or another (bridge/service.py ``_restore_streams``): the new stream's id
+        for its records, no generation begun before resumed, and every subscription started over from its
+        engine's buffer (VllmSubscriber.start_over)."""
         self.stream_unnoticed = False
         self.lost_with_stream |= self.away  # left since, their batches published to the new stream meanwhile
         self.bridge.resume.stream_id = self.stream.id
