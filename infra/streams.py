@@ -113,8 +113,11 @@ async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.Strea
     if not (info.config.metadata or {}).get(INCARNATION):
         try:
             info = await js.update_stream(_named(info.config, info))
-        except APIError as exc:  # known by its creation time meanwhile, as before
-            log.warning("stream %s: naming it in its metadata failed: %s", cfg.name, exc.description or exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # refused, or no permission to update (a timeout): known by its creation time
+            log.warning("stream %s: naming it in its metadata failed (%s); it is known by its creation time",
+                        cfg.name, getattr(exc, "description", None) or describe(exc))
     return info
 
 
