@@ -91,12 +91,19 @@ async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.Strea
     ``add_stream`` of an existing stream can fail with 10047 (insufficient storage) where the store holds
     it fine: every start after the first would then fail. An update the server refuses (a larger
     ``maxBytes`` than the store can reserve, say) is logged and the existing stream is used as it is."""
+    return (await _ensure_stream(js, cfg, subjects))[0]
+
+
+async def _ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> tuple[api.StreamInfo, bool]:
+    """``ensure_stream``, and whether this call created the stream."""
     sc = stream_config(cfg, subjects)
+    created = False
     try:
         info = await js.stream_info(cfg.name)
     except NotFoundError:
         try:
             info = await js.add_stream(sc)
+            created = True
             await wait_for_leader(js, cfg.name)
         except BadRequestError as exc:
             if exc.err_code != 10058:  # created meanwhile by another process: compare below
@@ -118,7 +125,7 @@ async def ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> api.Strea
         except Exception as exc:  # refused, or no permission to update (a timeout): known by its creation time
             log.warning("stream %s: naming it in its metadata failed (%s); it is known by its creation time",
                         cfg.name, getattr(exc, "description", None) or describe(exc))
-    return info
+    return info, created
 
 
 def _named(config: api.StreamConfig, info: api.StreamInfo) -> api.StreamConfig:
@@ -131,21 +138,29 @@ def _named(config: api.StreamConfig, info: api.StreamInfo) -> api.StreamConfig:
     return config
 
 
+def stream_subjects(cfg: StreamConfig) -> list[str]:
+    return [f"{cfg.subjectPrefix}.>"]
+
+
 async def ensure_l1_stream(js, cfg: NatsConfig) -> api.StreamInfo:
-    return await ensure_stream(js, cfg.l1Stream, [f"{cfg.l1Stream.subjectPrefix}.>"])
+    return await ensure_stream(js, cfg.l1Stream, stream_subjects(cfg.l1Stream))
 
 
 async def ensure_again(js, cfg: NatsConfig, tier: str) -> tuple[api.StreamInfo, bool]:
     """A stream as it is now, created again when it is gone (deleted, its storage lost), logged at
-    ERROR: (info, whether it was created again). ``tier`` is "l1" or "l3"."""
-    name = (cfg.l1Stream if tier == "l1" else cfg.l3Stream).name
+    ERROR: (info, whether this call created it again). A NotFound that passes (the stream found on the
+    second look, or created meanwhile by another process) is not a creation here: a bridge would start
+    every engine over on it."""
+    scfg = cfg.l1Stream if tier == "l1" else cfg.l3Stream
     try:
-        return await js.stream_info(name), False
+        return await js.stream_info(scfg.name), False
     except NotFoundError:
         pass
-    info = await (ensure_l1_stream if tier == "l1" else ensure_l3_stream)(js, cfg)
-    log.error("stream %s was gone (deleted, or its storage lost): created again; what it held is lost", name)
-    return info, True
+    info, created = await _ensure_stream(js, scfg, stream_subjects(scfg))
+    if created:
+        log.error("stream %s was gone (deleted, or its storage lost): created again; what it held is lost",
+                  scfg.name)
+    return info, created
 
 
 #: The stream metadata key that names its incarnation (``stream_id``).
@@ -168,7 +183,7 @@ def l3_subject(prefix: str, master: str) -> str:
 
 
 async def ensure_l3_stream(js, cfg: NatsConfig) -> api.StreamInfo:
-    return await ensure_stream(js, cfg.l3Stream, [f"{cfg.l3Stream.subjectPrefix}.>"])
+    return await ensure_stream(js, cfg.l3Stream, stream_subjects(cfg.l3Stream))
 
 
 #: How long start-up waits out a JetStream that does not answer (a cluster electing leaders after the

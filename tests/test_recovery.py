@@ -775,13 +775,13 @@ async def test_a_stream_made_before_it_had_a_name_keeps_the_id_replicas_and_reco
     so nothing takes it for a new one, and the name survives the next update. An earlier version's update
     (a rollback) drops the name, and reads the same id. A stream this version makes is named by its
     creation time too, in the same run of nats-server: what an earlier version reads after a rollback."""
-    from cache_indexer.infra.streams import INCARNATION, ensure_l1_stream, stream_config, stream_id
+    from cache_indexer.infra.streams import INCARNATION, ensure_l1_stream, stream_config, stream_id, stream_subjects
 
     cfg = make_config(nats_url, stream_prefix)
     nc = await nats.connect(nats_url)
     try:
         js = nc.jetstream()
-        legacy = await js.add_stream(stream_config(cfg.nats.l1Stream, [f"{cfg.nats.l1Stream.subjectPrefix}.>"]))
+        legacy = await js.add_stream(stream_config(cfg.nats.l1Stream, stream_subjects(cfg.nats.l1Stream)))
         before = stream_id(legacy)
         assert before == legacy.created.isoformat() and INCARNATION not in (legacy.config.metadata or {})
         named = await ensure_l1_stream(js, cfg.nats)
@@ -790,10 +790,40 @@ async def test_a_stream_made_before_it_had_a_name_keeps_the_id_replicas_and_reco
         updated = await ensure_l1_stream(js, cfg.nats)
         assert stream_id(updated) == before and updated.config.max_bytes == cfg.nats.l1Stream.maxBytes
         # an earlier version's update (a rollback) drops the key: the id read then is the same
-        old_update = stream_config(cfg.nats.l1Stream, [f"{cfg.nats.l1Stream.subjectPrefix}.>"])
+        old_update = stream_config(cfg.nats.l1Stream, stream_subjects(cfg.nats.l1Stream))
         assert stream_id(await js.update_stream(old_update)) == before
         await js.delete_stream(cfg.nats.l1Stream.name)
         made = await ensure_l1_stream(js, cfg.nats)
         assert stream_id(made) == made.created.isoformat() > before, "a new one: named by its creation time"
+    finally:
+        await nc.close()
+
+
+async def test_a_not_found_that_passes_is_not_a_stream_created_again(nats_url, stream_prefix):
+    """From a review: a NotFound that passes (JetStream answering while a cluster elects leaders), the stream
+    found on the second look, was reported as created again: a bridge looking at its streams (every 30 s)
+    would start every engine over on it, losing what the replay buffers no longer hold."""
+    from nats.js.errors import NotFoundError
+
+    from cache_indexer.infra.streams import ensure_again, ensure_l1_stream, stream_id
+
+    cfg = make_config(nats_url, stream_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        before = await ensure_l1_stream(js, cfg.nats)
+        plain, missed = js.stream_info, []
+
+        async def once_not_found(name, *args, **kw):
+            if not missed:
+                missed.append(name)
+                raise NotFoundError()
+            return await plain(name, *args, **kw)
+        js.stream_info = once_not_found
+        info, created = await ensure_again(js, cfg.nats, "l1")
+        assert missed and not created and stream_id(info) == stream_id(before)
+        await js.delete_stream(cfg.nats.l1Stream.name)
+        info, created = await ensure_again(js, cfg.nats, "l1")
+        assert created and stream_id(info) != stream_id(before)
     finally:
         await nc.close()
