@@ -577,7 +577,13 @@ class Bridge:
             await asyncio.sleep(max(0.0, last + _RESTORE_EVERY - time.monotonic()))
             last = time.monotonic()
             self._stream_doubt.clear()
-            await self._restore_streams()
+            try:
+                await self._restore_streams()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never fatal: a watcher that died would leave a lost stream unnoticed
+                self.metrics.task_errors.labels("bridge-streams").inc()
+                log.exception("looking at the streams failed; looking again")
 
     async def _restore_streams(self) -> None:
         """A stream gone (created again here), one an ack showed going back, or one whose message at the

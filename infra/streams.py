@@ -177,7 +177,6 @@ def stream_id(info: api.StreamInfo) -> str:
     return named or (info.created.isoformat() if info.created else "")
 
 
-
 def l3_subject(prefix: str, master: str) -> str:
     return f"{prefix}.{subject_token(master)}"
 
