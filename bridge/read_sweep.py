@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import zmq
 
+from cache_indexer.infra.ticks import sleep_on_grid
+
 log = logging.getLogger(__name__)
 
 
@@ -57,7 +59,7 @@ class ReadSweep:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.every)
+            await sleep_on_grid(self.every)
             try:
                 self.sweep()
             except Exception:  # never fatal: without the sweep a missed signal would wait for the next message

@@ -33,6 +33,7 @@ import zmq.asyncio
 from nats.js.errors import NotFoundError
 
 from cache_indexer.bridge.block_key_check import BlockKeyCheck
+from cache_indexer.bridge.endpoint import Endpoint
 from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
 from cache_indexer.bridge.k8s_discovery import KubernetesDiscovery, master_targets
 from cache_indexer.bridge.l1_publisher import L1Publisher
@@ -43,20 +44,20 @@ from cache_indexer.bridge.removals import MASTER, POD, PendingRemovals
 from cache_indexer.bridge.resume_points import ResumePoints
 from cache_indexer.bridge.shard_leases import ShardLeases
 from cache_indexer.bridge.static_targets import StaticTargets
-from cache_indexer.infra.targets_record import TargetsRecord, read_ranks
-from cache_indexer.bridge.endpoint import Endpoint
 from cache_indexer.bridge.vllm_subscriber import VllmSubscriber
+from cache_indexer.infra.block_key_verdicts import write_verdict
 from cache_indexer.infra.event_codec import codec
 from cache_indexer.infra.lease import Lease
-from cache_indexer.infra.block_key_verdicts import write_verdict
+from cache_indexer.infra.log_format import describe
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.infra.registrations import Registration, RegistrationStore
 from cache_indexer.infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
                            stream_id)
+from cache_indexer.infra.targets_record import TargetsRecord, read_ranks
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.infra.ticks import sleep_on_grid, wait_on_grid
 from cache_indexer.schemas.config import Config
-from cache_indexer.infra.log_format import describe
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +330,7 @@ class Bridge:
                     targets.again()
                     self.metrics.task_errors.labels("static-targets").inc()
                     log.exception("applying targets file %s failed; trying again", targets.path)
-            await asyncio.sleep(interval)
+            await sleep_on_grid(interval)
 
     async def _recorded_ranks(self) -> dict[str, set[int]]:
         """The ranks each pod was listed with when the record was last written: a rank gone meanwhile (while
@@ -570,10 +571,7 @@ class Bridge:
         lost stream fails once per message), and every STREAMS_CHECK_EVERY without one."""
         last = float("-inf")
         while True:
-            try:
-                await asyncio.wait_for(self._stream_doubt.wait(), STREAMS_CHECK_EVERY)
-            except asyncio.TimeoutError:
-                pass
+            await wait_on_grid(self._stream_doubt, STREAMS_CHECK_EVERY)
             await asyncio.sleep(max(0.0, last + _RESTORE_EVERY - time.monotonic()))
             last = time.monotonic()
             self._stream_doubt.clear()

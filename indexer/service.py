@@ -38,6 +38,7 @@ from cache_indexer.infra.ordered_feed import OrderedFeed
 from cache_indexer.infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
                            stream_id)
 from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.infra.ticks import sleep_on_grid
 from cache_indexer.indexer.l1_state import ImplausibleMessage, L1State, early_window
 from cache_indexer.indexer.l3_state import L3State
 from cache_indexer.indexer.run_slices import run_slices
@@ -492,7 +493,7 @@ class Indexer:
             except Exception as exc:
                 self.metrics.task_errors.labels("indexer-lag").inc()
                 log.warning("indexer-lag: %s; trying again in %gs", describe(exc), TRACK_EVERY)
-            await asyncio.sleep(TRACK_EVERY)
+            await sleep_on_grid(TRACK_EVERY)
 
     async def _stream_as_followed(self, tier: str, followed_id: str):
         """The stream's info, or None when it is not the stream this replica follows any more: deleted

@@ -26,6 +26,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from cache_indexer.infra.streams import kv_bucket
 from cache_indexer.infra.tasks import cancel_and_wait
+from cache_indexer.infra.ticks import sleep_on_grid
 from cache_indexer.infra.log_format import describe
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class Lease:
             if retry_soon:
                 await asyncio.sleep(min(0.5, self.ttl / 10))
             else:
-                await asyncio.sleep(self.ttl / 3 if self.is_leader else self.ttl / 4)
+                await sleep_on_grid(self.ttl / 3 if self.is_leader else self.ttl / 4)
 
     async def _still_ours(self, kv) -> int | None:
         """The key's revision where it still names this holder (None: another holder's, gone, unreadable)."""

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from cache_indexer.infra.throttled_log import ThrottledWarning
+from cache_indexer.infra.ticks import grid_deadline, sleep_on_grid
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +114,9 @@ class LoopLagMonitor:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                t = loop.time()
-                await asyncio.sleep(self.every)
-                lag = max(0.0, loop.time() - t - self.every, self.late)
+                due = grid_deadline(loop.time(), self.every)
+                await sleep_on_grid(self.every)
+                lag = max(0.0, loop.time() - due, self.late)
                 self.late = 0.0
                 self.metrics.loop_lag.observe(lag)
                 self.metrics.loop_lag_max.set(self._lag_max.add(lag))
