@@ -51,8 +51,8 @@ from cache_indexer.infra.lease import Lease
 from cache_indexer.infra.log_format import describe
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.infra.registrations import Registration, RegistrationStore
-from cache_indexer.infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, patiently, records_bucket,
-                           stream_id)
+from cache_indexer.infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, name_anew, patiently,
+                                         records_bucket, stream_id)
 from cache_indexer.infra.targets_record import TargetsRecord, read_ranks
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.infra.throttled_log import ThrottledWarning
@@ -132,6 +132,10 @@ class Bridge:
         self._stream_doubt = asyncio.Event()
         #: streams an ack showed a sequence that went back on: they lost what they held
         self._went_back: set[str] = set()
+        #: each tier's stream's name (``stream_id``) as this bridge publishes to it
+        self._stream_ids: dict[str, str] = {}
+        #: tiers whose stream lost its messages under its name, and naming it anew failed: tried again
+        self._unnamed: set[str] = set()
         self._streams_unchecked = ThrottledWarning(log)
         #: subscriptions whose start failed are tried again by this task, after ``_subscribe_retry``
         self._resubscribing: asyncio.Task | None = None
@@ -156,7 +160,8 @@ class Bridge:
                                 reconnected_cb=self._nats_back)
         js = self.nc.jetstream()
         l1_info = await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
-        await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
+        l3_info = await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
+        self._stream_ids = {"l1": stream_id(l1_info), "l3": stream_id(l3_info)}
         self.resume_points = ResumePoints(js, records_bucket(self.cfg), self.cfg.nats.replicas,
                                           self.cfg.ingest.l1.resumeInterval)
         self.resume_points.stream_id = stream_id(l1_info)
@@ -605,6 +610,11 @@ class Bridge:
                     self._went_back.add(name)
                     self._stream_doubt.set()
                 continue
+            if not recreated and (lost or tier in self._unnamed) and stream_id(info) == self._stream_ids.get(tier):
+                info = await self._name_anew(js, tier, info)
+            else:
+                self._unnamed.discard(tier)  # (named anew by another bridge meanwhile)
+            self._stream_ids[tier] = stream_id(info)
             if not lost:
                 continue
             if not recreated:
@@ -623,6 +633,28 @@ class Bridge:
                     for target, poller in self.pollers.items():
                         self.l3.forget(target.name)  # the subject's last sequence on the lost stream
                         poller.start_over()
+
+    async def _name_anew(self, js, tier: str, info):
+        """The stream lost its messages but kept its name (its storage lost where a cluster kept its
+        assignment, a backup restored): replicas, snapshots and resume records would take it for the stream
+        they knew, and replicas would follow on from their old position, past all it holds. Named anew,
+        it is the new stream it is to all of them. A failure is counted, logged, and tried again at the next
+        look; the engines start over all the same."""
+        try:
+            named = await name_anew(js, info)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._unnamed.add(tier)
+            self.metrics.task_errors.labels("bridge-streams").inc()
+            log.error("stream %s lost its messages but kept its name, and naming it anew failed (%s): replicas "
+                      "take it for the stream they followed until it is; trying again", info.config.name,
+                      getattr(exc, "description", None) or describe(exc))
+            return info
+        self._unnamed.discard(tier)
+        log.error("stream %s lost its messages but kept its name (%s): named anew (%s), replicas rebuild from it",
+                  info.config.name, stream_id(info), stream_id(named))
+        return named
 
     async def _not_ours(self, js, name: str, info) -> bool:
         """Whether the stream lost the last message this bridge was acked on it: its sequence is past the

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import re
+from datetime import datetime, timezone
 
 import nats
 from nats.js import api
@@ -128,14 +129,27 @@ async def _ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> tuple[ap
     return info, created
 
 
-def _named(config: api.StreamConfig, info: api.StreamInfo) -> api.StreamConfig:
-    """``config`` with the stream's name in its metadata: kept where it has one, else its creation time (what
-    it was known by; named in the run of nats-server that created it, that time is the one every version
-    reads). The server's own keys (``_nats.*``) are left to it."""
+def _named(config: api.StreamConfig, info: api.StreamInfo, name: str = "") -> api.StreamConfig:
+    """``config`` with the stream's name in its metadata: ``name``, else the one it has, else its creation
+    time (what it was known by; named in the run of nats-server that created it, that time is the one every
+    version reads). The server's own keys (``_nats.*``) are left to it."""
     config = dataclasses.replace(config)
     config.metadata = {**{k: v for k, v in (info.config.metadata or {}).items() if not k.startswith("_nats.")},
-                       INCARNATION: stream_id(info)}
+                       INCARNATION: name or stream_id(info)}
     return config
+
+
+async def name_anew(js, info: api.StreamInfo) -> api.StreamInfo:
+    """The stream given a new name (``stream_id``): it lost its messages but kept its metadata, so that
+    replicas, snapshots and resume records, which know a stream by that name, take it for the new stream it
+    is. (A cluster that keeps a stream's assignment brings it back so when the node holding its only replica
+    lost its storage: empty, its sequence from 1 again; a restored backup of it comes back with its old
+    name too.) The new name is the time now, ordered after the old one as names are (``stream_id``)."""
+    old = stream_id(info)
+    new = datetime.now(timezone.utc).isoformat(timespec="microseconds")
+    if new <= old:  # a clock behind the one that named it
+        new = old + "+"
+    return await js.update_stream(_named(info.config, info, new))
 
 
 def stream_subjects(cfg: StreamConfig) -> list[str]:

@@ -8,8 +8,10 @@ store. With ``CACHE_INDEXER_REQUIRE_NATS=1`` (set by .ci/run) a missing server f
 from __future__ import annotations
 
 import asyncio
+import glob
 import io
 import os
+import shutil
 import sys
 import threading
 import time
@@ -107,6 +109,18 @@ def restartable_nats():
     server = NatsServer().start()
     yield server
     server.close()
+
+
+def lose_messages_keep_metadata(server, stream: str) -> None:
+    """What a NATS cluster that keeps a stream's assignment does when the node holding its only replica
+    lost its storage: the stream comes back empty, under the same name and metadata, its sequence from 1.
+    Here one server's message files are wiped while it is down."""
+    server.stop()
+    found = glob.glob(f"{server.store_dir}/jetstream/*/streams/{stream}/msgs")
+    assert len(found) == 1, found
+    shutil.rmtree(found[0])
+    os.makedirs(found[0])
+    server.start()
 
 
 @pytest.fixture

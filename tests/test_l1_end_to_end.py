@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cache_indexer.bridge import service as bridge_service
-from cache_indexer.infra.streams import ensure_l1_stream
+from cache_indexer.infra.streams import ensure_l1_stream, stream_id
 from cache_indexer.schemas.block_hash import BlockHasher
-from tests.conftest import VLLM_EVENTS, make_config, wait_for
+from tests.conftest import VLLM_EVENTS, lose_messages_keep_metadata, make_config, wait_for
 from tests.l1_stack import L1Stack
 from cache_indexer.simulate.vllm_engine import cleared, removed, stored
 from cache_indexer.schemas.events import last_seq
@@ -638,6 +638,35 @@ async def test_a_stream_recreated_while_the_engine_is_away_starts_over_once_it_i
     await eng.publish([stored(CHAIN[4:8], parent=CHAIN[3])])
     await until_ratio(stack, POD, 1.0, what="what the engine held before, from its buffer", timeout=10)
     assert stack.bridge_metrics.bridge_replays.labels("timeout")._value.get() == 0
+
+
+async def test_a_stream_that_lost_its_messages_but_not_its_metadata_is_rebuilt_from_the_engines(
+        streams_checked_often, restartable_nats, stream_prefix):
+    """The stream's storage lost and its metadata kept: the bridge saw its acks go back and started every
+    engine over, but replicas, which know a stream by its metadata, took it for the one they followed and
+    went on from their old position, past everything the new stream held: they answered from the lost
+    stream's state for good (here: the 4 blocks evicted after the loss stayed indexed). The bridge now
+    names the stream anew, and replicas rebuild from it."""
+    cfg = make_config(restartable_nats.url, stream_prefix)
+    stack = await L1Stack(cfg).start()
+    try:
+        eng = stack.engine(POD)
+        await stack.connect((eng, POD, 0))
+        for i in range(8):  # a message each (not one run): the replica's position past what the new stream gets
+            await eng.publish([stored(CHAIN[i:i + 1], parent=CHAIN[i - 1] if i else None)])
+            await until_ratio(stack, POD, (i + 1) / 8)
+        assert stack.replica.indexer.applied_seq >= 8
+        name = cfg.nats.l1Stream.name
+        before = stream_id(await stack.replica.indexer.js.stream_info(name))
+        lose_messages_keep_metadata(restartable_nats, name)
+        await eng.publish([removed(CHAIN[4:8])])  # stored at seq 1: the bridge's ack goes back
+        await wait_for(lambda: stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1, 20,
+                       "the bridge to notice")
+        await until_ratio(stack, POD, 0.5, what="the engine's state, from the stream named anew", timeout=20)
+        assert stream_id(await stack.replica.indexer.js.stream_info(name)) > before
+        assert stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1
+    finally:
+        await stack.stop()
 
 
 async def two_pods_indexed(stack):

@@ -23,7 +23,7 @@ from cache_indexer.bridge.mooncake_poller import MasterTarget, MooncakePoller
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.indexer.l3_state import L3State
 from cache_indexer.schemas.config import L3IngestConfig
-from tests.conftest import DATA, make_config, wait_for
+from tests.conftest import DATA, lose_messages_keep_metadata, make_config, wait_for
 
 MC = DATA / "mooncake"
 RESP = MC / "responses"
@@ -471,6 +471,36 @@ async def test_an_l3_stream_a_replica_created_again_gets_every_masters_full_stat
         await wait_for(lambda: indexer.metrics.streams_recreated.labels(name)._value.get() == 1, 10,
                        "the replica to follow a new stream")
         await wait_for(lambda: l3_held(indexer.l3, "127.0.0.2") == {1}, 10, "the master's block from the new stream")
+        assert bridge.metrics.streams_recreated.labels(name)._value.get() == 1
+    finally:
+        await bridge.stop()
+        await indexer.stop()
+        await master.runner.cleanup()
+
+
+async def test_an_l3_stream_that_lost_its_messages_but_not_its_metadata_is_followed_anew(
+        restartable_nats, stream_prefix, monkeypatch):
+    """The L3 stream back empty under its old name and metadata (a cluster that kept the assignment of
+    a stream whose node lost its storage; here its message files wiped while nats-server was down): the
+    replica took it for the stream it followed and went on from its old position, past the master's new
+    state on it, keeping the lost stream's L3 entries for good. The bridge names it anew and the replica
+    follows it from its start."""
+    from cache_indexer.bridge import service as bridge_service
+    from cache_indexer.indexer import service
+
+    monkeypatch.setattr(service, "TRACK_EVERY", 0.2)
+    monkeypatch.setattr(bridge_service, "STREAMS_CHECK_EVERY", 0.5)
+    cfg = make_config(restartable_nats.url, stream_prefix, ingest={"l3": {"pollInterval": 0.05}})
+    master, indexer, bridge = await _master_in_l3(cfg)
+    try:
+        for k in range(3, 23):  # a diff each: the replica's position past what the new stream gets
+            master.keys = {**master.keys, key(k): ["127.0.0.2:16001"]}
+            await wait_for(lambda: k in l3_held(indexer.l3, "127.0.0.2"), 10, f"the master's block {k}")
+        name = cfg.nats.l3Stream.name
+        assert indexer.l3_applied_seq >= 20
+        lose_messages_keep_metadata(restartable_nats, name)
+        master.keys = {key(2): ["127.0.0.2:16001"]}
+        await wait_for(lambda: l3_held(indexer.l3, "127.0.0.2") == {2}, 20, "the master's state after the loss")
         assert bridge.metrics.streams_recreated.labels(name)._value.get() == 1
     finally:
         await bridge.stop()
