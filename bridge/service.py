@@ -51,8 +51,8 @@ from cache_indexer.infra.lease import Lease
 from cache_indexer.infra.log_format import describe
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.infra.registrations import Registration, RegistrationStore
-from cache_indexer.infra.streams import (connect, ensure_again, ensure_l1_stream, ensure_l3_stream, name_anew, patiently,
-                                         records_bucket, stream_id)
+from cache_indexer.infra.streams import (INCARNATION, connect, ensure_again, ensure_l1_stream, ensure_l3_stream,
+                                         name_anew, patiently, records_bucket, stream_id)
 from cache_indexer.infra.targets_record import TargetsRecord, read_ranks
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.infra.throttled_log import ThrottledWarning
@@ -610,10 +610,15 @@ class Bridge:
                     self._went_back.add(name)
                     self._stream_doubt.set()
                 continue
-            if not recreated and (lost or tier in self._unnamed) and stream_id(info) == self._stream_ids.get(tier):
+            known, now = self._stream_ids.get(tier, ""), stream_id(info)
+            if not recreated and now == known and (lost or tier in self._unnamed):
                 info = await self._name_anew(js, tier, info)
+                if not lost and stream_id(info) != now and tier == "l1":  # named at a retry: the records follow
+                    self.resume_points.stream_id = stream_id(info)
             else:
-                self._unnamed.discard(tier)  # (named anew by another bridge meanwhile)
+                self._unnamed.discard(tier)
+                if known and now != known and INCARNATION in (info.config.metadata or {}):
+                    lost = True  # named anew by another bridge, or created again by someone: the same loss here
             self._stream_ids[tier] = stream_id(info)
             if not lost:
                 continue

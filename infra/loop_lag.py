@@ -8,7 +8,9 @@ to fix, the second is sizing (CPU requests and limits). Two measures:
 - the lag: how late the process's timers fire (wall clock: both causes). Every timer the loop runs counts
   (a sleep, a timeout, a call_later: each a sample taken in the step timing below, one comparison), and the
   monitor's own timer, every ``every`` seconds (1 s), makes sure of a sample in a quiet process; each
-  tick records the latest of them since the tick before. A fast timer of its own (5 ms before) cost an idle
+  tick records the latest of them since the tick before. The process's periodic work ends its sleeps on
+  one grid (infra/ticks.py): the monitor's tick runs first in that turn, and those timers, each run
+  after the others due with it, do not count. A fast timer of its own (5 ms before) cost an idle
   process 200 wake-ups a second, about 3% of a core, more than the work it watched on a real trace;
 - the steps: every callback the loop runs (``asyncio.Handle._run``: a task's step, an I/O callback),
   timed in CPU time of the loop's thread, so waiting for a core does not count: the longest piece of
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from cache_indexer.infra.throttled_log import ThrottledWarning
-from cache_indexer.infra.ticks import grid_deadline, sleep_on_grid
+from cache_indexer.infra.ticks import grid_deadline, is_grid_timer, sleep_until
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ log = logging.getLogger(__name__)
 WARN_AFTER = 0.1
 #: steps shorter than this are not recorded
 STEP_LEAST = 0.001
+#: how long before the grid point the monitor's tick is due (infra/ticks.py)
+_AHEAD = 1e-6
 
 _observers: list[Callable[[float, asyncio.Handle], None]] = []
 _plain_run = asyncio.events.Handle._run
@@ -47,7 +51,7 @@ _thread_time, _wall = time.thread_time, time.monotonic
 
 def _timed_run(self: asyncio.Handle) -> None:
     start, wall = _thread_time(), _wall()
-    if self.__class__ is _TimerHandle:  # due at self._when: how late it runs is the lag
+    if self.__class__ is _TimerHandle and not is_grid_timer(self):  # due at self._when: how late it runs is the lag
         late = wall - self._when
         for watcher in _lag_watchers:
             if late > watcher.late:
@@ -114,8 +118,10 @@ class LoopLagMonitor:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                due = grid_deadline(loop.time(), self.every)
-                await sleep_on_grid(self.every)
+                # due just before the grid point: first in the turn it shares with the process's other
+                # periodic work (infra/ticks.py), whose steps in that turn are no lag of the loop's
+                due = grid_deadline(loop.time(), self.every) - _AHEAD
+                await sleep_until(due)
                 lag = max(0.0, loop.time() - due, self.late)
                 self.late = 0.0
                 self.metrics.loop_lag.observe(lag)

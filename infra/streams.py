@@ -113,6 +113,7 @@ async def _ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> tuple[ap
     diff = stream_differences(info.config, sc)
     if diff:
         try:
+            info = await js.stream_info(cfg.name)  # its name as of now (a bridge may have named it anew since)
             info = await js.update_stream(_named(sc, info))
             log.info("stream %s updated to the configured limits: %s", cfg.name, "; ".join(diff))
         except APIError as exc:
@@ -120,6 +121,7 @@ async def _ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> tuple[ap
                       "using the stream as it is", cfg.name, "; ".join(diff), exc.description or exc)
     if not (info.config.metadata or {}).get(INCARNATION):
         try:
+            info = await js.stream_info(cfg.name)
             info = await js.update_stream(_named(info.config, info))
         except asyncio.CancelledError:
             raise
@@ -146,6 +148,9 @@ async def name_anew(js, info: api.StreamInfo) -> api.StreamInfo:
     lost its storage: empty, its sequence from 1 again; a restored backup of it comes back with its old
     name too.) The new name is the time now, ordered after the old one as names are (``stream_id``)."""
     old = stream_id(info)
+    info = await js.stream_info(info.config.name)  # read again: another bridge may have named it meanwhile
+    if stream_id(info) != old:
+        return info
     new = datetime.now(timezone.utc).isoformat(timespec="microseconds")
     if new <= old:  # a clock behind the one that named it
         new = old + "+"

@@ -6,6 +6,7 @@ bridge and indexer talk to a real nats-server, ratios are read over HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cache_indexer.bridge import service as bridge_service
-from cache_indexer.infra.streams import ensure_l1_stream, stream_id
+from cache_indexer.infra.streams import ensure_l1_stream, name_anew, stream_id
 from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import VLLM_EVENTS, lose_messages_keep_metadata, make_config, wait_for
 from tests.l1_stack import L1Stack
@@ -665,6 +666,37 @@ async def test_a_stream_that_lost_its_messages_but_not_its_metadata_is_rebuilt_f
         await until_ratio(stack, POD, 0.5, what="the engine's state, from the stream named anew", timeout=20)
         assert stream_id(await stack.replica.indexer.js.stream_info(name)) > before
         assert stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1
+    finally:
+        await stack.stop()
+
+
+async def test_a_stream_named_anew_by_another_bridge_starts_this_ones_engines_over(
+        streams_checked_often, restartable_nats, stream_prefix):
+    """From a review: a bridge took its stream's new name (given by another bridge that found the stream
+    had lost its messages) for news of nothing where no ack of its own had shown the loss (none since it
+    started): replicas rebuilt from the renamed stream without its engines' blocks, missing until each was
+    stored again. A new name of the stream is now a loss to this bridge too."""
+    cfg = make_config(restartable_nats.url, stream_prefix)
+    stack = await L1Stack(cfg).start()
+    try:
+        eng = stack.engine(POD)
+        await stack.connect((eng, POD, 0))
+        await eng.publish([stored(CHAIN[:8])])
+        await until_ratio(stack, POD, 1.0)
+        name, js = cfg.nats.l1Stream.name, stack.replica.indexer.js
+        lose_messages_keep_metadata(restartable_nats, name)
+        stack.bridge.publisher.forget_stream(name)  # as a bridge with no ack since it started
+
+        async def readable():
+            try:
+                return await asyncio.wait_for(js.stream_info(name), 1)
+            except Exception:  # (the connection not back yet)
+                return None
+        await name_anew(js, await wait_for(readable, 20, "NATS back"))  # what the bridge that found the loss did
+        await wait_for(lambda: stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1, 20,
+                       "the replica to rebuild from the renamed stream")
+        await until_ratio(stack, POD, 1.0, what="the engine's blocks, started over", timeout=20)
+        assert stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1
     finally:
         await stack.stop()
 

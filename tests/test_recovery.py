@@ -827,3 +827,39 @@ async def test_a_not_found_that_passes_is_not_a_stream_created_again(nats_url, s
         assert created and stream_id(info) != stream_id(before)
     finally:
         await nc.close()
+
+
+async def test_an_update_of_a_stream_keeps_a_name_it_was_given_since_the_process_read_it(nats_url, stream_prefix):
+    """From a review: a process starting with changed limits read the stream, a bridge then named the
+    stream anew (it had lost its messages), and the update, made from what was read before, wrote the old
+    name back: replicas took it for the lost stream again and could load its snapshot. The update is made
+    from the stream as it is just before."""
+    import nats as nats_client
+
+    from cache_indexer.infra.streams import ensure_l1_stream, name_anew, stream_id
+
+    cfg = make_config(nats_url, stream_prefix)
+    nc = await nats_client.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        first = stream_id(await ensure_l1_stream(js, cfg.nats))
+        renamed: list[str] = []
+
+        class NamedAnewOnceRead:
+            """``js``, where another bridge names the stream anew right after this process's first read."""
+
+            def __getattr__(self, attr):
+                return getattr(js, attr)
+
+            async def stream_info(self, name, *a, **kw):
+                info = await js.stream_info(name, *a, **kw)
+                if not renamed:
+                    renamed.append(stream_id(await name_anew(js, info)))
+                return info
+        cfg.nats.l1Stream.maxBytes *= 2  # so the starting process updates the stream
+        info = await ensure_l1_stream(NamedAnewOnceRead(), cfg.nats)
+        assert renamed and renamed[0] > first
+        assert stream_id(info) == stream_id(await js.stream_info(cfg.nats.l1Stream.name)) == renamed[0]
+        assert info.config.max_bytes == cfg.nats.l1Stream.maxBytes
+    finally:
+        await nc.close()
