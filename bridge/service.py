@@ -667,6 +667,8 @@ class Bridge:
         acked = self.publisher.last_acked(name)
         if acked is None:
             return False
+        if info.cluster is not None and not info.cluster.leader:
+            return False  # a member's answer while its group elects a leader may lag: judged at the next look
         seq, msg_id = acked
         if info.state.last_seq < seq:
             return True
