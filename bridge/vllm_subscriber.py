@@ -138,14 +138,18 @@ class VllmSubscriber:
         self._reader = asyncio.create_task(self._read(), name=f"vllm-read-{self.ep.pod}-{self.ep.rank}")
 
     async def _close_socket(self) -> None:
-        await cancel_and_wait(self._reader)  # first: it reads the socket
-        if self._sock is not None:
-            self._sock.disable_monitor()
-            self._sock.close(0)
-            self._sock = None
-        if self._monitor is not None:
-            self._monitor.close(0)
-            self._monitor = None
+        """Closed also when the caller is cancelled while the reader ends (a bridge's stop cancels a pod's
+        removal until it is done): a socket left open holds the bridge's ``ctx.term()`` for ever."""
+        try:
+            await cancel_and_wait(self._reader)  # first: it reads the socket
+        finally:
+            if self._sock is not None:
+                self._sock.disable_monitor()
+                self._sock.close(0)
+                self._sock = None
+            if self._monitor is not None:
+                self._monitor.close(0)
+                self._monitor = None
 
     async def _reopen(self) -> None:
         """The socket made anew; a failure (no file descriptors left, say) is logged, counted and tried

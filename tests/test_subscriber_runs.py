@@ -50,3 +50,42 @@ async def test_a_batch_queued_while_the_pending_run_is_published_is_handled():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         ctx.term()
+
+
+async def test_a_stop_cancelled_again_while_it_closes_still_closes_the_socket():
+    """A CI hang (tests/test_discovery.py, a bad reload, 1 run in 6 once periodic work woke on whole
+    seconds): a bridge stopping while a pod was being removed cancels the removal (``cancel_and_wait``
+    cancels until it is done); a cancel that landed while the subscription's stop waited for its reader
+    left the SUB socket open, and the bridge's ``ctx.term()`` waited for it for ever."""
+    cfg = load_config(env={}).ingest.l1
+    ctx = zmq.asyncio.Context()
+    sub = VllmSubscriber(ctx, Endpoint("127.0.0.1", 0, "tcp://127.0.0.1:1", None), cfg, GatedSink(), Metrics(),
+                         asyncio.Semaphore(1))
+    sub._open()
+    sock = sub._sock
+    may_end = asyncio.Event()
+
+    async def slow_to_end() -> None:  # a reader that takes a while to end once cancelled
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            while not may_end.is_set():
+                try:
+                    await may_end.wait()
+                except asyncio.CancelledError:
+                    continue
+            raise
+    sub._reader.cancel()
+    await asyncio.gather(sub._reader, return_exceptions=True)
+    sub._reader = reader = asyncio.create_task(slow_to_end())
+    try:
+        await asyncio.sleep(0)  # (the reader waiting)
+        stopping = asyncio.create_task(sub.stop())
+        await wait_for(lambda: reader.cancelling() > 0, 5, "the stop waiting for the reader")
+        stopping.cancel()  # the caller cancelled again
+        await asyncio.gather(stopping, return_exceptions=True)
+        assert sock.closed and sub._sock is None
+    finally:
+        may_end.set()
+        await asyncio.gather(reader, return_exceptions=True)
+        ctx.destroy(linger=0)
