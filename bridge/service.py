@@ -616,9 +616,12 @@ class Bridge:
                 if not lost and stream_id(info) != now and tier == "l1":  # named at a retry: the records follow
                     self.resume_points.stream_id = stream_id(info)
             else:
-                self._unnamed.discard(tier)
                 if known and now != known and INCARNATION in (info.config.metadata or {}):
-                    lost = True  # named anew by another bridge, or created again by someone: the same loss here
+                    if tier not in self._unnamed:
+                        lost = True  # named anew by another bridge, or created again by someone: a loss here too
+                    elif tier == "l1":  # the loss this bridge failed to name, named since: started over already
+                        self.resume_points.stream_id = now
+                self._unnamed.discard(tier)
             self._stream_ids[tier] = stream_id(info)
             if not lost:
                 continue

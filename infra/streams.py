@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import logging
 import re
-from datetime import datetime, timezone
 
 import nats
 from nats.js import api
@@ -146,15 +145,14 @@ async def name_anew(js, info: api.StreamInfo) -> api.StreamInfo:
     replicas, snapshots and resume records, which know a stream by that name, take it for the new stream it
     is. (A cluster that keeps a stream's assignment brings it back so when the node holding its only replica
     lost its storage: empty, its sequence from 1 again; a restored backup of it comes back with its old
-    name too.) The new name is the time now, ordered after the old one as names are (``stream_id``)."""
+    name too.) The new name is the old one and a "+": ordered after it as names are (``stream_id``; one
+    created later, named by its creation time, after both), and the same whichever bridge names it, so two
+    bridges finding one loss at once give one name."""
     old = stream_id(info)
     info = await js.stream_info(info.config.name)  # read again: another bridge may have named it meanwhile
     if stream_id(info) != old:
         return info
-    new = datetime.now(timezone.utc).isoformat(timespec="microseconds")
-    if new <= old:  # a clock behind the one that named it
-        new = old + "+"
-    return await js.update_stream(_named(info.config, info, new))
+    return await js.update_stream(_named(info.config, info, old + "+"))
 
 
 def stream_subjects(cfg: StreamConfig) -> list[str]:

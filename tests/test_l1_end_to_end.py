@@ -1069,3 +1069,46 @@ async def test_a_bridge_subscribes_to_more_engine_ranks_than_one_zmq_context_hel
                        "the 600th rank's block indexed")
     finally:
         await stack.stop()
+
+
+async def test_a_loss_whose_naming_failed_and_was_named_since_starts_the_engines_over_once(
+        streams_checked_often, restartable_nats, stream_prefix, monkeypatch):
+    """From a review: a bridge whose naming of a lost stream failed (it started its engines over all the
+    same) took the name given since (its own update applied late, or another bridge's) for another loss,
+    and started them over again. The resume records follow the new name."""
+    real = bridge_service.name_anew
+    failed: list[int] = []
+
+    async def fails_once(js, info):
+        if not failed:
+            failed.append(1)
+            raise TimeoutError("a lost reply")
+        return await real(js, info)
+    monkeypatch.setattr(bridge_service, "name_anew", fails_once)
+    cfg = make_config(restartable_nats.url, stream_prefix)
+    stack = await L1Stack(cfg).start()
+    try:
+        eng = stack.engine(POD)
+        await stack.connect((eng, POD, 0))
+        for i in range(8):
+            await eng.publish([stored(CHAIN[i:i + 1], parent=CHAIN[i - 1] if i else None)])
+            await until_ratio(stack, POD, (i + 1) / 8)
+        name, js = cfg.nats.l1Stream.name, stack.replica.indexer.js
+        lose_messages_keep_metadata(restartable_nats, name)
+        await eng.publish([removed(CHAIN[4:8])])
+        await wait_for(lambda: failed and stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1,
+                       20, "the loss found, its naming failed")
+
+        async def named():
+            try:
+                info = await asyncio.wait_for(js.stream_info(name), 1)
+            except Exception:
+                return None
+            return info if stream_id(info) != stack.bridge._stream_ids["l1"] else await real(js, info)
+        renamed = stream_id(await wait_for(named, 20, "the stream named (as by another bridge)"))
+        await wait_for(lambda: stack.bridge.resume_points.stream_id == renamed, 10, "the records to follow the name")
+        await until_ratio(stack, POD, 0.5, what="the engine's state, from the stream named anew", timeout=20)
+        assert stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1, "started over once"
+        assert "l1" not in stack.bridge._unnamed
+    finally:
+        await stack.stop()

@@ -863,3 +863,32 @@ async def test_an_update_of_a_stream_keeps_a_name_it_was_given_since_the_process
         assert info.config.max_bytes == cfg.nats.l1Stream.maxBytes
     finally:
         await nc.close()
+
+
+async def test_two_bridges_naming_one_loss_at_once_give_it_one_name(nats_url, stream_prefix):
+    """From a review: sharded bridges all see the acks of a stream that lost its messages go back, within
+    milliseconds; each named it by its own clock, the later name replaced the first, and the first bridge
+    took that for another loss (its engines started over twice, replicas rebuilt twice). The new name
+    depends on the old one alone."""
+    import nats as nats_client
+
+    from cache_indexer.infra.streams import ensure_l1_stream, name_anew, stream_id
+
+    cfg = make_config(nats_url, stream_prefix)
+    nc = await nats_client.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        before = await ensure_l1_stream(js, cfg.nats)
+
+        class ReadBeforeTheOtherWrote:
+            def __getattr__(self, attr):
+                return getattr(js, attr)
+
+            async def stream_info(self, name, *a, **kw):
+                return before
+        first = await name_anew(js, before)
+        second = await name_anew(ReadBeforeTheOtherWrote(), before)
+        now = await js.stream_info(cfg.nats.l1Stream.name)
+        assert stream_id(first) == stream_id(second) == stream_id(now) > stream_id(before)
+    finally:
+        await nc.close()
