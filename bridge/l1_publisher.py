@@ -173,6 +173,10 @@ class L1Publisher:
         #: they stored is gone, so none is resumed (a pod away then, whose batch a retry stored on the new
         #: stream, would otherwise resume without it)
         self.lost_before = -1
+        #: told (with the stream's name) when a resume record names a position past the stream's end
+        self.on_stream_lost: Callable[[str], None] | None = None
+        #: the stream's last sequence as last read here (``_past_the_end``)
+        self._stream_end = 0
 
     async def last_position(self, pod: str, rank: int) -> Position | None:
         """Where a bridge resumes (pod, rank): the resume record (within a generation, what followed it comes
@@ -185,6 +189,10 @@ class L1Publisher:
         this bridge's own removal is not stored yet."""
         recorded = await self.resume.load(pod) if self.resume is not None else None
         best = recorded.get(rank) if recorded is not None else None
+        if best is not None and best.stream_seq > self._stream_end and await self._past_the_end(best.stream_seq):
+            log.info("%s rank %d: its resume record's position is on a stream lost since: a new generation", pod,
+                     rank, extra={"pod": pod, "rank": rank})
+            return None
         from_stream = await self._stream_position(pod, rank)
         if from_stream is not None and from_stream.gen < 0:
             log.info("%s rank %d: the rank was removed after its last batch: a new generation", pod, rank,
@@ -240,6 +248,28 @@ class L1Publisher:
                          extra={"pod": pod, "rank": rank})
                 return None  # the pod left discovery after that batch: indexers retired its generation
         return best
+
+    async def _past_the_end(self, stream_seq: int) -> bool:
+        """Whether the stream ends before ``stream_seq``, a position a resume record of it (by its name)
+        holds: it lost its messages and kept its name while no bridge was there to see its acks go back
+        (every bridge restarted across the loss). The bridge is told: it names the stream anew and starts
+        every engine over (``Bridge._restore_streams``)."""
+        if self._js is None:
+            return False
+        try:
+            info = await self._js.stream_info(self._stream)
+        except Exception:  # unreadable now: the record is used, as before
+            return False
+        if info.cluster is not None and not info.cluster.leader:
+            return False  # a member's answer while its group elects a leader may lag
+        self._stream_end = max(self._stream_end, info.state.last_seq)
+        if info.state.last_seq >= stream_seq:
+            return False
+        log.error("stream %s ends at seq %d, before a position a resume record of it holds (%d): it lost its "
+                  "messages", self._stream, info.state.last_seq, stream_seq)
+        if self.on_stream_lost is not None:
+            self.on_stream_lost(self._stream)
+        return True
 
     async def _stream_position(self, pod: str, rank: int) -> Position | None:
         """From the stream's last message on the worker's subject (None: none, or unreadable)."""
@@ -413,6 +443,7 @@ class L1Publisher:
         a message it retired (a retry) is stored on the new stream: the indexers rebuilt from it would
         otherwise take that message in."""
         self.lost_before = new_generation()
+        self._stream_end = 0
         if self.resume is not None:
             self.resume.stream_lost()
         for r in self._retired.values():

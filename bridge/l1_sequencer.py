@@ -108,6 +108,10 @@ class L1Sequencer:
         #: the resume position came from the stream's last message (no record): the catch-up publishes the
         #: engine's buffer up to it again, filling a message the previous bridge never got stored
         self.tail_unchecked = False
+        #: started over (the stream lost what was published): the seq a new generation starts at where the
+        #: engine's buffer answers with nothing; the indexers may hold part of the lost generation, from
+        #: batches stored on the new stream before the loss was noticed, until a reset replaces it
+        self.owed_reset_at: int | None = None
         self._malformed_log = ThrottledWarning(log, every=10.0)
         #: batches handed on (``last`` counts them) and not yet published: sent before anything waits
         self.pending = BatchRun(max_batches, max_bytes)
@@ -135,6 +139,8 @@ class L1Sequencer:
     def start_over(self) -> None:
         """The stream lost what was published: the next batch starts a new generation (a reset, then
         what the engine's replay buffer holds from seq 0)."""
+        if self.last is not None:
+            self.owed_reset_at = self.last + 1
         self.gen = self.last = self.last_live = self.last_ts = None
         self.refused_upto = None  # what the lost stream refused: the new generation starts before it
         self.pending.take()  # of the lost generation
@@ -222,6 +228,14 @@ class L1Sequencer:
             return
         if not first.batches or self.gen is not None:
             first.release()
+            if self.gen is None and self.owed_reset_at is not None and first.complete:
+                # started over and the buffer holds nothing (a restarted engine's, say): the reset now, so that
+                # what the lost generation left on the new stream goes; a restarted engine's seq 0 then is
+                # told as a restart, a continuing engine's next seq continues this generation
+                start = self.owed_reset_at
+                await self._reset(start, "subscribed")
+                self.last = self.last_live = start - 1
+                self.last_ts = None
             return
         self.log.info("%s rank %d: first contact: seq %d..%d from the engine's buffer", self.ep.pod, self.ep.rank,
                       first.batches[0][0], first.batches[-1][0])
@@ -470,6 +484,7 @@ class L1Sequencer:
     async def _reset(self, start: int, reason: str) -> None:
         await self.flush()
         self.gen = new_generation()
+        self.owed_reset_at = None
         await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason, self.ep.epoch)
         self.metrics.bridge_resets.labels(reason).inc()
 

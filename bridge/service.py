@@ -176,6 +176,7 @@ class Bridge:
                               lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM, holder,
                               self.resume_points, codec(nats.l1Stream.encoding))
         self.l1.on_removal_stored = self._removal_stored
+        self.l1.on_stream_lost = self._stream_lost
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
                               lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics,
                               on_refused=self._l3_refused, codec=codec(nats.l3Stream.encoding), js=js,

@@ -1112,3 +1112,33 @@ async def test_a_loss_whose_naming_failed_and_was_named_since_starts_the_engines
         assert "l1" not in stack.bridge._unnamed
     finally:
         await stack.stop()
+
+
+async def test_a_stream_that_lost_its_messages_while_no_bridge_ran_is_noticed_by_the_next_one(
+        streams_checked_often, restartable_nats, stream_prefix):
+    """The last stop's open window: the stream lost its messages and kept its name while no bridge ran.
+    The next bridge had no ack of its own from before to see go back: it resumed the engine from its
+    resume record (a position on the lost stream) mid-generation on the new one, and replicas, at their
+    old position, went on past everything the stream held. A record's position past the stream's end
+    now tells the bridge: it names the stream anew and starts the engines over."""
+    from cache_indexer.bridge.service import Bridge
+
+    cfg = make_config(restartable_nats.url, stream_prefix)
+    stack = await L1Stack(cfg).start()
+    try:
+        eng = stack.engine(POD)
+        await stack.connect((eng, POD, 0))
+        for i in range(8):
+            await eng.publish([stored(CHAIN[i:i + 1], parent=CHAIN[i - 1] if i else None)])
+            await until_ratio(stack, POD, (i + 1) / 8)
+        await stack.bridge.stop()  # (its resume records written)
+        name = cfg.nats.l1Stream.name
+        lose_messages_keep_metadata(restartable_nats, name)
+        stack.bridge = Bridge(cfg, stack.bridge_metrics)
+        await stack.bridge.start()
+        await stack.connect((eng, POD, 0))
+        await eng.publish([removed(CHAIN[4:8])])
+        await until_ratio(stack, POD, 0.5, what="the engine's state, from the stream named anew", timeout=20)
+        assert stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1
+    finally:
+        await stack.stop()

@@ -1298,3 +1298,24 @@ def test_a_pod_away_when_its_stream_is_lost_never_resumes_a_generation_begun_on_
         m.at_a_quiet_point_the_index_is_the_engines_truth()
     finally:
         m.loop.close()
+
+
+def test_an_engine_restarted_while_the_stream_loss_went_unnoticed_leaves_nothing_of_its_old_generation():
+    """Found by the model (SEQUENCING_SEED=786611649): batches of an engine in flight when the stream was
+    lost were stored on the new stream (mid-generation, without the first); the engine then restarted
+    (an empty buffer and cache) before the bridge noticed the loss. Started over, its buffer answered with
+    nothing, and a first contact that gets nothing starts its generation at the next live batch: the
+    indexers kept the lost generation's remains, blocks the engine no longer held, for as long as it was
+    quiet (a pod leaving then kept them through its grace). A start-over whose buffer answers with nothing
+    now publishes the reset at once."""
+    m = Sequencing()
+    try:
+        m.at_a_quiet_point_the_index_is_the_engines_truth()  # each engine's first batch stored
+        m.engine_bursts(1, 2)  # WORKERS[1] (10.0.0.2 rank 0): two more, in flight
+        m.stream_recreated()  # they are stored on the new stream
+        m.engine_restarts(1)
+        m.bridge_notices_the_new_stream()
+        m.pod_leaves(PODS.index("10.0.0.2"))
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
