@@ -8,6 +8,7 @@ import pytest
 
 from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
 from cache_indexer.infra.metrics import Metrics
+from tests.conftest import wait_for
 
 
 @pytest.fixture
@@ -167,6 +168,9 @@ async def test_publishes_lost_with_a_killed_server_go_out_again_at_the_reconnect
         proc.send_signal(signal.SIGSTOP)  # what is sent now reaches its socket, never the stream
         for i in range(10, 30):
             await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
+        # written into the frozen server's socket (a CI run killed it while nats-py still held them: sent
+        # again by nats-py itself at the reconnection, the premise of this test was not met)
+        await wait_for(lambda: conn.pending_data_size == 0, 10, "the publishes written to the socket")
         await asyncio.sleep(0.2)  # the fault: the frozen server holds them a while
         proc.send_signal(signal.SIGKILL)
         await asyncio.to_thread(proc.wait, 10)
