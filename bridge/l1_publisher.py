@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
 from cache_indexer.bridge.resume_points import Position, ResumePoints
 from cache_indexer.infra.event_codec import MSGPACK, Codec, decode
-from cache_indexer.infra.streams import l1_lifecycle_subject, l1_subject
+from cache_indexer.infra.streams import l1_lifecycle_subject, l1_subject, leader_answered
 from cache_indexer.schemas.events import CONTENT_TYPE_L1, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
@@ -260,8 +260,8 @@ class L1Publisher:
             info = await self._js.stream_info(self._stream)
         except Exception:  # unreadable now: the record is used, as before
             return False
-        if info.cluster is not None and not info.cluster.leader:
-            return False  # a member's answer while its group elects a leader may lag
+        if not leader_answered(info):
+            return False
         self._stream_end = max(self._stream_end, info.state.last_seq)
         if info.state.last_seq >= stream_seq:
             return False

@@ -52,7 +52,7 @@ from cache_indexer.infra.log_format import describe
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.infra.registrations import Registration, RegistrationStore
 from cache_indexer.infra.streams import (INCARNATION, connect, ensure_again, ensure_l1_stream, ensure_l3_stream,
-                                         name_anew, patiently, records_bucket, stream_id)
+                                         leader_answered, name_anew, patiently, records_bucket, stream_id)
 from cache_indexer.infra.targets_record import TargetsRecord, read_ranks
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.infra.throttled_log import ThrottledWarning
@@ -671,8 +671,8 @@ class Bridge:
         acked = self.publisher.last_acked(name)
         if acked is None:
             return False
-        if info.cluster is not None and not info.cluster.leader:
-            return False  # a member's answer while its group elects a leader may lag: judged at the next look
+        if not leader_answered(info):
+            return False  # judged at the next look
         seq, msg_id = acked
         if info.state.last_seq < seq:
             return True

@@ -189,9 +189,16 @@ def stream_id(info: api.StreamInfo) -> str:
     into its metadata (``INCARNATION``, by ``ensure_stream``), else the server's creation time. Not the
     server's alone: nats-server 2.14 may change it across restarts after an update (nats-io/nats-server#8470),
     and every replica would take its stream for a new one, dropping its snapshots. Ordered by time, as the
-    resume records' merge compares them."""
+    resume records' merge compares them; a stream named anew (``name_anew``) gets its old name and a "+",
+    after it."""
     named = (info.config.metadata or {}).get(INCARNATION) if info.config is not None else None
     return named or (info.created.isoformat() if info.created else "")
+
+
+def leader_answered(info: api.StreamInfo) -> bool:
+    """Whether a stream's state comes from its leader (a single server's always does): a member's answer
+    while its group elects a leader may lag, and a sequence judged from it may look gone back."""
+    return info.cluster is None or bool(info.cluster.leader)
 
 
 def l3_subject(prefix: str, master: str) -> str:
@@ -309,7 +316,7 @@ async def wait_for_leader(js, stream: str, timeout: float = 15.0) -> None:
     while True:
         try:
             info = await js.stream_info(stream)
-            if info.cluster is None or info.cluster.leader:
+            if leader_answered(info):
                 return
         except (NotFoundError, nats.errors.TimeoutError):
             pass

@@ -641,6 +641,26 @@ async def test_a_stream_recreated_while_the_engine_is_away_starts_over_once_it_i
     assert stack.bridge_metrics.bridge_replays.labels("timeout")._value.get() == 0
 
 
+async def one_message_a_batch(stack):
+    """POD's engine connected, CHAIN stored a block a batch, each applied before the next: one message
+    each (not one run), the replica's position past what a stream that lost its messages gets next."""
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    for i in range(8):
+        await eng.publish([stored(CHAIN[i:i + 1], parent=CHAIN[i - 1] if i else None)])
+        await until_ratio(stack, POD, (i + 1) / 8)
+    assert stack.replica.indexer.applied_seq >= 8
+    return eng
+
+
+async def stream_info_or_none(js, name: str):
+    """The stream's info, None while the connection is not back (a restarted nats-server)."""
+    try:
+        return await asyncio.wait_for(js.stream_info(name), 1)
+    except Exception:
+        return None
+
+
 async def test_a_stream_that_lost_its_messages_but_not_its_metadata_is_rebuilt_from_the_engines(
         streams_checked_often, restartable_nats, stream_prefix):
     """The stream's storage lost and its metadata kept: the bridge saw its acks go back and started every
@@ -651,12 +671,7 @@ async def test_a_stream_that_lost_its_messages_but_not_its_metadata_is_rebuilt_f
     cfg = make_config(restartable_nats.url, stream_prefix)
     stack = await L1Stack(cfg).start()
     try:
-        eng = stack.engine(POD)
-        await stack.connect((eng, POD, 0))
-        for i in range(8):  # a message each (not one run): the replica's position past what the new stream gets
-            await eng.publish([stored(CHAIN[i:i + 1], parent=CHAIN[i - 1] if i else None)])
-            await until_ratio(stack, POD, (i + 1) / 8)
-        assert stack.replica.indexer.applied_seq >= 8
+        eng = await one_message_a_batch(stack)
         name = cfg.nats.l1Stream.name
         before = stream_id(await stack.replica.indexer.js.stream_info(name))
         lose_messages_keep_metadata(restartable_nats, name)
@@ -686,13 +701,8 @@ async def test_a_stream_named_anew_by_another_bridge_starts_this_ones_engines_ov
         name, js = cfg.nats.l1Stream.name, stack.replica.indexer.js
         lose_messages_keep_metadata(restartable_nats, name)
         stack.bridge.publisher.forget_stream(name)  # as a bridge with no ack since it started
-
-        async def readable():
-            try:
-                return await asyncio.wait_for(js.stream_info(name), 1)
-            except Exception:  # (the connection not back yet)
-                return None
-        await name_anew(js, await wait_for(readable, 20, "NATS back"))  # what the bridge that found the loss did
+        info = await wait_for(lambda: stream_info_or_none(js, name), 20, "NATS back")
+        await name_anew(js, info)  # what the bridge that found the loss did
         await wait_for(lambda: stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1, 20,
                        "the replica to rebuild from the renamed stream")
         await until_ratio(stack, POD, 1.0, what="the engine's blocks, started over", timeout=20)
@@ -1088,11 +1098,7 @@ async def test_a_loss_whose_naming_failed_and_was_named_since_starts_the_engines
     cfg = make_config(restartable_nats.url, stream_prefix)
     stack = await L1Stack(cfg).start()
     try:
-        eng = stack.engine(POD)
-        await stack.connect((eng, POD, 0))
-        for i in range(8):
-            await eng.publish([stored(CHAIN[i:i + 1], parent=CHAIN[i - 1] if i else None)])
-            await until_ratio(stack, POD, (i + 1) / 8)
+        eng = await one_message_a_batch(stack)
         name, js = cfg.nats.l1Stream.name, stack.replica.indexer.js
         lose_messages_keep_metadata(restartable_nats, name)
         await eng.publish([removed(CHAIN[4:8])])
@@ -1100,11 +1106,10 @@ async def test_a_loss_whose_naming_failed_and_was_named_since_starts_the_engines
                        20, "the loss found, its naming failed")
 
         async def named():
-            try:
-                info = await asyncio.wait_for(js.stream_info(name), 1)
-            except Exception:
-                return None
-            return info if stream_id(info) != stack.bridge._stream_ids["l1"] else await real(js, info)
+            info = await stream_info_or_none(js, name)
+            if info is None or stream_id(info) != stack.bridge._stream_ids["l1"]:
+                return info
+            return await real(js, info)
         renamed = stream_id(await wait_for(named, 20, "the stream named (as by another bridge)"))
         await wait_for(lambda: stack.bridge.resume_points.stream_id == renamed, 10, "the records to follow the name")
         await until_ratio(stack, POD, 0.5, what="the engine's state, from the stream named anew", timeout=20)
@@ -1126,11 +1131,7 @@ async def test_a_stream_that_lost_its_messages_while_no_bridge_ran_is_noticed_by
     cfg = make_config(restartable_nats.url, stream_prefix)
     stack = await L1Stack(cfg).start()
     try:
-        eng = stack.engine(POD)
-        await stack.connect((eng, POD, 0))
-        for i in range(8):
-            await eng.publish([stored(CHAIN[i:i + 1], parent=CHAIN[i - 1] if i else None)])
-            await until_ratio(stack, POD, (i + 1) / 8)
+        eng = await one_message_a_batch(stack)
         await stack.bridge.stop()  # (its resume records written)
         name = cfg.nats.l1Stream.name
         lose_messages_keep_metadata(restartable_nats, name)
