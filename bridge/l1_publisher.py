@@ -169,9 +169,9 @@ class L1Publisher:
         self._republishing: set[asyncio.Task] = set()
         #: told when one of this bridge's removals is stored (the targets record keeps it until then)
         self.on_removal_stored: Callable[[], None] | None = None
-        #: the generations before this began on a stream this bridge found lost (``stream_lost``): what
-        #: they stored is gone, so none is resumed (a pod away then, whose batch a retry stored on the new
-        #: stream, would otherwise resume without it)
+        #: the generations before this began on a stream found lost (``stream_lost``; by a bridge before
+        #: this one: the stream's ``streams.LOST_BEFORE``): what they stored is gone, so none is resumed (a
+        #: pod away then, whose batch a retry stored on the new stream, would otherwise resume without it)
         self.lost_before = -1
         #: told (with the stream's name) when a resume record names a position past the stream's end
         self.on_stream_lost: Callable[[str], None] | None = None
@@ -437,12 +437,12 @@ class L1Publisher:
         """(pod, None) and (pod, rank) of this bridge's removals the stream has not stored yet."""
         return {key for key, r in self._retired.items() if not r.stored_at and not r.lost}
 
-    def stream_lost(self) -> None:
-        """The stream was created again: no generation begun before is resumed, and where it stored this
-        bridge's removals and their strays means nothing on the new one. A removal is published again once
-        a message it retired (a retry) is stored on the new stream: the indexers rebuilt from it would
-        otherwise take that message in."""
-        self.lost_before = new_generation()
+    def stream_lost(self, found_at: int | None = None) -> None:
+        """The stream was created again (the loss found at generation ``found_at``, else now): no generation
+        begun before is resumed, and where it stored this bridge's removals and their strays means nothing
+        on the new one. A removal is published again once a message it retired (a retry) is stored on the
+        new stream: the indexers rebuilt from it would otherwise take that message in."""
+        self.lost_before = max(self.lost_before, new_generation() if found_at is None else found_at)
         self._stream_end = 0
         if self.resume is not None:
             self.resume.stream_lost()

@@ -36,7 +36,7 @@ from cache_indexer.bridge.block_key_check import BlockKeyCheck
 from cache_indexer.bridge.endpoint import Endpoint
 from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
 from cache_indexer.bridge.k8s_discovery import KubernetesDiscovery, master_targets
-from cache_indexer.bridge.l1_publisher import L1Publisher
+from cache_indexer.bridge.l1_publisher import L1Publisher, new_generation
 from cache_indexer.bridge.l3_publisher import L3Publisher
 from cache_indexer.bridge.mooncake_poller import MasterTarget, MooncakePoller
 from cache_indexer.bridge.receive_budget import ReceiveBudget
@@ -52,7 +52,8 @@ from cache_indexer.infra.log_format import describe
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.infra.registrations import Registration, RegistrationStore
 from cache_indexer.infra.streams import (INCARNATION, connect, ensure_again, ensure_l1_stream, ensure_l3_stream,
-                                         leader_answered, name_anew, patiently, records_bucket, stream_id)
+                                         generations_lost_before, leader_answered, name_anew, patiently,
+                                         records_bucket, stream_id)
 from cache_indexer.infra.targets_record import TargetsRecord, read_ranks
 from cache_indexer.infra.tasks import cancel_and_wait
 from cache_indexer.infra.throttled_log import ThrottledWarning
@@ -177,6 +178,7 @@ class Bridge:
                               self.resume_points, codec(nats.l1Stream.encoding))
         self.l1.on_removal_stored = self._removal_stored
         self.l1.on_stream_lost = self._stream_lost
+        self.l1.lost_before = generations_lost_before(l1_info)  # a loss found by a bridge before this one
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
                               lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics,
                               on_refused=self._l3_refused, codec=codec(nats.l3Stream.encoding), js=js,
@@ -612,14 +614,18 @@ class Bridge:
                     self._stream_doubt.set()
                 continue
             known, now = self._stream_ids.get(tier, ""), stream_id(info)
+            # the generation the loss is found at, kept in the stream for the bridges after this one (none
+            # begun before is resumed); a naming tried again keeps the first look's
+            found_at = new_generation() if lost else self.l1.lost_before
             if not recreated and now == known and (lost or tier in self._unnamed):
-                info = await self._name_anew(js, tier, info)
+                info = await self._name_anew(js, tier, info, found_at if tier == "l1" else None)
                 if not lost and stream_id(info) != now and tier == "l1":  # named at a retry: the records follow
                     self.resume_points.stream_id = stream_id(info)
             else:
                 if known and now != known and INCARNATION in (info.config.metadata or {}):
                     if tier not in self._unnamed:
-                        lost = True  # named anew by another bridge, or created again by someone: a loss here too
+                        # named anew by another bridge, or created again by someone: a loss here too
+                        lost, found_at = True, new_generation()
                     elif tier == "l1":  # the loss this bridge failed to name, named since: started over already
                         self.resume_points.stream_id = now
                 self._unnamed.discard(tier)
@@ -635,7 +641,7 @@ class Bridge:
                 self._went_back.discard(name)  # acks of the new stream counted from the old one's
                 if tier == "l1":  # positions on the lost stream mean nothing on the new one
                     self.resume_points.stream_id = stream_id(info)
-                    self.l1.stream_lost()
+                    self.l1.stream_lost(max(found_at, generations_lost_before(info)))
                     for sub in self.subscribers.values():
                         sub.start_over()
                 else:
@@ -643,14 +649,14 @@ class Bridge:
                         self.l3.forget(target.name)  # the subject's last sequence on the lost stream
                         poller.start_over()
 
-    async def _name_anew(self, js, tier: str, info):
+    async def _name_anew(self, js, tier: str, info, lost_before: int | None):
         """The stream lost its messages but kept its name (its storage lost where a cluster kept its
         assignment, a backup restored): replicas, snapshots and resume records would take it for the stream
         they knew, and replicas would follow on from their old position, past all it holds. Named anew,
         it is the new stream it is to all of them. A failure is counted, logged, and tried again at the next
         look; the engines start over all the same."""
         try:
-            named = await name_anew(js, info)
+            named = await name_anew(js, info, lost_before)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

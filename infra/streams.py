@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import re
+import time
 
 import nats
 from nats.js import api
@@ -102,6 +103,8 @@ async def _ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> tuple[ap
         info = await js.stream_info(cfg.name)
     except NotFoundError:
         try:
+            # no generation begun before it began on it: one a bridge finds here began on a stream lost since
+            sc.metadata = {LOST_BEFORE: str(time.time_ns())}
             info = await js.add_stream(sc)
             created = True
             await wait_for_leader(js, cfg.name)
@@ -130,29 +133,34 @@ async def _ensure_stream(js, cfg: StreamConfig, subjects: list[str]) -> tuple[ap
     return info, created
 
 
-def _named(config: api.StreamConfig, info: api.StreamInfo, name: str = "") -> api.StreamConfig:
+def _named(config: api.StreamConfig, info: api.StreamInfo, name: str = "",
+           lost_before: int | None = None) -> api.StreamConfig:
     """``config`` with the stream's name in its metadata: ``name``, else the one it has, else its creation
     time (what it was known by; named in the run of nats-server that created it, that time is the one every
-    version reads). The server's own keys (``_nats.*``) are left to it."""
+    version reads), and ``lost_before`` where given. The server's own keys (``_nats.*``) are left to it;
+    the others it has are kept."""
     config = dataclasses.replace(config)
     config.metadata = {**{k: v for k, v in (info.config.metadata or {}).items() if not k.startswith("_nats.")},
                        INCARNATION: name or stream_id(info)}
+    if lost_before is not None:
+        config.metadata[LOST_BEFORE] = str(lost_before)
     return config
 
 
-async def name_anew(js, info: api.StreamInfo) -> api.StreamInfo:
+async def name_anew(js, info: api.StreamInfo, lost_before: int | None = None) -> api.StreamInfo:
     """The stream given a new name (``stream_id``): it lost its messages but kept its metadata, so that
     replicas, snapshots and resume records, which know a stream by that name, take it for the new stream it
     is. (A cluster that keeps a stream's assignment brings it back so when the node holding its only replica
     lost its storage: empty, its sequence from 1 again; a restored backup of it comes back with its old
     name too.) The new name is the old one and a "+": ordered after it as names are (``stream_id``; one
     created later, named by its creation time, after both), and the same whichever bridge names it, so two
-    bridges finding one loss at once give one name."""
+    bridges finding one loss at once give one name. ``lost_before``: the generation the loss was found at
+    (``LOST_BEFORE``), for the bridges started after it."""
     old = stream_id(info)
     info = await js.stream_info(info.config.name)  # read again: another bridge may have named it meanwhile
     if stream_id(info) != old:
         return info
-    return await js.update_stream(_named(info.config, info, old + "+"))
+    return await js.update_stream(_named(info.config, info, old + "+", lost_before))
 
 
 def stream_subjects(cfg: StreamConfig) -> list[str]:
@@ -182,6 +190,17 @@ async def ensure_again(js, cfg: NatsConfig, tier: str) -> tuple[api.StreamInfo, 
 
 #: The stream metadata key that names its incarnation (``stream_id``).
 INCARNATION = "cache_indexer.incarnation"
+#: The stream metadata key that holds the generation (``l1_publisher.new_generation``: wall-clock
+#: nanoseconds) at which the stream was created, or found to have lost its messages and named anew: a
+#: generation begun before it began on a stream whose messages are gone, and no bridge resumes it
+#: (``L1Publisher.lost_before``), also one started after the bridge that found the loss.
+LOST_BEFORE = "cache_indexer.lost_before"
+
+
+def generations_lost_before(info: api.StreamInfo) -> int:
+    """The stream's ``LOST_BEFORE`` (-1: none, as on a stream created before it was kept)."""
+    value = (info.config.metadata or {}).get(LOST_BEFORE, "") if info.config is not None else ""
+    return int(value) if value.isdigit() else -1
 
 
 def stream_id(info: api.StreamInfo) -> str:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cache_indexer.bridge import service as bridge_service
-from cache_indexer.infra.streams import ensure_l1_stream, name_anew, stream_id
+from cache_indexer.infra.streams import ensure_l1_stream, generations_lost_before, name_anew, stream_id
 from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import VLLM_EVENTS, lose_messages_keep_metadata, make_config, wait_for
 from tests.l1_stack import L1Stack
@@ -1089,11 +1089,11 @@ async def test_a_loss_whose_naming_failed_and_was_named_since_starts_the_engines
     real = bridge_service.name_anew
     failed: list[int] = []
 
-    async def fails_once(js, info):
+    async def fails_once(js, info, lost_before=None):
         if not failed:
             failed.append(1)
             raise TimeoutError("a lost reply")
-        return await real(js, info)
+        return await real(js, info, lost_before)
     monkeypatch.setattr(bridge_service, "name_anew", fails_once)
     cfg = make_config(restartable_nats.url, stream_prefix)
     stack = await L1Stack(cfg).start()
@@ -1141,5 +1141,42 @@ async def test_a_stream_that_lost_its_messages_while_no_bridge_ran_is_noticed_by
         await eng.publish([removed(CHAIN[4:8])])
         await until_ratio(stack, POD, 0.5, what="the engine's state, from the stream named anew", timeout=20)
         assert stack.replica.metrics.streams_recreated.labels(name)._value.get() >= 1
+    finally:
+        await stack.stop()
+
+
+async def test_a_pod_away_at_a_stream_loss_resumes_no_lost_generation_after_a_bridge_restart(
+        streams_checked_often, restartable_nats, stream_prefix):
+    """The last stop's open window: a pod away within its grace when the stream lost its messages, a retry
+    of its batch stored on the new stream (its last message there, mid-generation). The bridge that found
+    the loss knew in memory that no generation begun before it may be resumed; a bridge started after it
+    did not, and resumed the pod's generation from that retry, without what it stored on the lost stream
+    (here 6 blocks missing for as long as the engine held them). The stream now carries the generation
+    the loss began at in its metadata (``streams.LOST_BEFORE``), and every bridge reads it."""
+    from cache_indexer.bridge.service import Bridge
+
+    cfg = make_config(restartable_nats.url, stream_prefix)
+    cfg.ingest.l1.removalGrace = 120.0  # away within its grace throughout
+    stack = await L1Stack(cfg).start()
+    try:
+        eng = await one_message_a_batch(stack)
+        name = cfg.nats.l1Stream.name
+        published = stack.bridge_metrics.bridge_batches.labels("published")
+        before = published._value.get()
+        restartable_nats.stop()
+        await eng.publish([removed(CHAIN[6:8])])  # in flight: its retry is stored on the new stream
+        await wait_for(lambda: published._value.get() > before, 10, "the batch handed to the publisher")
+        await stack.bridge.set_endpoints([])  # the pod away, within its grace
+        lose_messages_keep_metadata(restartable_nats, name)  # (stopped already: wiped and started)
+        await wait_for(lambda: stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1, 20,
+                       "the bridge to notice the loss")
+        info = await stack.replica.indexer.js.stream_info(name)
+        assert generations_lost_before(info) == stack.bridge.l1.lost_before, "the generation the loss was found at"
+        await stack.bridge.stop()
+        stack.bridge = Bridge(cfg, stack.bridge_metrics)
+        await stack.bridge.start()
+        await wait_for(lambda: stack.bridge.lease.is_leader, 10, "the new bridge to lead")
+        await stack.connect((eng, POD, 0))  # back within its grace: the same engine, its seq going on
+        await until_ratio(stack, POD, 0.75, what="what the engine holds, its generation begun anew", timeout=20)
     finally:
         await stack.stop()

@@ -775,7 +775,8 @@ async def test_a_stream_made_before_it_had_a_name_keeps_the_id_replicas_and_reco
     so nothing takes it for a new one, and the name survives the next update. An earlier version's update
     (a rollback) drops the name, and reads the same id. A stream this version makes is named by its
     creation time too, in the same run of nats-server: what an earlier version reads after a rollback."""
-    from cache_indexer.infra.streams import INCARNATION, ensure_l1_stream, stream_config, stream_id, stream_subjects
+    from cache_indexer.infra.streams import (INCARNATION, ensure_l1_stream, generations_lost_before, stream_config,
+                                             stream_id, stream_subjects)
 
     cfg = make_config(nats_url, stream_prefix)
     nc = await nats.connect(nats_url)
@@ -786,6 +787,7 @@ async def test_a_stream_made_before_it_had_a_name_keeps_the_id_replicas_and_reco
         assert before == legacy.created.isoformat() and INCARNATION not in (legacy.config.metadata or {})
         named = await ensure_l1_stream(js, cfg.nats)
         assert named.config.metadata[INCARNATION] == before and stream_id(named) == before
+        assert generations_lost_before(named) == -1, "an upgrade loses nothing: every generation resumes"
         cfg.nats.l1Stream.maxBytes *= 2
         updated = await ensure_l1_stream(js, cfg.nats)
         assert stream_id(updated) == before and updated.config.max_bytes == cfg.nats.l1Stream.maxBytes
@@ -793,8 +795,14 @@ async def test_a_stream_made_before_it_had_a_name_keeps_the_id_replicas_and_reco
         old_update = stream_config(cfg.nats.l1Stream, stream_subjects(cfg.nats.l1Stream))
         assert stream_id(await js.update_stream(old_update)) == before
         await js.delete_stream(cfg.nats.l1Stream.name)
+        at = time.time_ns()
         made = await ensure_l1_stream(js, cfg.nats)
         assert stream_id(made) == made.created.isoformat() > before, "a new one: named by its creation time"
+        # no generation begun before it is resumed on it (a bridge's records of one name the lost stream,
+        # but a retry of its batch stored here would be its last message)
+        assert at <= generations_lost_before(made) <= time.time_ns()
+        cfg.nats.l1Stream.maxBytes *= 2
+        assert generations_lost_before(await ensure_l1_stream(js, cfg.nats)) == generations_lost_before(made)
     finally:
         await nc.close()
 

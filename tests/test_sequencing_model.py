@@ -58,7 +58,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from cache_indexer.bridge.endpoint import Endpoint
-from cache_indexer.bridge.l1_publisher import L1Publisher
+from cache_indexer.bridge.l1_publisher import L1Publisher, new_generation
 from cache_indexer.bridge.l1_sequencer import L1Sequencer, Replayed
 from cache_indexer.bridge.receive_budget import ReceiveBudget
 from cache_indexer.bridge.resume_points import KEY_PREFIX, ResumePoints, record_key
@@ -85,6 +85,9 @@ class ModelStream:
         """The stream deleted and created again (another incarnation, streams.stream_id): nothing of it left."""
         self.incarnation += 1
         self.id = f"s{self.incarnation:04d}"
+        #: the generation it was created at, in its metadata (streams.LOST_BEFORE, written at its creation):
+        #: none begun before is resumed on it
+        self.lost_before = new_generation()
         self.msgs: dict[int, SimpleNamespace] = {}
         self.last_seq = 0
         self.first_seq = 1
@@ -216,6 +219,7 @@ class Bridge:
         self.resume._store._kv = kv
         self.resume.stream_id = stream.id
         self.l1 = L1Publisher(self.flight, PREFIX, stream, STREAM, lambda: 1 << 20, "model", self.resume)
+        self.l1.lost_before = stream.lost_before  # as the bridge reads it at its start (streams.LOST_BEFORE)
         self.metrics = Metrics()
         self.budget = ReceiveBudget(1 << 40)
         self.max_batches = max_batches
@@ -626,10 +630,6 @@ class Sequencing(RuleBasedStateMachine):
             for on_stored, seq in late:
                 on_stored(seq)
         self.bridge = Bridge(self.stream, self.kv, old.max_batches)
-        # The window left open (docs/operations.md, recovery): a bridge knows in memory only which
-        # generations began on a stream it found lost; the next one would resume a generation of a pod away
-        # then, from a retry of its batch stored on the new stream. The model hands it on.
-        self.bridge.l1.lost_before = old.l1.lost_before
         for key, seq in old.seqs.items():  # judged from the model's own KV and stream, not the code's
             if seq.gen is not None and not self.checkable_position(key) and (
                     key not in self.recorded or self._removal_after_record(key)):
