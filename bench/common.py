@@ -32,6 +32,29 @@ def summary(samples: list[float]) -> dict:
     return {"median": statistics.median(samples), "p99": percentile(samples, 99)}
 
 
+def threads_cpu(pid: int) -> tuple[float, int]:
+    """(CPU seconds, voluntary context switches) of a process's threads alive now, the CPU to the
+    nanosecond (``/proc/<pid>/task/<tid>/schedstat``; ``/proc/<pid>/stat`` counts in 10 ms ticks, too coarse
+    for a quiet process's second or one query). A thread that ended meanwhile is not counted: compare
+    over a span in which a process keeps its threads."""
+    import os
+
+    cpu = switches = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                cpu += int(f.read().split()[0])
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                switches += int(f.read().split("voluntary_ctxt_switches:", 1)[1].split(None, 1)[0])
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+    return cpu / 1e9, switches
+
+
 def machine() -> str:
     import os
 
@@ -46,11 +69,16 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()} {platform.machine()}"
 
 
-async def post_latencies(session, path: str, bodies: list[bytes], n: int, warmup: int) -> list[float]:
+async def post_latencies(session, path: str, bodies: list[bytes], n: int, warmup: int,
+                         pace: float = 0.0) -> list[float]:
     """Seconds each of ``n`` JSON POSTs to ``path`` took, one after the other (``bodies`` in turn), after
-    ``warmup`` untimed ones; every answer must be a 200."""
+    ``warmup`` untimed ones, ``pace`` seconds apart (0: back to back); every answer must be a 200."""
+    import asyncio
+
     out = []
     for i in range(n + warmup):
+        if pace and i:
+            await asyncio.sleep(pace)
         body = bodies[i % len(bodies)]
         t = time.perf_counter()
         async with session.post(path, data=body, headers={"Content-Type": "application/json"}) as r:

@@ -30,7 +30,7 @@ from pathlib import Path
 import aiohttp
 import zmq.asyncio
 
-from bench.common import free_port, machine
+from bench.common import free_port, machine, threads_cpu
 from bench.dynamo import NETNS_ENV, dynamo_python, in_loopback_namespace
 from bench.trace import LoggedDynamo, Ours, _cpu, _until, _wakeups
 from bench.trace_engines import pod_host
@@ -61,11 +61,12 @@ async def run(batches_file: str, every_ms: float, limit: int, idle: float, go_ma
                     await e.wait_subscribed(120)
             await asyncio.sleep(5.0)  # first contacts and the leases settle
             pids = {**ours.pids(), **({"dynamo": dynamo.proc.pid} if dynamo else {})}
-            if idle:
-                c0, w0 = {k: _cpu(p) for k, p in pids.items()}, {k: _wakeups(p) for k, p in pids.items()}
+            if idle:  # to the nanosecond (a quiet second is a few 10 ms ticks over a whole run)
+                before = {k: threads_cpu(p) for k, p in pids.items()}
                 await asyncio.sleep(idle)
-                res["idle_ms_per_s"] = {k: round((_cpu(p) - c0[k]) * 1e3 / idle, 2) for k, p in pids.items()}
-                res["idle_wakeups_per_s"] = {k: round((_wakeups(p) - w0[k]) / idle, 1) for k, p in pids.items()}
+                after = {k: threads_cpu(p) for k, p in pids.items()}
+                res["idle_ms_per_s"] = {k: round((after[k][0] - before[k][0]) * 1e3 / idle, 3) for k in pids}
+                res["idle_wakeups_per_s"] = {k: round((after[k][1] - before[k][1]) / idle, 1) for k in pids}
             c0, w0 = {k: _cpu(p) for k, p in pids.items()}, {k: _wakeups(p) for k, p in pids.items()}
             t0 = time.monotonic()
             for n, (_, wid, payload) in enumerate(batches):
