@@ -483,7 +483,7 @@ class L1Sequencer:
 
     async def _reset(self, start: int, reason: str) -> None:
         await self.flush()
-        self.gen = new_generation()
+        self.gen = new_generation(self.sink.lost_before)  # after a stream loss's mark, on any host's clock
         self.owed_reset_at = None
         await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason, self.ep.epoch)
         self.metrics.bridge_resets.labels(reason).inc()

@@ -160,6 +160,8 @@ async def name_anew(js, info: api.StreamInfo, lost_before: int | None = None) ->
     info = await js.stream_info(info.config.name)  # read again: another bridge may have named it meanwhile
     if stream_id(info) != old:
         return info
+    if lost_before is not None:
+        lost_before = max(lost_before, generations_lost_before(info))
     return await js.update_stream(_named(info.config, info, old + "+", lost_before))
 
 
@@ -190,10 +192,11 @@ async def ensure_again(js, cfg: NatsConfig, tier: str) -> tuple[api.StreamInfo, 
 
 #: The stream metadata key that names its incarnation (``stream_id``).
 INCARNATION = "cache_indexer.incarnation"
-#: The stream metadata key that holds the generation (``l1_publisher.new_generation``: wall-clock
-#: nanoseconds) at which the stream was created, or found to have lost its messages and named anew: a
-#: generation begun before it began on a stream whose messages are gone, and no bridge resumes it
-#: (``L1Publisher.lost_before``), also one started after the bridge that found the loss.
+#: The stream metadata key that holds the generation (L1's, wall-clock nanoseconds) at which the stream
+#: was created (the creating process's clock), or found to have lost its messages and named anew (the
+#: finding bridge's): a generation begun before it began on a stream whose messages are gone, and no
+#: bridge resumes it (``L1Publisher.lost_before``), also one started after the bridge that found the
+#: loss; a bridge begins its own after it.
 LOST_BEFORE = "cache_indexer.lost_before"
 
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cache_indexer.bridge import service as bridge_service
-from cache_indexer.infra.streams import ensure_l1_stream, generations_lost_before, name_anew, stream_id
+from cache_indexer.infra.streams import ensure_l1_stream, generations_lost_before, l1_subject, name_anew, stream_id
 from cache_indexer.schemas.block_hash import BlockHasher
 from tests.conftest import VLLM_EVENTS, lose_messages_keep_metadata, make_config, wait_for
 from tests.l1_stack import L1Stack
@@ -1152,7 +1152,7 @@ async def test_a_pod_away_at_a_stream_loss_resumes_no_lost_generation_after_a_br
     the loss knew in memory that no generation begun before it may be resumed; a bridge started after it
     did not, and resumed the pod's generation from that retry, without what it stored on the lost stream
     (here 6 blocks missing for as long as the engine held them). The stream now carries the generation
-    the loss began at in its metadata (``streams.LOST_BEFORE``), and every bridge reads it."""
+    the loss was found at in its metadata (``streams.LOST_BEFORE``), and every bridge reads it."""
     from cache_indexer.bridge.service import Bridge
 
     cfg = make_config(restartable_nats.url, stream_prefix)
@@ -1180,3 +1180,52 @@ async def test_a_pod_away_at_a_stream_loss_resumes_no_lost_generation_after_a_br
         await until_ratio(stack, POD, 0.75, what="what the engine holds, its generation begun anew", timeout=20)
     finally:
         await stack.stop()
+
+
+class _ClockAhead:
+    """The ``time`` module of a host whose clock runs ``skew`` seconds ahead."""
+
+    def __init__(self, skew: float) -> None:
+        self.skew_ns = int(skew * 1e9)
+
+    def time_ns(self) -> int:
+        return time.time_ns() + self.skew_ns
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+async def test_a_stream_created_anew_on_a_clock_ahead_starts_no_engine_over_twice(stack, monkeypatch, caplog):
+    """From a review (reproduced): the process that creates a stream anew (a replica, often) writes the
+    generation it was created at from its own clock. Where that clock ran ahead of the bridge's by more
+    than the bridge took to notice the loss, every generation the bridge began at the start-over was
+    below the stream's mark, and the next bridge (a rollout) started every engine over again. A bridge
+    now begins its generations after the mark it knows."""
+    from cache_indexer.bridge.service import Bridge
+    from cache_indexer.infra import streams as streams_module
+
+    eng = stack.engine(POD)
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[:4])])
+    await until_ratio(stack, POD, 0.5)
+    name, js = stack.cfg.nats.l1Stream.name, stack.replica.indexer.js
+    await js.delete_stream(name)
+    monkeypatch.setattr(streams_module, "time", _ClockAhead(5.0))  # the replica's host
+    await ensure_l1_stream(js, stack.cfg.nats)  # created anew by the replica
+    monkeypatch.setattr(streams_module, "time", time)
+    await eng.publish([stored(CHAIN[4:6], parent=CHAIN[3])])  # its ack goes back: the bridge notices
+    await wait_for(lambda: stack.bridge_metrics.streams_recreated.labels(name)._value.get() == 1, 20,
+                   "the bridge to notice")
+    await until_ratio(stack, POD, 0.75, what="started over on the new stream", timeout=20)
+    subject = l1_subject(stack.cfg.nats.l1Stream.subjectPrefix, POD, 0)
+    gen = int((await js.get_last_msg(name, subject)).headers["Kv-Gen"])
+    await stack.bridge.stop()  # a rollout, a second or so after the loss
+    caplog.clear()
+    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
+    await stack.bridge.start()
+    await stack.connect((eng, POD, 0))
+    await eng.publish([stored(CHAIN[6:8], parent=CHAIN[5])])
+    await until_ratio(stack, POD, 1.0, timeout=20)
+    started_over = [r.getMessage() for r in caplog.records if "began on a stream lost since" in r.getMessage()]
+    assert not started_over, started_over
+    assert int((await js.get_last_msg(name, subject)).headers["Kv-Gen"]) == gen, "the generation resumed"

@@ -576,7 +576,7 @@ class Sequencing(RuleBasedStateMachine):
         # where nothing is refused.
         upgrade = upgrade and not self.refusals
         graceful = graceful or upgrade
-        if self.stream_unnoticed:  # open too (as above): killed after a stream's loss before any ack told it
+        if self.stream_unnoticed and graceful:  # its last messages' acks, on the new stream, tell it
             self.bridge_notices_the_new_stream()
         late: list = []  # acks that reach a lingering bridge after the handover
         if records_first:
@@ -630,6 +630,9 @@ class Sequencing(RuleBasedStateMachine):
             for on_stored, seq in late:
                 on_stored(seq)
         self.bridge = Bridge(self.stream, self.kv, old.max_batches)
+        if self.stream_unnoticed:  # killed after the stream's loss before any ack told it: the next one
+            self.stream_unnoticed = False  # starts on the new stream, no generation begun before resumed
+            self.lost_with_stream |= self.away  # (streams.LOST_BEFORE, written when it was created)
         for key, seq in old.seqs.items():  # judged from the model's own KV and stream, not the code's
             if seq.gen is not None and not self.checkable_position(key) and (
                     key not in self.recorded or self._removal_after_record(key)):
@@ -1316,6 +1319,27 @@ def test_an_engine_restarted_while_the_stream_loss_went_unnoticed_leaves_nothing
         m.engine_restarts(1)
         m.bridge_notices_the_new_stream()
         m.pod_leaves(PODS.index("10.0.0.2"))
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_a_bridge_killed_before_it_noticed_a_stream_loss_leaves_its_successor_no_lost_generation_to_resume():
+    """A pod away within its grace when the stream was deleted and created again, a retry of its batch
+    stored on the new stream (its last message there, mid-generation), the bridge killed before that
+    ack reached it: the next bridge knew nothing of the loss and resumed the pod's generation from the
+    retry, without what it stored on the lost stream. The stream keeps the generation it was created at
+    (``streams.LOST_BEFORE``); no generation begun before is resumed on it."""
+    m = Sequencing()
+    try:
+        m.engine_publishes(0, "store", 2, True, False)  # WORKERS[0] (10.0.0.1 rank 0)
+        m.store_all()
+        m.engine_publishes(0, "store", 1, True, False)  # in flight
+        m.pod_leaves(PODS.index("10.0.0.1"))
+        m.stream_recreated()
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=False, lingering=True)
+        m.lingering_bridge_writes()  # its acks, late: the retry stored on the new stream
+        m.pod_returns(0, "quiet")
         m.at_a_quiet_point_the_index_is_the_engines_truth()
     finally:
         m.loop.close()
