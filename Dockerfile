@@ -21,7 +21,7 @@ ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl \
  && rm -rf /wheels \
- && python -c "import cache_indexer.schemas._blockhash, cache_indexer.indexer._prefix_walk, cache_indexer.indexer._native_index, cache_indexer.bridge._zmq_drain, cache_indexer.bridge._vllm_decode, cache_indexer.infra._event_unpack" \
+ && python -c "import cache_indexer.schemas._blockhash, cache_indexer.indexer._prefix_walk, cache_indexer.indexer._native_index, cache_indexer.bridge._zmq_drain, cache_indexer.bridge._vllm_decode, cache_indexer.infra._event_unpack, cache_indexer.api._answer_json" \
  && groupadd --system --gid 10001 cache-indexer \
  && useradd --system --uid 10001 --gid 10001 --no-create-home cache-indexer
 USER 10001:10001

@@ -1,5 +1,6 @@
 """Builds the optional C accelerators (the block hasher's, the hit-rate walk's, the bridge's bulk ZMQ
-receive and its decoder of vLLM's current batches, the indexer's reader of stream payloads); everything else is in pyproject.toml.
+receive and its decoder of vLLM's current batches, the indexer's reader of stream payloads, the seed API's
+answer); everything else is in pyproject.toml.
 
 ``optional=True``: without a C compiler the install still succeeds and the pure-Python path is used.
 Their import names are under ``cache_indexer`` (the one top-level package) while their sources stay in
@@ -26,4 +27,6 @@ setup(ext_modules=[Extension("cache_indexer.schemas._blockhash", ["schemas/_bloc
                    Extension("cache_indexer.bridge._vllm_decode", ["bridge/_vllm_decode.c"], optional=True,
                              depends=["infra/msgpack_read.h"], extra_compile_args=["-O3"]),
                    Extension("cache_indexer.infra._event_unpack", ["infra/_event_unpack.c"], optional=True,
-                             depends=["infra/msgpack_read.h"], extra_compile_args=["-O3"])])
+                             depends=["infra/msgpack_read.h"], extra_compile_args=["-O3"]),
+                   Extension("cache_indexer.api._answer_json", ["api/_answer_json.c"], optional=True,
+                             extra_compile_args=["-O3"])])

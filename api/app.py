@@ -40,6 +40,11 @@ from cache_indexer.indexer.hit_rate import (KeptCandidates, NativeQuery, ScoreRe
 from cache_indexer.indexer.query_threads import QueryThreads
 from cache_indexer.schemas.config import HttpConfig
 
+try:  # the seed API's answer in one native pass (api/_answer_json.c); without it, the Python path below
+    from cache_indexer.api import _answer_json
+except ImportError:  # pragma: no cover - no C compiler at install time
+    _answer_json = None
+
 log = logging.getLogger(__name__)
 
 HIT_RATE_PATH = "/kv-cache/hit-rate"
@@ -171,6 +176,9 @@ class HitRateApi:
             best_l1 = max(best_l1, s.ratios[0])
             best_l3 = max(best_l3, s.ratios[1])
             unknown += not s.known
+        self._observe_best(best_l1, best_l3, unknown)
+
+    def _observe_best(self, best_l1: float, best_l3: float, unknown: int) -> None:
         self._best_l1.observe(best_l1)
         self._best_l3.observe(best_l3)
         if unknown:
@@ -291,17 +299,33 @@ class HitRateApi:
                 return None
             if not self._fits_inline(query, len(body)):
                 return self._answer_later(query)
-            result = query.result(query.run())
+            out = query.run()
         except (RequestError, ValueError, NotImplementedError):
             return None
-        return self._answer_body(result, None)
+        return self._native_answer(query, out)
 
     async def _answer_later(self, query: NativeQuery) -> bytes | None:
         try:
-            result = query.result(await self._threads().run(query))
+            out = await self._threads().run(query)
         except (ValueError, NotImplementedError):
             return None
-        return self._answer_body(result, None)
+        return self._native_answer(query, out)
+
+    def _native_answer(self, query: NativeQuery, out: tuple[int, int, list[list[int]]]) -> bytes:
+        """The answer to a native query's lengths: in one native pass where the accelerator is built (the
+        same JSON values as ``_answer_body``), else through ``result``."""
+        if _answer_json is not None:
+            try:
+                body, best_l1, best_l3, unknown = _answer_json.seed_answer(
+                    query.workers.pods, query.workers.slots, out[2], out[0] // query.block_size, query.knows,
+                    UNKNOWN_POD_MESSAGE)
+            except (TypeError, ValueError):  # (not two tiers; a name with no UTF-8, which msgspec refuses too)
+                pass
+            else:
+                self.metrics.hashed_blocks.inc(out[1])
+                self._observe_best(best_l1, best_l3, unknown)
+                return body
+        return self._answer_body(query.result(out), None)
 
     def _answer_body(self, result: ScoreResult, explained) -> bytes:
         self.metrics.hashed_blocks.inc(result.hashed_blocks)

@@ -122,7 +122,29 @@ def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]
         "worst: every block held, no memo (the call)": worst["us"],
         "answer + msgspec encode": _median_us(respond, bodies, repeat),
         "all of it on the loop (the route's answer_now)": _median_us(route.answer_now, bodies, repeat),
+        **seed_answer_stages(state, bodies, repeat),
     }
+
+
+def seed_answer_stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]:
+    """The seed API's answer where the router names every pod as a candidate (Hermes at fleet shape): the
+    Python path (``NativeQuery.result``, then the body) and the one native pass (api/_answer_json.c)."""
+    from cache_indexer.api import app as app_module
+    from cache_indexer.api.app import HitRateApi
+    from cache_indexer.indexer.hit_rate import NativeQuery
+    from cache_indexer.infra.metrics import Metrics
+
+    hasher = BlockHasher("sha256_cbor", "0")
+    api = HitRateApi(HttpConfig(), hasher, tiers=lambda: (state, None), ready=lambda: True, metrics=Metrics())
+    pods = list(state.workers.pods())
+    queries = {b: NativeQuery.prepare(hasher, decode_query(b)[1], 16, "", pods, (state, None)) for b in bodies}
+    outs = {b: q.run() for b, q in queries.items()}
+    out = {f"seed API answer, {len(pods)} candidates: result + body (Python)":
+           _median_us(lambda b: api._answer_body(queries[b].result(outs[b]), None), bodies, repeat)}
+    if app_module._answer_json is not None:
+        out[f"seed API answer, {len(pods)} candidates: one native pass"] = _median_us(
+            lambda b: api._native_answer(queries[b], outs[b]), bodies, repeat)
+    return out
 
 
 def calibrate(repeat: int) -> list[tuple[str, int, int, int, float, float]]:

@@ -39,7 +39,7 @@ Step = Callable[[], Awaitable[None]]
 #: The C accelerators setup.py builds (optional: without them the pure-Python paths run)
 NATIVE_MODULES = (
     "cache_indexer.schemas._blockhash", "cache_indexer.indexer._prefix_walk", "cache_indexer.indexer._native_index", "cache_indexer.bridge._zmq_drain", "cache_indexer.bridge._vllm_decode",
-    "cache_indexer.infra._event_unpack")
+    "cache_indexer.infra._event_unpack", "cache_indexer.api._answer_json")
 
 
 def setup_logging(cfg: Config) -> None:

@@ -272,7 +272,6 @@ class NativeQuery:
         1,000 candidates)."""
         n_tokens, hashed, lengths = out
         n_blocks = n_tokens // self.block_size
-        tiers = self._tiers
         scores = []
         for pod, slots in zip(self.workers.pods, self.workers.slots):
             ratios = []
@@ -283,7 +282,9 @@ class NativeQuery:
                     ratios.append((held[a] if b - a == 1 else max(held[a:b])) / n_blocks if n_blocks else 0.0)
                 else:
                     ratios.append(0.0)
-            if not known:
-                known = any(t is not None and t.knows(pod) for t in tiers)
-            scores.append(PodScore(pod, ratios, known))
+            scores.append(PodScore(pod, ratios, known or self.knows(pod)))
         return ScoreResult(n_blocks, hashed, scores)
+
+    def knows(self, pod: str) -> bool:
+        """Whether a tier saw events of a pod that has no workers in any (``result``'s ``known``)."""
+        return any(t is not None and t.knows(pod) for t in self._tiers)

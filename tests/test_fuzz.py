@@ -463,3 +463,54 @@ def test_the_c_reader_of_stream_payloads_equals_msgpack(rng):
         assert same(_as_lists(got), want), raw[:200]
         assert arrays_only_under_hashes(got), raw[:200]
     assert taken >= n // 20, f"the C reader took only {taken} of {n} cases"
+
+
+def test_the_seed_apis_native_answer_equals_the_python_path(rng):
+    """api/_answer_json.c writes the router's candidate names into the answer: on seed API requests
+    mutated at the byte level (names with quotes, escapes, controls, any UTF-8), whatever the decode
+    takes is answered with the same JSON values, best ratios and unknown candidates as the Python path,
+    and a name the native pass refuses (no UTF-8) the Python path refuses too."""
+    from cache_indexer.api import app as app_module
+    from cache_indexer.api.app import UNKNOWN_POD_MESSAGE, HitRateApi
+    from cache_indexer.api.json_request import RequestError
+    from cache_indexer.infra.metrics import Metrics
+    from cache_indexer.schemas.config import HttpConfig
+
+    native = app_module._answer_json
+    needs_native(native is not None, "the seed API's native answer")
+    hasher = BlockHasher("sha256_cbor", "0")
+    tokens = [(i * 7919) % 50000 for i in range(64)]
+    chain = hasher.event_hashes(tokens, 4)
+    state = L1State()
+    for i, pod in enumerate(["10.0.0.1", 'q"uo\\te', "é\u2028", "\x01ctl"]):
+        for rank in range(1 + i % 2):
+            state.apply({"type": "batch", "pod": pod, "rank": rank, "gen": 1, "seq": 0,
+                         "events": [{"kind": "stored", "medium": "GPU", "hashes": chain[:4 * (i + rank) + 1]}]})
+    api = HitRateApi(HttpConfig(), hasher, tiers=lambda: (state, None), ready=lambda: True, metrics=Metrics())
+    corpus = [json.dumps({"server_ip": ips, "body": {"token_ids": tokens[:n], "block_size": 4}}).encode()
+              for ips, n in ((["10.0.0.1", 'q"uo\\te'], 64), (["é\u2028", "\x01ctl", "nobody", "10.0.0.1"], 33),
+                             (['\\"', "\\u00e9", "\\ud83d\\ude00"], 3))]
+    taken = 0
+    for n in budget():
+        raw = mutate(rng, rng.choice(corpus), corpus)
+        try:
+            query = api._prepare(api._decode(raw), api.tiers())
+            out = query.run() if query is not None else None
+        except (RequestError, ValueError, NotImplementedError):
+            continue
+        if out is None:
+            continue
+        try:
+            want = json.loads(api._answer_body(query.result(out), None))
+        except Exception:  # (a name msgspec cannot write: no UTF-8)
+            want = None
+        try:
+            body, *_ = native.seed_answer(query.workers.pods, query.workers.slots, out[2], out[0] // query.block_size,
+                                          query.knows, UNKNOWN_POD_MESSAGE)
+        except (TypeError, ValueError):
+            assert want is None, f"{raw[:200]!r}: the native pass refused what the Python path answers"
+            continue
+        taken += 1
+        assert json.loads(body) == want, raw[:200]
+    print(f"seed API answers: {taken} of {n} mutated requests decoded and answered")
+    assert taken >= 5, f"only {taken} requests of {n} decoded"
