@@ -1,16 +1,18 @@
 /*
- * Optional accelerator for api/app.py: the seed API's answer (``POST /kv-cache/hit-rate``) as JSON, from
- * the native query's lengths, in one pass over the candidates. At 1,000 candidates the answer built in
- * Python (a score, then a dict, per candidate, and their encoding) took 0.86 ms of a 1.2 ms query on the
- * event loop; the native call itself 0.06 ms. Without it (no C compiler) the Python path, which stays the
- * reference, answers; tests/test_answer_json.py holds the two equal (the JSON's values: a float is
- * written as Python's repr, which reads back as the same double).
+ * Optional accelerator for the API: the seed API's answer (``POST /kv-cache/hit-rate``, api/app.py) and
+ * /query's (api/tiered_query.py) as JSON, from the native query's lengths, in one pass over the pods. At
+ * 1,000 candidates the seed API's answer built in Python (a score, then a dict, per candidate, and their
+ * encoding) took 0.9 ms of a 1.2 ms query on the event loop, /query's 1.0 ms; the native call itself 0.06
+ * ms. Without it (no C compiler) the Python paths, which stay the reference, answer;
+ * tests/test_answer_json.py holds each pair equal (the JSON's values: a float is written as Python's
+ * repr, which reads back as the same double).
  *
  * The candidates' names are the router's request's strings: escaped as JSON requires (quote, backslash,
  * controls), the rest written as UTF-8.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <string.h>
 
 typedef struct {
@@ -39,6 +41,7 @@ static int buf_grow(Buf *b, size_t more) {
 }
 
 static int buf_put(Buf *b, const char *s, size_t n) {
+    if (!n) return 0;  /* (s may be an empty buffer's NULL) */
     if (buf_grow(b, n)) return -1;
     memcpy(b->p + b->len, s, n);
     b->len += n;
@@ -228,7 +231,185 @@ done:
     return result;
 }
 
+/* v in decimal at the end of tmp[24]: its first digit (snprintf takes 100-200 ns a number: most of an
+ * answer of 1,000 pods) */
+static char *u64_digits(char tmp[24], unsigned long long v) {
+    char *p = tmp + 24;
+    do {
+        *--p = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    return p;
+}
+
+static int put_u64(Buf *b, unsigned long long v) {
+    char tmp[24], *p = u64_digits(tmp, v);
+    return buf_put(b, p, (size_t)(tmp + 24 - p));
+}
+
+/* blocks * block_size, refused where it would not fit 64 bits (the Python path then answers) */
+static int tokens_of(unsigned long long blocks, unsigned long long block_size, unsigned long long *out) {
+    if (block_size && blocks > ULLONG_MAX / block_size) {
+        PyErr_SetString(PyExc_OverflowError, "tokens past 64 bits");
+        return -1;
+    }
+    *out = blocks * block_size;
+    return 0;
+}
+
+static int length_at(PyObject *tier, Py_ssize_t k, unsigned long long *v) {
+    *v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(tier, k));
+    return *v == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* An instance's entry, "pod":{...}, of a pod whose best rank holds ``best`` blocks and whose Mooncake
+ * segment ``l3``; its ranks' "dp" from ``dp`` (written already, without its braces). */
+static int put_instance(Buf *b, PyObject *pod, unsigned long long best, const char *dp, size_t dp_len,
+                        unsigned long long l3, unsigned long long block_size) {
+    unsigned long long t, l;
+    if (tokens_of(best, block_size, &t) || tokens_of(l3, block_size, &l)) return -1;
+    if (put_string(b, pod) || PUT_LITERAL(b, ":{\"longest_matched\":") || put_u64(b, t)) return -1;
+    if (PUT_LITERAL(b, ",\"gpu\":") || put_u64(b, t) || PUT_LITERAL(b, ",\"dp\":{")) return -1;
+    if (buf_put(b, dp, dp_len) || PUT_LITERAL(b, "},\"cpu\":") || put_u64(b, t)) return -1;
+    if (PUT_LITERAL(b, ",\"disk\":") || put_u64(b, t) || PUT_LITERAL(b, ",\"l3\":") || put_u64(b, l)) return -1;
+    return PUT_LITERAL(b, "}");
+}
+
+/* tiered_answer(pods, slots, ranks, lengths, block_size, allowed) -> body
+ *
+ * /query's answer (api/tiered_query.py ``answer``, Dynamo's response) from the native query's lengths
+ * over every pod: pods, slots[i] (per tier, L1 and L3, the (a, b) slice of lengths[tier] of pod i's
+ * workers) and ranks[i] (per tier, those workers' ranks, or masters) as ``CandidateWorkers`` holds them;
+ * allowed: None, or a callable that says whether a pod with blocks may answer (``TierMatch.only``). The
+ * L1 tier's media are one (no offload: the native query's condition), so a rank's gpu, cpu and disk
+ * lengths are the same. Instances: the pods with L1 blocks in order, then those with only L3 blocks. */
+static PyObject *tiered_answer(PyObject *self, PyObject *args) {
+    PyObject *pods_in, *slots_in, *ranks_in, *lengths_in, *allowed;
+    unsigned long long block_size;
+    if (!PyArg_ParseTuple(args, "OOOOKO", &pods_in, &slots_in, &ranks_in, &lengths_in, &block_size, &allowed))
+        return NULL;
+    if (allowed != Py_None && !PyCallable_Check(allowed)) {
+        PyErr_SetString(PyExc_TypeError, "allowed must be None or callable");
+        return NULL;
+    }
+    PyObject *pods = PySequence_Tuple(pods_in), *slots = NULL, *ranks = NULL, *lengths = NULL;
+    PyObject *tiers[2] = {NULL, NULL}, *result = NULL;
+    Buf scores = {NULL, 0, 0}, inst = {NULL, 0, 0}, dp = {NULL, 0, 0};
+    unsigned long long *l3_of = NULL; /* per pod: its L3 blocks where it has no L1 blocks and may answer */
+    if (!pods) goto done;
+    if (!(slots = PySequence_Tuple(slots_in)) || !(ranks = PySequence_Tuple(ranks_in))) goto done;
+    if (!(lengths = PySequence_Tuple(lengths_in))) goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(pods);
+    if (PyTuple_GET_SIZE(slots) != n || PyTuple_GET_SIZE(ranks) != n || PyTuple_GET_SIZE(lengths) != 2) {
+        PyErr_SetString(PyExc_ValueError, "one slot list and one rank list a pod and two tiers' lengths expected");
+        goto done;
+    }
+    for (int t = 0; t < 2; t++) {
+        if (!(tiers[t] = PySequence_Tuple(PyTuple_GET_ITEM(lengths, t)))) goto done;
+    }
+    if (!(l3_of = calloc(n ? (size_t)n : 1, sizeof *l3_of))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int first_score = 1, first_inst = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pod = PyTuple_GET_ITEM(pods, i), *pod_slots = PyTuple_GET_ITEM(slots, i);
+        PyObject *pod_ranks = PyTuple_GET_ITEM(ranks, i);
+        if (!(PyList_Check(pod_slots) || PyTuple_Check(pod_slots)) || PySequence_Fast_GET_SIZE(pod_slots) != 2 ||
+            !(PyList_Check(pod_ranks) || PyTuple_Check(pod_ranks)) || PySequence_Fast_GET_SIZE(pod_ranks) != 2) {
+            PyErr_SetString(PyExc_ValueError, "a pod's slots and ranks are not one a tier");
+            goto done;
+        }
+        /* its L1 ranks: read before ``allowed`` (Python) runs for this pod, not after */
+        PyObject *l1_ranks = PySequence_Fast_GET_ITEM(pod_ranks, 0);
+        if (!PyList_Check(l1_ranks) && !PyTuple_Check(l1_ranks)) {
+            PyErr_SetString(PyExc_TypeError, "a pod's ranks are not a list");
+            goto done;
+        }
+        Py_ssize_t a, e, c, d;
+        if (slice_of(PySequence_Fast_GET_ITEM(pod_slots, 0), PyTuple_GET_SIZE(tiers[0]), &a, &e) ||
+            slice_of(PySequence_Fast_GET_ITEM(pod_slots, 1), PyTuple_GET_SIZE(tiers[1]), &c, &d))
+            goto done;
+        unsigned long long best = 0, l3 = 0, v;
+        dp.len = 0;
+        for (Py_ssize_t k = 0; k < e - a && k < PySequence_Fast_GET_SIZE(l1_ranks); k++) {
+            if (length_at(tiers[0], a + k, &v)) goto done;
+            if (!v) continue;
+            PyObject *r = PySequence_Fast_GET_ITEM(l1_ranks, k);
+            if (!PyLong_Check(r)) {  /* (an __index__ would run Python here) */
+                PyErr_SetString(PyExc_TypeError, "a rank is not an int");
+                goto done;
+            }
+            long long rank = PyLong_AsLongLong(r);
+            if (rank == -1 && PyErr_Occurred()) goto done;
+            char tmp[24], *digits = u64_digits(tmp, rank < 0 ? 0ull - (unsigned long long)rank : (unsigned long long)rank);
+            unsigned long long t;
+            if (tokens_of(v, block_size, &t)) goto done;
+            if ((dp.len && PUT_LITERAL(&dp, ",")) || PUT_LITERAL(&dp, "\"") || (rank < 0 && PUT_LITERAL(&dp, "-")) ||
+                buf_put(&dp, digits, (size_t)(tmp + 24 - digits)) || PUT_LITERAL(&dp, "\":") || put_u64(&dp, t))
+                goto done;
+            if (v > best) best = v;
+        }
+        for (Py_ssize_t k = c; k < d; k++) {
+            if (length_at(tiers[1], k, &v)) goto done;
+            if (v > l3) l3 = v;
+        }
+        if (!best && !l3) continue;
+        if (allowed != Py_None) {
+            PyObject *r = PyObject_CallOneArg(allowed, pod);
+            if (!r) goto done;
+            int ok = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (ok < 0) goto done;
+            if (!ok) continue;
+        }
+        if (!best) {  /* only L3 blocks: after the pods with L1 blocks */
+            l3_of[i] = l3;
+            continue;
+        }
+        if (block_size) {  /* (its ranks' tokens, where not 0) */
+            if ((!first_score && PUT_LITERAL(&scores, ",")) || put_string(&scores, pod) || PUT_LITERAL(&scores, ":{") ||
+                buf_put(&scores, dp.p, dp.len) || PUT_LITERAL(&scores, "}"))
+                goto done;
+            first_score = 0;
+        }
+        if ((!first_inst && PUT_LITERAL(&inst, ",")) || put_instance(&inst, pod, best, dp.p, dp.len, l3, block_size))
+            goto done;
+        first_inst = 0;
+    }
+    for (Py_ssize_t i = 0; i < n && block_size; i++) {  /* (no tokens, no dp: no entry) */
+        if (!l3_of[i]) continue;
+        if ((!first_inst && PUT_LITERAL(&inst, ",")) ||
+            put_instance(&inst, PyTuple_GET_ITEM(pods, i), 0, "", 0, l3_of[i], block_size))
+            goto done;
+        first_inst = 0;
+    }
+    Buf out = {NULL, 0, 0};
+    if (PUT_LITERAL(&out, "{\"scores\":{") || buf_put(&out, scores.p, scores.len) ||
+        PUT_LITERAL(&out, "},\"frequencies\":[],\"instances\":{") || buf_put(&out, inst.p, inst.len) ||
+        PUT_LITERAL(&out, "}}")) {
+        free(out.p);
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(out.p, (Py_ssize_t)out.len);
+    free(out.p);
+done:
+    free(l3_of);
+    free(scores.p);
+    free(inst.p);
+    free(dp.p);
+    Py_XDECREF(tiers[0]);
+    Py_XDECREF(tiers[1]);
+    Py_XDECREF(lengths);
+    Py_XDECREF(ranks);
+    Py_XDECREF(slots);
+    Py_XDECREF(pods);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"tiered_answer", tiered_answer, METH_VARARGS,
+     "tiered_answer(pods, slots, ranks, lengths, block_size, allowed) -> /query's answer"},
     {"seed_answer", seed_answer, METH_VARARGS,
      "seed_answer(pods, slots, lengths, n_blocks, knows, unknown_message) -> (body, best l1, best l3, unknown)"},
     {NULL, NULL, 0, NULL},

@@ -32,6 +32,11 @@ from cache_indexer.schemas.events import MAX_BLOCK_SIZE
 from cache_indexer.schemas.block_hash import U64_MASK, BlockHasher, LoRAKey, MultiModalKey, find_token_ids
 from cache_indexer.schemas.config import HttpConfig
 
+try:  # /query's answer in one native pass (api/_answer_json.c); without it, ``answer`` and msgspec
+    from cache_indexer.api import _answer_json
+except ImportError:  # pragma: no cover - no C compiler at install time
+    _answer_json = None
+
 log = logging.getLogger(__name__)
 
 QUERY_PATH = "/query"
@@ -157,6 +162,19 @@ def answer(match: TierMatch, block_size: int) -> dict:
     return {"scores": scores, "frequencies": [], "instances": instances}
 
 
+def native_answer(query: NativeTierQuery, out: tuple[int, int, list[list[int]]], block_size: int,
+                  allowed: Callable[[str], bool] | None) -> bytes:
+    """The answer's JSON to a native query's lengths: in one native pass where the accelerator is built
+    (api/_answer_json.c: the same JSON values), else through ``result`` and ``answer``."""
+    if _answer_json is not None:
+        w = query.native.workers
+        try:
+            return _answer_json.tiered_answer(w.pods, w.slots, w.ranks, out[2], block_size, allowed)
+        except (TypeError, ValueError, OverflowError):  # (a name with no UTF-8, which msgspec refuses too)
+            pass
+    return msgspec.json.encode(answer(query.result(out).only(allowed), block_size))
+
+
 class TieredQueryApi:
     """The two routes, over the replica's tiers (L1 with its offload media, L3)."""
 
@@ -236,17 +254,17 @@ class TieredQueryApi:
                 return None
             if not self.fits_inline(query.native, len(body)):
                 return self._answer_later(query, len(body), bs, allowed)
-            result = query.result(query.native.run()).only(allowed)
+            out = query.native.run()
         except (RequestError, ValueError, NotImplementedError):
             return None
-        return msgspec.json.encode(answer(result, bs))
+        return native_answer(query, out, bs, allowed)
 
     async def _answer_later(self, query: NativeTierQuery, size: int, bs: int, allowed) -> bytes | None:
         try:
-            result = query.result(await self.run_native(query.native, size)).only(allowed)
+            out = await self.run_native(query.native, size)
         except (ValueError, NotImplementedError):
             return None
-        return msgspec.json.encode(answer(result, bs))
+        return native_answer(query, out, bs, allowed)
 
     async def _match_tokens(self, body: bytes) -> tuple[TierMatch, int]:
         req, token_json, bs, allowed, query = self._native(body)

@@ -31,7 +31,7 @@ from bench.common import free_port, machine, percentile, post_latencies, threads
 from bench.dynamo import NETNS_ENV, dynamo_python
 from bench.trace_engines import pod_host
 from bench.trace_model import Tokens, chain, load_trace
-from cache_indexer.api.tiered_query import TieredQueryApi, answer, decode_query
+from cache_indexer.api.tiered_query import TieredQueryApi, answer, decode_query, native_answer
 from cache_indexer.indexer.hit_rate import configure_native_query
 from cache_indexer.indexer.l1_state import L1State
 from cache_indexer.indexer.tier_match import NativeTierQuery
@@ -120,7 +120,8 @@ def stages(state: L1State, bodies: list[bytes], repeat: int) -> dict[str, float]
         "native: hash + walk (parsed tokens, memo warm)": _median_us(walk_array, bodies, repeat),
         "native: parse + hash + walk (the call, memo warm)": _median_us(lambda b: prepared[b].native.run(), bodies, repeat),
         "worst: every block held, no memo (the call)": worst["us"],
-        "answer + msgspec encode": _median_us(respond, bodies, repeat),
+        "answer + msgspec encode (Python)": _median_us(respond, bodies, repeat),
+        "answer in one native pass": _median_us(lambda b: native_answer(prepared[b], outs[b], 16, None), bodies, repeat),
         "all of it on the loop (the route's answer_now)": _median_us(route.answer_now, bodies, repeat),
         **seed_answer_stages(state, bodies, repeat),
     }

@@ -1,20 +1,24 @@
-"""The seed API's answer in one native pass (api/_answer_json.c) held equal to the Python path it replaces
-on the fast path (``NativeQuery.result`` and ``HitRateApi._answer_body``): the same JSON values, the same
-best ratios and unknown candidates for the metrics, whatever the candidates' names hold (they are the
-router's strings), and no harm from a ``knows`` that changes what it was given."""
+"""The API's answers in one native pass (api/_answer_json.c) held equal to the Python paths they replace
+on the fast path: the seed API's (``NativeQuery.result`` and ``HitRateApi._answer_body``: the same JSON
+values, the same best ratios and unknown candidates for the metrics) and /query's (``NativeTierQuery.result``,
+``TierMatch.only`` and ``answer``: the same values and instances in the same order), whatever the pods'
+names hold (a router's strings), with no harm from a callback that changes what it was given."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_indexer.api import app as app_module
 from cache_indexer.api.app import UNKNOWN_POD_MESSAGE, HitRateApi
+from cache_indexer.api.tiered_query import answer, native_answer
 from cache_indexer.indexer.hit_rate import NativeQuery
+from cache_indexer.indexer.tier_match import NativeTierQuery
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.schemas.block_hash import BlockHasher
 from cache_indexer.schemas.config import HttpConfig
@@ -130,3 +134,104 @@ def test_a_knows_that_changes_its_inputs_changes_nothing_read():
 def test_inputs_out_of_shape_are_refused_not_read(args):
     with pytest.raises((TypeError, ValueError, OverflowError)):
         _answer_json.seed_answer(*args, lambda pod: False, "")
+
+
+# -- /query (api/tiered_query.py) ------------------------------------------------------------------------
+
+def tiered(pods: list[str], held: list[tuple[list[tuple[int, int]], list[int]]]):
+    """A native /query over ``pods`` whose L1 workers are ``held[i][0]`` ((rank, length) each) and L3
+    workers (masters) hold ``held[i][1]``, and its answer's lengths."""
+    slots, ranks, lengths = [], [], [[], []]
+    for l1, l3 in held:
+        slots.append([(len(lengths[0]), len(lengths[0]) + len(l1)), (len(lengths[1]), len(lengths[1]) + len(l3))])
+        ranks.append([[r for r, _ in l1], list(range(len(l3)))])
+        lengths[0] += [n for _, n in l1]
+        lengths[1] += l3
+    workers = SimpleNamespace(pods=pods, slots=slots, ranks=ranks, chunks=1)
+    query = NativeTierQuery(NativeQuery((b"[]", True, BS, b"", True, []), workers, (None, None)))
+    return query, (0, 0, lengths)
+
+
+def tiered_reference(query, out, block_size, allowed):
+    return json.loads(msgspec.json.encode(answer(query.result(out).only(allowed), block_size)))
+
+
+_ranked = st.tuples(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 1 << 20)), max_size=4, unique_by=lambda r: r[0]),
+                    st.lists(st.integers(0, 1 << 20), max_size=3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pods=st.lists(st.tuples(_names, _ranked, st.booleans()), max_size=40, unique_by=lambda p: p[0]),
+       block_size=st.sampled_from([0, 1, 16, 256]), scoped=st.booleans())
+def test_the_native_query_answer_has_the_python_paths_values(pods, block_size, scoped):
+    query, out = tiered([p for p, _, _ in pods], [h for _, h, _ in pods])
+    barred = {p for p, _, bar in pods if bar}
+    allowed = (lambda pod: pod not in barred) if scoped else None
+    w = query.native.workers
+    got = json.loads(_answer_json.tiered_answer(w.pods, w.slots, w.ranks, out[2], block_size, allowed))
+    assert got == tiered_reference(query, out, block_size, allowed)
+    assert list(got["instances"]) == list(tiered_reference(query, out, block_size, allowed)["instances"])
+
+
+def test_a_fleets_query_answer_is_the_python_paths():
+    pods = [f"10.{i >> 8}.{i & 255}.1" for i in range(1000)]
+    held = [([(0, i % 700), (1, (i * 7) % 700)] if i % 10 else [], [i % 3] if i % 4 else []) for i in range(1000)]
+    query, out = tiered(pods, held)
+    w = query.native.workers
+    body = _answer_json.tiered_answer(w.pods, w.slots, w.ranks, out[2], BS, None)
+    assert json.loads(body) == tiered_reference(query, out, BS, None)
+    assert native_answer(query, out, BS, None) == body
+
+
+def test_a_pod_name_without_utf8_falls_back_to_the_python_path():
+    query, out = tiered(["\ud800"], [([(0, 3)], [])])
+    with pytest.raises(Exception):
+        native_answer(query, out, BS, None)  # msgspec refuses it as before
+
+
+@pytest.mark.parametrize("args", [
+    (["p"], [[(0, 2), (0, 0)]], [[[0], []]], [[1], []], 16, None),  # a slot past its tier's lengths
+    (["p"], [[(0, 1)]], [[[0], []]], [[1], []], 16, None),
+    (["p"], [[(0, 1), (0, 0)]], [[[0]]], [[1], []], 16, None),  # one tier's ranks
+    (["p"], [[(0, 1), (0, 0)]], [[["r"], []]], [[1], []], 16, None),  # a rank that is no int
+    (["p"], [[(0, 1), (0, 0)]], [[[0], []]], [[1 << 62], []], 16, None),  # tokens past 64 bits
+    (["p"], [[(0, 1), (0, 0)]], [[[0], []]], [[1], []], 16, "not callable"),
+])
+def test_query_inputs_out_of_shape_are_refused_not_read(args):
+    with pytest.raises((TypeError, ValueError, OverflowError)):
+        _answer_json.tiered_answer(*args)
+
+
+def test_an_allowed_that_changes_its_inputs_changes_nothing_read_unsafely():
+    """``allowed`` runs Python between pods: the lists it was given may change meanwhile (each pod's are
+    read whole before its call, and checked again for the next)."""
+    pods = [f"p{i}" for i in range(100)]
+    held = [([(0, 3), (1, 2)], [1]) for _ in pods]
+    query, out = tiered(pods, held)
+    w = query.native.workers
+    slots, ranks, lengths = w.slots, w.ranks, out[2]
+
+    def allowed(pod):
+        for pod_slots in slots:
+            pod_slots.clear()
+        for pod_ranks in ranks:
+            for r in pod_ranks:
+                r.clear()
+        for held in lengths:
+            held.clear()
+        return True
+    with pytest.raises(ValueError):  # the next pod's slots, read after the call: gone
+        _answer_json.tiered_answer(w.pods, slots, ranks, lengths, BS, allowed)
+
+
+class _Index:
+    def __index__(self):
+        return 0
+
+
+def test_a_rank_that_is_no_int_is_refused_before_any_python_runs():
+    query, out = tiered(["p"], [([(0, 3)], [])])
+    w = query.native.workers
+    w.ranks[0][0][0] = _Index()
+    with pytest.raises(TypeError):
+        _answer_json.tiered_answer(w.pods, w.slots, w.ranks, out[2], BS, None)
