@@ -1283,18 +1283,25 @@ def test_a_bridge_replaced_while_it_lived_on_never_undoes_a_removal_in_the_recor
         m.loop.close()
 
 
+def _a_pod_away_at_a_stream_loss() -> Sequencing:
+    """WORKERS[0] (10.0.0.1 rank 0) stored two blocks, a third in flight, its pod gone (within its grace)
+    when the stream was deleted and created again."""
+    m = Sequencing()
+    m.engine_publishes(0, "store", 2, True, False)
+    m.store_all()
+    m.engine_publishes(0, "store", 1, True, False)  # in flight
+    m.pod_leaves(PODS.index("10.0.0.1"))
+    m.stream_recreated()
+    return m
+
+
 def test_a_pod_away_when_its_stream_is_lost_never_resumes_a_generation_begun_on_the_lost_stream():
     """A pod away within its grace when the stream was lost, a retry of its batch stored on the new stream
     (its last message there, mid-generation): back, the pod resumed that generation from it, without what
     the generation stored before on the lost stream. The bridge that found the stream lost starts every
     generation begun before anew (``L1Publisher.lost_before``)."""
-    m = Sequencing()
+    m = _a_pod_away_at_a_stream_loss()
     try:
-        m.engine_publishes(0, "store", 2, True, False)  # WORKERS[0] (10.0.0.1 rank 0)
-        m.store_all()
-        m.engine_publishes(0, "store", 1, True, False)  # in flight
-        m.pod_leaves(PODS.index("10.0.0.1"))
-        m.stream_recreated()
         m.store_all()  # the retry stored on the new stream; its ack tells the bridge
         assert not m.stream_unnoticed
         m.pod_returns(0, "quiet")
@@ -1330,13 +1337,8 @@ def test_a_bridge_killed_before_it_noticed_a_stream_loss_leaves_its_successor_no
     ack reached it: the next bridge knew nothing of the loss and resumed the pod's generation from the
     retry, without what it stored on the lost stream. The stream keeps the generation it was created at
     (``streams.LOST_BEFORE``); no generation begun before is resumed on it."""
-    m = Sequencing()
+    m = _a_pod_away_at_a_stream_loss()
     try:
-        m.engine_publishes(0, "store", 2, True, False)  # WORKERS[0] (10.0.0.1 rank 0)
-        m.store_all()
-        m.engine_publishes(0, "store", 1, True, False)  # in flight
-        m.pod_leaves(PODS.index("10.0.0.1"))
-        m.stream_recreated()
         m.bridge_replaced(graceful=False, records_first=False, upgrade=False, lingering=True)
         m.lingering_bridge_writes()  # its acks, late: the retry stored on the new stream
         m.pod_returns(0, "quiet")
