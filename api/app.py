@@ -319,7 +319,7 @@ class HitRateApi:
                 body, best_l1, best_l3, unknown = _answer_json.seed_answer(
                     query.workers.pods, query.workers.slots, out[2], out[0] // query.block_size, query.knows,
                     UNKNOWN_POD_MESSAGE)
-            except (TypeError, ValueError):  # (not two tiers; a name with no UTF-8, which msgspec refuses too)
+            except (TypeError, ValueError, OverflowError):  # (not two tiers; a name msgspec refuses too)
                 pass
             else:
                 self.metrics.hashed_blocks.inc(out[1])
