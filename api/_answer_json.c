@@ -282,12 +282,19 @@ static int put_instance(Buf *b, PyObject *pod, unsigned long long best, const ch
  * workers) and ranks[i] (per tier, those workers' ranks, or masters) as ``CandidateWorkers`` holds them;
  * allowed: None, or a callable that says whether a pod with blocks may answer (``TierMatch.only``). The
  * L1 tier's media are one (no offload: the native query's condition), so a rank's gpu, cpu and disk
- * lengths are the same. Instances: the pods with L1 blocks in order, then those with only L3 blocks. */
+ * lengths are the same. Instances: the pods with L1 blocks in order, then those with only L3 blocks.
+ * The pods are distinct, and so are each pod's ranks (``CandidateWorkers``: dict keys), as the Python
+ * path's dicts make them; ``allowed`` is asked once for each pod with blocks. */
 static PyObject *tiered_answer(PyObject *self, PyObject *args) {
     PyObject *pods_in, *slots_in, *ranks_in, *lengths_in, *allowed;
-    unsigned long long block_size;
-    if (!PyArg_ParseTuple(args, "OOOOKO", &pods_in, &slots_in, &ranks_in, &lengths_in, &block_size, &allowed))
+    long long signed_block_size;
+    if (!PyArg_ParseTuple(args, "OOOOLO", &pods_in, &slots_in, &ranks_in, &lengths_in, &signed_block_size, &allowed))
         return NULL;
+    if (signed_block_size < 0) {
+        PyErr_SetString(PyExc_ValueError, "a negative block size");
+        return NULL;
+    }
+    unsigned long long block_size = (unsigned long long)signed_block_size;
     if (allowed != Py_None && !PyCallable_Check(allowed)) {
         PyErr_SetString(PyExc_TypeError, "allowed must be None or callable");
         return NULL;
@@ -336,7 +343,7 @@ static PyObject *tiered_answer(PyObject *self, PyObject *args) {
             if (length_at(tiers[0], a + k, &v)) goto done;
             if (!v) continue;
             PyObject *r = PySequence_Fast_GET_ITEM(l1_ranks, k);
-            if (!PyLong_Check(r)) {  /* (an __index__ would run Python here) */
+            if (!PyLong_CheckExact(r)) {  /* (an __index__ would run Python here; a bool reads "True") */
                 PyErr_SetString(PyExc_TypeError, "a rank is not an int");
                 goto done;
             }

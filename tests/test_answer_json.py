@@ -196,6 +196,8 @@ def test_a_pod_name_without_utf8_falls_back_to_the_python_path():
     (["p"], [[(0, 1), (0, 0)]], [[["r"], []]], [[1], []], 16, None),  # a rank that is no int
     (["p"], [[(0, 1), (0, 0)]], [[[0], []]], [[1 << 62], []], 16, None),  # tokens past 64 bits
     (["p"], [[(0, 1), (0, 0)]], [[[0], []]], [[1], []], 16, "not callable"),
+    (["p"], [[(0, 1), (0, 0)]], [[[True], []]], [[1], []], 16, None),  # a bool rank (Python writes "True")
+    (["p"], [[(0, 1), (0, 0)]], [[[0], []]], [[1], []], -16, None),
 ])
 def test_query_inputs_out_of_shape_are_refused_not_read(args):
     with pytest.raises((TypeError, ValueError, OverflowError)):
