@@ -20,11 +20,12 @@ from cache_indexer.api.app import HitRateApi
 from cache_indexer.api.fast_path import FAST_ROUTES
 from cache_indexer.api.request_body import BODY_BUDGET
 from cache_indexer.api.server import HttpServer
+from cache_indexer.indexer.hit_rate import NATIVE_QUERY
 from cache_indexer.indexer.l1_state import L1State
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.schemas.block_hash import BlockHasher
 from cache_indexer.schemas.config import HttpConfig
-from tests.conftest import wait_for
+from tests.conftest import needs_native, wait_for
 
 HASHER = BlockHasher("sha256_cbor", "0")
 TOKENS = list(range(1000, 1064))  # 4 blocks of 16
@@ -68,6 +69,13 @@ async def serving(fast: bool = True, **http):
         yield srv, metrics, app
     finally:
         await srv.stop()
+
+
+@pytest.fixture
+def native_query():
+    """The fast path answers what the native query covers (without it, a pure-Python install, everything
+    goes to aiohttp, as the tests that take this show)."""
+    needs_native(NATIVE_QUERY, "the native query")
 
 
 @pytest.fixture
@@ -121,7 +129,7 @@ def aiohttp_connections(srv: HttpServer) -> int:
     return len(srv.runner.server.connections)
 
 
-async def test_plain_routing_queries_skip_aiohttp_and_get_its_answers(both):
+async def test_plain_routing_queries_skip_aiohttp_and_get_its_answers(both, native_query):
     (fast, fast_metrics, _), (plain, _, _) = both
     sent = [request(hit_rate()), request(query(), "/query"), request(hit_rate(PODS[::-1], TOKENS[:40])),
             request(query(TOKENS[:33]), "/query"), request(hit_rate(["127.0.1.3"]))]
@@ -138,7 +146,7 @@ async def test_plain_routing_queries_skip_aiohttp_and_get_its_answers(both):
     assert answered(fast_metrics, "/kv-cache/hit-rate", 200) == 3 and answered(fast_metrics, "/query", 200) == 2
 
 
-async def test_queries_for_the_query_threads_are_answered_there_and_the_connection_stays(both, monkeypatch):
+async def test_queries_for_the_query_threads_are_answered_there_and_the_connection_stays(both, monkeypatch, native_query):
     from cache_indexer.api import app as app_module
     monkeypatch.setattr(app_module, "INLINE_BUDGET", -1.0)  # every native call on the query threads
     (fast, _, _), (plain, _, _) = both
@@ -202,7 +210,7 @@ async def until(cond, within: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_body_in_parts_is_held_against_the_budget_and_answered(both):
+async def test_a_body_in_parts_is_held_against_the_budget_and_answered(both, native_query):
     (fast, _, app), (plain, _, _) = both
     data = request(hit_rate())
     reader, writer = await asyncio.open_connection("127.0.0.1", fast.port)
@@ -336,7 +344,7 @@ async def test_pipelined_requests_held_while_the_client_read_nothing_are_answere
 
 
 @pytest.mark.parametrize("fast", [True, False])
-async def test_stopping_answers_a_query_under_way_on_the_query_threads(fast, monkeypatch):
+async def test_stopping_answers_a_query_under_way_on_the_query_threads(fast, monkeypatch, native_query):
     from cache_indexer.api import app as app_module
     monkeypatch.setattr(app_module, "INLINE_BUDGET", -1.0)  # every native call on the query threads
     started = asyncio.Event()
