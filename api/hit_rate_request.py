@@ -51,7 +51,9 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _Request(msgspec.Struct, forbid_unknown_fields=True):
-    server_ip: Annotated[list[Annotated[str, msgspec.Meta(pattern=r"\S")]], msgspec.Meta(min_length=1)]
+    #: an empty or blank one is refused after the decode (``_blank``): msgspec's pattern (``\S``, the
+    #: contract's) runs a regular expression a string, 0.2 ms of a 1,000-candidate request's 0.25
+    server_ip: Annotated[list[str], msgspec.Meta(min_length=1)]
     body: _Body
     explain: bool = False
 
@@ -116,6 +118,14 @@ class HitRateQuery:
         return token_array(self.token_json, "body.token_ids")
 
 
+def _blank(candidates: list[str]) -> int | None:
+    """The index of the first candidate that is empty or all whitespace (the contract's ``\S``), if any:
+    each looked at in C (``str.isspace``), no Python call a candidate."""
+    if "" not in candidates and not any(map(str.isspace, candidates)):
+        return None
+    return next(i for i, s in enumerate(candidates) if not s or s.isspace())
+
+
 def decode_hit_rate_request(body: bytes, max_candidates: int | None = None) -> HitRateQuery:
     if max_candidates is not None and len(body) >= COUNT_FIRST_BYTES:
         least = least_candidates(body)
@@ -128,6 +138,8 @@ def decode_hit_rate_request(body: bytes, max_candidates: int | None = None) -> H
     req = decode_json(_decoder, body)
     if max_candidates is not None and len(req.server_ip) > max_candidates:
         raise RequestError(f"server_ip: {len(req.server_ip)} candidates exceed http.maxCandidates ({max_candidates})")
+    if (at := _blank(req.server_ip)) is not None:
+        raise RequestError(f"Expected a candidate that is not empty or blank - at `server_ip[{at}]`")
     body = req.body
     return HitRateQuery(server_ip=req.server_ip, token_json=bytes(body.token_ids), block_size=body.block_size,
                         cache_salt=body.cache_salt,

@@ -140,7 +140,11 @@ def seed_answer_stages(state: L1State, bodies: list[bytes], repeat: int) -> dict
     pods = list(state.workers.pods())
     queries = {b: NativeQuery.prepare(hasher, decode_query(b)[1], 16, "", pods, (state, None)) for b in bodies}
     outs = {b: q.run() for b, q in queries.items()}
-    out = {f"seed API answer, {len(pods)} candidates: result + body (Python)":
+    named = json.dumps(pods).encode()
+    requests = [b'{"server_ip":' + named + b',"body":{"token_ids":' + bytes(decode_query(b)[1]) + b',"block_size":16}}'
+                for b in bodies]
+    out = {f"seed API request decode, {len(pods)} candidates": _median_us(api._decode, requests, repeat),
+           f"seed API answer, {len(pods)} candidates: result + body (Python)":
            _median_us(lambda b: api._answer_body(queries[b].result(outs[b]), None), bodies, repeat)}
     if app_module._answer_json is not None:
         out[f"seed API answer, {len(pods)} candidates: one native pass"] = _median_us(

@@ -129,6 +129,8 @@ BAD_REQUESTS = {
     "token_ids float": json.dumps(req(["a"], tokens=[1, 2.5])).encode(),
     "server_ip empty string": json.dumps(req([""])).encode(),
     "server_ip blank": json.dumps(req(["10.0.0.1", "  "])).encode(),
+    "server_ip empty": json.dumps(req(["10.0.0.1", ""])).encode(),
+    "server_ip blank in other scripts": json.dumps(req(["10.0.0.1", "\u00a0\u3000\t"])).encode(),
     "token_ids exponent": b'{"server_ip": ["a"], "body": {"token_ids": [1e3], "block_size": 16}}',
     "token_ids null": json.dumps(req(["a"], tokens=[None])).encode(),
     "token_ids not a list": json.dumps(req(["a"], tokens=5)).encode(),
