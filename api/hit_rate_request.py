@@ -119,8 +119,8 @@ class HitRateQuery:
 
 
 def _blank(candidates: list[str]) -> int | None:
-    """The index of the first candidate that is empty or all whitespace (the contract's ``\S``), if any:
-    each looked at in C (``str.isspace``), no Python call a candidate."""
+    """The index of the first candidate that is empty or all whitespace (what the contract's pattern
+    refuses), if any: each looked at in C (``str.isspace``), no Python call a candidate."""
     if "" not in candidates and not any(map(str.isspace, candidates)):
         return None
     return next(i for i, s in enumerate(candidates) if not s or s.isspace())
