@@ -630,9 +630,9 @@ class Sequencing(RuleBasedStateMachine):
             for on_stored, seq in late:
                 on_stored(seq)
         self.bridge = Bridge(self.stream, self.kv, old.max_batches)
-        if self.stream_unnoticed:  # killed after the stream's loss before any ack told it: the next one
-            self.stream_unnoticed = False  # starts on the new stream, no generation begun before resumed
-            self.lost_with_stream |= self.away  # (streams.LOST_BEFORE, written when it was created)
+        # killed after the stream's loss before any ack told it: the next one starts on the new stream, no
+        # generation begun before resumed (streams.LOST_BEFORE, written when it was created)
+        unnoticed, self.stream_unnoticed = self.stream_unnoticed, False
         for key, seq in old.seqs.items():  # judged from the model's own KV and stream, not the code's
             if seq.gen is not None and not self.checkable_position(key) and (
                     key not in self.recorded or self._removal_after_record(key)):
@@ -649,6 +649,8 @@ class Sequencing(RuleBasedStateMachine):
             pod = headers["Kv-Pod"]  # leaving, and removed when its (new) grace ends
             if headers["Kv-Type"] == "pod_removed" and pod not in self.present:
                 self.away.add(pod)
+        if unnoticed:  # what the pods away then (their removal lost too) held went with the stream, as at a
+            self.lost_with_stream |= self.away  # notice (SEQUENCING_SEED=1819570269: only a generation's tail left)
         self.run(self.bridge.quiet())
 
     @precondition(lambda self: self.lingering)
@@ -1342,6 +1344,30 @@ def test_a_bridge_killed_before_it_noticed_a_stream_loss_leaves_its_successor_no
         m.bridge_replaced(graceful=False, records_first=False, upgrade=False, lingering=True)
         m.lingering_bridge_writes()  # its acks, late: the retry stored on the new stream
         m.pod_returns(0, "quiet")
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_a_pod_whose_removal_was_lost_with_a_bridge_that_never_noticed_a_stream_loss_is_judged_as_lost():
+    """Found by the model (SEQUENCING_SEED=1819570269) once a bridge could be killed before it noticed a
+    stream's loss: a pod away, its engine restarted, the stream lost, the pod's removal in flight when the
+    bridge was killed. The next bridge inherits the pod as leaving; what the indexers hold of it is what
+    the new stream got, the tail of a generation whose start went with the lost stream, until its grace
+    ends. The model counts it among the pods whose state was lost with the stream, as a notice does."""
+    m = Sequencing()
+    try:
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.records_written()
+        m.pod_leaves(1)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.pod_leaves(0)
+        m.pod_returns(0, "quiet")
+        m.pod_leaves(0)
+        m.engine_restarts(0)
+        m.stream_recreated()
+        m.grace_ends(0)
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=False, lingering=False)
         m.at_a_quiet_point_the_index_is_the_engines_truth()
     finally:
         m.loop.close()
