@@ -441,14 +441,23 @@ class L1Publisher:
         """The stream was created again (the loss found at generation ``found_at``, else now): no generation
         begun before is resumed, and where it stored this bridge's removals and their strays means nothing
         on the new one. A removal is published again once a message it retired (a retry) is stored on the
-        new stream: the indexers rebuilt from it would otherwise take that message in."""
+        new stream, or where one acked before may have been: the indexers rebuilt from it would otherwise
+        take that message in."""
         self.lost_before = max(self.lost_before, new_generation() if found_at is None else found_at)
         self._stream_end = 0
         if self.resume is not None:
             self.resume.stream_lost()
-        for r in self._retired.values():
+        for key, r in self._retired.items():
+            # A retired message acked before the loss was noticed may be the new stream's (the ack that told
+            # of the loss, say) though its sequence lies below where the lost stream stored the removal: its
+            # sequence cannot tell. The removal goes out again on the new stream (where that message was the
+            # lost stream's, a removal of nothing)
+            unsure = r.stored_at and r.again_after < r.stray_at <= r.stored_at
             r.lost = r.lost or r.stored_at > 0
-            r.stored_at = r.stray_at = r.again_after = 0
+            r.stored_at = r.again_after = 0
+            r.stray_at = r.stray_at if unsure else 0
+            if unsure:
+                self._owe(key, r)
 
     def _owe(self, key: tuple[str, int | None], r: _Retired) -> None:
         if r.owed or r.stray_at <= r.again_after or not r.lost and (not r.stored_at or r.stray_at <= r.stored_at):
