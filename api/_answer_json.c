@@ -136,6 +136,79 @@ static int slice_of(PyObject *pair, Py_ssize_t nlen, Py_ssize_t *a, Py_ssize_t *
     return 0;
 }
 
+/* What both answers read: tuples of their own of the pods, their slots and the two tiers' lengths (a
+ * callback runs Python between pods, which must not change what is read). */
+typedef struct {
+    PyObject *pods, *slots, *tiers[2];
+} Inputs;
+
+static void inputs_drop(Inputs *in) {
+    Py_CLEAR(in->pods);
+    Py_CLEAR(in->slots);
+    Py_CLEAR(in->tiers[0]);
+    Py_CLEAR(in->tiers[1]);
+}
+
+static int inputs_take(Inputs *in, PyObject *pods, PyObject *slots, PyObject *lengths) {
+    PyObject *both = NULL;
+    memset(in, 0, sizeof *in);
+    if (!(in->pods = PySequence_Tuple(pods)) || !(in->slots = PySequence_Tuple(slots)) ||
+        !(both = PySequence_Tuple(lengths)))
+        goto fail;
+    if (PyTuple_GET_SIZE(in->slots) != PyTuple_GET_SIZE(in->pods) || PyTuple_GET_SIZE(both) != 2) {
+        PyErr_SetString(PyExc_ValueError, "one slot list a pod and two tiers' lengths expected");
+        goto fail;
+    }
+    for (int t = 0; t < 2; t++) {
+        if (!(in->tiers[t] = PySequence_Tuple(PyTuple_GET_ITEM(both, t)))) goto fail;
+    }
+    Py_DECREF(both);
+    return 0;
+fail:
+    Py_XDECREF(both);
+    inputs_drop(in);
+    return -1;
+}
+
+/* Pod i's slots, one a tier (a list or tuple of two): borrowed from in->slots. */
+static PyObject *pod_slots_of(Inputs *in, Py_ssize_t i) {
+    PyObject *pod_slots = PyTuple_GET_ITEM(in->slots, i);
+    if ((!PyList_Check(pod_slots) && !PyTuple_Check(pod_slots)) || PySequence_Fast_GET_SIZE(pod_slots) != 2) {
+        PyErr_SetString(PyExc_ValueError, "a pod's slots are not one a tier");
+        return NULL;
+    }
+    return pod_slots;
+}
+
+static int length_at(PyObject *tier, Py_ssize_t k, unsigned long long *v) {
+    *v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(tier, k));
+    return *v == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* The most blocks a worker of tier t in pod_slots[t]'s slice holds (0 for none): *most; *has (where not
+ * NULL), whether the slice holds any worker. */
+static int slice_most(Inputs *in, PyObject *pod_slots, int t, unsigned long long *most, int *has) {
+    Py_ssize_t a, e;
+    if (slice_of(PySequence_Fast_GET_ITEM(pod_slots, t), PyTuple_GET_SIZE(in->tiers[t]), &a, &e)) return -1;
+    *most = 0;
+    if (has) *has = e > a;
+    for (Py_ssize_t k = a; k < e; k++) {
+        unsigned long long v;
+        if (length_at(in->tiers[t], k, &v)) return -1;
+        if (v > *most) *most = v;
+    }
+    return 0;
+}
+
+/* callable(arg) as a truth value: 1, 0, or -1 with its exception */
+static int call_bool(PyObject *callable, PyObject *arg) {
+    PyObject *r = PyObject_CallOneArg(callable, arg);
+    if (!r) return -1;
+    int ok = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return ok;
+}
+
 /* seed_answer(pods, slots, lengths, n_blocks, knows, unknown_message) ->
  *     (body, best L1 ratio, best L3 ratio, candidates unknown)
  *
@@ -154,62 +227,28 @@ static PyObject *seed_answer(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "knows must be callable");
         return NULL;
     }
-    /* tuples of their own: knows() runs Python, which must not change what this reads */
-    PyObject *pods = PySequence_Tuple(pods_in), *slots = NULL, *lengths = NULL, *tiers[2] = {NULL, NULL};
+    Inputs in;
+    if (inputs_take(&in, pods_in, slots_in, lengths_in)) return NULL;
     PyObject *result = NULL;
     Buf b = {NULL, 0, 0};
     double best[2] = {0.0, 0.0};
-    Py_ssize_t unknown = 0;
+    Py_ssize_t unknown = 0, n = PyTuple_GET_SIZE(in.pods);
     RatioText cache[RATIO_SLOTS];
     memset(cache, 0, sizeof cache);
-    if (!pods) goto done;
-    if (!(slots = PySequence_Tuple(slots_in))) goto done;
-    if (!(lengths = PySequence_Tuple(lengths_in))) goto done;
-    Py_ssize_t n = PyTuple_GET_SIZE(pods);
-    if (PyTuple_GET_SIZE(slots) != n || PyTuple_GET_SIZE(lengths) != 2) {
-        PyErr_SetString(PyExc_ValueError, "one slot list a pod and two tiers' lengths expected");
-        goto done;
-    }
-    for (int t = 0; t < 2; t++) {
-        if (!(tiers[t] = PySequence_Tuple(PyTuple_GET_ITEM(lengths, t)))) goto done;
-    }
     if (PUT_LITERAL(&b, "{\"status\":0,\"message\":\"\",\"server_score_list\":[")) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *pod = PyTuple_GET_ITEM(pods, i);
-        PyObject *pod_slots = PyTuple_GET_ITEM(slots, i);
-        if (!PyList_Check(pod_slots) && !PyTuple_Check(pod_slots)) {
-            PyErr_SetString(PyExc_TypeError, "a pod's slots are not a list");
-            goto done;
-        }
-        if (PySequence_Fast_GET_SIZE(pod_slots) != 2) {
-            PyErr_SetString(PyExc_ValueError, "a pod's slots are not one a tier");
-            goto done;
-        }
-        double ratio[2] = {0.0, 0.0};
-        unsigned long long most[2] = {0, 0};
+        PyObject *pod = PyTuple_GET_ITEM(in.pods, i), *pod_slots = pod_slots_of(&in, i);
+        if (!pod_slots) goto done;
+        unsigned long long most[2];
         int known = 0;
         for (int t = 0; t < 2; t++) {
-            Py_ssize_t a, e, nlen = PyTuple_GET_SIZE(tiers[t]);
-            if (slice_of(PySequence_Fast_GET_ITEM(pod_slots, t), nlen, &a, &e)) goto done;
-            if (e <= a) continue;
-            known = 1;
-            unsigned long long held = 0;
-            for (Py_ssize_t k = a; k < e; k++) {
-                unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(tiers[t], k));
-                if (v == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-                if (v > held) held = v;
-            }
-            most[t] = held;
-            ratio[t] = n_blocks > 0 ? (double)held / (double)n_blocks : 0.0;
-            if (ratio[t] > best[t]) best[t] = ratio[t];
+            int has;
+            if (slice_most(&in, pod_slots, t, &most[t], &has)) goto done;
+            known |= has;
+            double ratio = has && n_blocks > 0 ? (double)most[t] / (double)n_blocks : 0.0;
+            if (ratio > best[t]) best[t] = ratio;
         }
-        if (!known) {
-            PyObject *r = PyObject_CallOneArg(knows, pod);
-            if (!r) goto done;
-            known = PyObject_IsTrue(r);
-            Py_DECREF(r);
-            if (known < 0) goto done;
-        }
+        if (!known && (known = call_bool(knows, pod)) < 0) goto done;
         unknown += !known;
         if (i && PUT_LITERAL(&b, ",")) goto done;
         if (PUT_LITERAL(&b, "{\"server_ip\":") || put_string(&b, pod)) goto done;
@@ -223,11 +262,7 @@ static PyObject *seed_answer(PyObject *self, PyObject *args) {
     if (body) result = Py_BuildValue("(Nddn)", body, best[0], best[1], unknown);
 done:
     free(b.p);
-    Py_XDECREF(tiers[0]);
-    Py_XDECREF(tiers[1]);
-    Py_XDECREF(lengths);
-    Py_XDECREF(slots);
-    Py_XDECREF(pods);
+    inputs_drop(&in);
     return result;
 }
 
@@ -255,11 +290,6 @@ static int tokens_of(unsigned long long blocks, unsigned long long block_size, u
     }
     *out = blocks * block_size;
     return 0;
-}
-
-static int length_at(PyObject *tier, Py_ssize_t k, unsigned long long *v) {
-    *v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(tier, k));
-    return *v == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
 }
 
 /* An instance's entry, "pod":{...}, of a pod whose best rank holds ``best`` blocks and whose Mooncake
@@ -299,20 +329,16 @@ static PyObject *tiered_answer(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "allowed must be None or callable");
         return NULL;
     }
-    PyObject *pods = PySequence_Tuple(pods_in), *slots = NULL, *ranks = NULL, *lengths = NULL;
-    PyObject *tiers[2] = {NULL, NULL}, *result = NULL;
+    Inputs in;
+    if (inputs_take(&in, pods_in, slots_in, lengths_in)) return NULL;
+    PyObject *ranks = NULL, *result = NULL;
     Buf scores = {NULL, 0, 0}, inst = {NULL, 0, 0}, dp = {NULL, 0, 0};
     unsigned long long *l3_of = NULL; /* per pod: its L3 blocks where it has no L1 blocks and may answer */
-    if (!pods) goto done;
-    if (!(slots = PySequence_Tuple(slots_in)) || !(ranks = PySequence_Tuple(ranks_in))) goto done;
-    if (!(lengths = PySequence_Tuple(lengths_in))) goto done;
-    Py_ssize_t n = PyTuple_GET_SIZE(pods);
-    if (PyTuple_GET_SIZE(slots) != n || PyTuple_GET_SIZE(ranks) != n || PyTuple_GET_SIZE(lengths) != 2) {
-        PyErr_SetString(PyExc_ValueError, "one slot list and one rank list a pod and two tiers' lengths expected");
+    Py_ssize_t n = PyTuple_GET_SIZE(in.pods);
+    if (!(ranks = PySequence_Tuple(ranks_in))) goto done;
+    if (PyTuple_GET_SIZE(ranks) != n) {
+        PyErr_SetString(PyExc_ValueError, "one rank list a pod expected");
         goto done;
-    }
-    for (int t = 0; t < 2; t++) {
-        if (!(tiers[t] = PySequence_Tuple(PyTuple_GET_ITEM(lengths, t)))) goto done;
     }
     if (!(l3_of = calloc(n ? (size_t)n : 1, sizeof *l3_of))) {
         PyErr_NoMemory();
@@ -320,11 +346,11 @@ static PyObject *tiered_answer(PyObject *self, PyObject *args) {
     }
     int first_score = 1, first_inst = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *pod = PyTuple_GET_ITEM(pods, i), *pod_slots = PyTuple_GET_ITEM(slots, i);
+        PyObject *pod = PyTuple_GET_ITEM(in.pods, i), *pod_slots = pod_slots_of(&in, i);
         PyObject *pod_ranks = PyTuple_GET_ITEM(ranks, i);
-        if (!(PyList_Check(pod_slots) || PyTuple_Check(pod_slots)) || PySequence_Fast_GET_SIZE(pod_slots) != 2 ||
-            !(PyList_Check(pod_ranks) || PyTuple_Check(pod_ranks)) || PySequence_Fast_GET_SIZE(pod_ranks) != 2) {
-            PyErr_SetString(PyExc_ValueError, "a pod's slots and ranks are not one a tier");
+        if (!pod_slots) goto done;
+        if ((!PyList_Check(pod_ranks) && !PyTuple_Check(pod_ranks)) || PySequence_Fast_GET_SIZE(pod_ranks) != 2) {
+            PyErr_SetString(PyExc_ValueError, "a pod's ranks are not one a tier");
             goto done;
         }
         /* its L1 ranks: read before ``allowed`` (Python) runs for this pod, not after */
@@ -333,14 +359,12 @@ static PyObject *tiered_answer(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "a pod's ranks are not a list");
             goto done;
         }
-        Py_ssize_t a, e, c, d;
-        if (slice_of(PySequence_Fast_GET_ITEM(pod_slots, 0), PyTuple_GET_SIZE(tiers[0]), &a, &e) ||
-            slice_of(PySequence_Fast_GET_ITEM(pod_slots, 1), PyTuple_GET_SIZE(tiers[1]), &c, &d))
-            goto done;
-        unsigned long long best = 0, l3 = 0, v;
+        Py_ssize_t a, e;
+        if (slice_of(PySequence_Fast_GET_ITEM(pod_slots, 0), PyTuple_GET_SIZE(in.tiers[0]), &a, &e)) goto done;
+        unsigned long long best = 0, l3, v;
         dp.len = 0;
         for (Py_ssize_t k = 0; k < e - a && k < PySequence_Fast_GET_SIZE(l1_ranks); k++) {
-            if (length_at(tiers[0], a + k, &v)) goto done;
+            if (length_at(in.tiers[0], a + k, &v)) goto done;
             if (!v) continue;
             PyObject *r = PySequence_Fast_GET_ITEM(l1_ranks, k);
             if (!PyLong_CheckExact(r)) {  /* (an __index__ would run Python here; a bool reads "True") */
@@ -357,16 +381,10 @@ static PyObject *tiered_answer(PyObject *self, PyObject *args) {
                 goto done;
             if (v > best) best = v;
         }
-        for (Py_ssize_t k = c; k < d; k++) {
-            if (length_at(tiers[1], k, &v)) goto done;
-            if (v > l3) l3 = v;
-        }
+        if (slice_most(&in, pod_slots, 1, &l3, NULL)) goto done;
         if (!best && !l3) continue;
         if (allowed != Py_None) {
-            PyObject *r = PyObject_CallOneArg(allowed, pod);
-            if (!r) goto done;
-            int ok = PyObject_IsTrue(r);
-            Py_DECREF(r);
+            int ok = call_bool(allowed, pod);
             if (ok < 0) goto done;
             if (!ok) continue;
         }
@@ -387,7 +405,7 @@ static PyObject *tiered_answer(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n && block_size; i++) {  /* (no tokens, no dp: no entry) */
         if (!l3_of[i]) continue;
         if ((!first_inst && PUT_LITERAL(&inst, ",")) ||
-            put_instance(&inst, PyTuple_GET_ITEM(pods, i), 0, "", 0, l3_of[i], block_size))
+            put_instance(&inst, PyTuple_GET_ITEM(in.pods, i), 0, "", 0, l3_of[i], block_size))
             goto done;
         first_inst = 0;
     }
@@ -405,12 +423,8 @@ done:
     free(scores.p);
     free(inst.p);
     free(dp.p);
-    Py_XDECREF(tiers[0]);
-    Py_XDECREF(tiers[1]);
-    Py_XDECREF(lengths);
     Py_XDECREF(ranks);
-    Py_XDECREF(slots);
-    Py_XDECREF(pods);
+    inputs_drop(&in);
     return result;
 }
 

@@ -45,7 +45,7 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from bench.common import free_port, machine, percentile
+from bench.common import free_port, machine, percentile, threads_cpu
 from bench.dynamo import Dynamo, dynamo_python
 from bench.trace_engines import pod_host
 from bench.trace_model import Fleet, Tokens, argmin, assign_loras, chain, cost, load_trace, lora_key
@@ -82,18 +82,7 @@ def _wakeups(pid: int) -> int:
     """How often a process's threads have gone to sleep and been woken so far (voluntary context
     switches): at a slow replay every batch wakes each stage, and on a VM a Python process's wake-up
     costs 0.1-0.2 ms of CPU whatever the work (bench/RESULTS.md, the trace section)."""
-    total = 0
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0
-    for tid in tasks:
-        try:
-            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-            total += int(status.split("voluntary_ctxt_switches:", 1)[1].split(None, 1)[0])
-        except (OSError, IndexError, ValueError):
-            continue  # a thread that ended meanwhile
-    return total
+    return threads_cpu(pid)[1]
 
 
 def _spawn(args: list[str], log: Path | None = None, **kw) -> subprocess.Popen:
