@@ -31,6 +31,13 @@ class L1Stack:
         self.session = aiohttp.ClientSession(base_url=f"http://127.0.0.1:{self.replica.http.port}")
         return self
 
+    async def next_bridge(self) -> Bridge:
+        """A new bridge in the place of the one before (stopped, killed or still running: the caller's
+        doing), with the same configuration and metrics, started."""
+        self.bridge = Bridge(self.cfg, self.bridge_metrics)
+        await self.bridge.start()
+        return self.bridge
+
     def engine(self, host: str = "127.0.0.1", **kw) -> VllmPublisher:
         eng = VllmPublisher(self.ctx, host, kw.pop("pub_port", 0), kw.pop("replay_port", 0), **kw)
         self.engines.append(eng)

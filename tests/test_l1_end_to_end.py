@@ -63,10 +63,7 @@ async def _two_ranks_recorded(stack):
 
 async def _next_bridge_keeps_rank_0(stack, r0, what: str) -> None:
     """A new bridge reads the record and is given POD's rank 0 alone: rank 1 is removed (``what``)."""
-    from cache_indexer.bridge.service import Bridge
-
-    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
-    await stack.bridge.start()
+    await stack.next_bridge()
     await wait_for(lambda: stack.bridge._inherited_pods == {POD}, 10, "the new bridge to lead and read the record")
     await stack.bridge.set_endpoints([r0.endpoint(POD, 0)])
     await until_ratio(stack, POD, 0.25, what=what)
@@ -163,8 +160,6 @@ async def test_a_restarted_engine_process_that_reached_exactly_the_next_seq_is_t
 
 async def test_an_idle_engine_is_caught_up_when_a_bridge_resumes_it(stack):
     """Batches published while no bridge listened are fetched at subscription, not at the next batch."""
-    from cache_indexer.bridge.service import Bridge
-
     eng = stack.engine(POD)
     await stack.connect((eng, POD, 0))
     await eng.publish([stored(CHAIN[:2])])
@@ -172,8 +167,7 @@ async def test_an_idle_engine_is_caught_up_when_a_bridge_resumes_it(stack):
     await stack.bridge.stop()  # e.g. a bridge restart
     await eng.publish([stored(CHAIN[2:5], parent=CHAIN[1])])  # nobody subscribed: only the replay buffer has it
     await eng.publish([stored(CHAIN[5:8], parent=CHAIN[4])])
-    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)  # the engine now stays quiet
-    await stack.bridge.start()
+    await stack.next_bridge()  # the engine now stays quiet
     await stack.connect((eng, POD, 0))
     await until_ratio(stack, POD, 1.0, what="caught up without any new live batch")
     assert stack.bridge_metrics.bridge_resets.labels("gap-beyond-replay")._value.get() == 0
@@ -183,8 +177,6 @@ async def test_an_idle_engine_whose_catch_up_answer_lost_its_tail_is_caught_up_a
     """From a review of the fix above: a catch-up (a resumed subscription, a first contact) is for an engine
     gone quiet, whose next live batch may not come for hours; an answer that lost its tail but kept its
     end marker left it behind until then. The bridge asks once more to confirm a whole-looking answer."""
-    from cache_indexer.bridge.service import Bridge
-
     eng = stack.engine(POD)
     await stack.connect((eng, POD, 0))
     await eng.publish([stored(CHAIN[:2])])
@@ -193,8 +185,7 @@ async def test_an_idle_engine_whose_catch_up_answer_lost_its_tail_is_caught_up_a
     for k in range(2, 8):  # nobody subscribed: only the replay buffer has them
         await eng.publish([stored(CHAIN[k:k + 1], parent=CHAIN[k - 1])])
     eng.replay_tail_lost = [2]  # the catch-up's answer from seq 0 brings 0..4 and the end marker
-    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)  # the engine now stays quiet
-    await stack.bridge.start()
+    await stack.next_bridge()  # the engine now stays quiet
     await stack.connect((eng, POD, 0))
     await until_ratio(stack, POD, 1.0, what="caught up without any new live batch")
     assert eng.replay_requests[-3:] == [0, 5, 7], eng.replay_requests
@@ -206,8 +197,6 @@ async def test_an_idle_engine_whose_catch_up_answers_lost_their_tails_twice_is_c
     confirming one, or any answer after a first cut short for want of room) was taken as the end, and the
     quiet engine stayed behind until its next live batch. Every answer that brings batches is asked on
     from its end; the one that brings nothing ends the catch-up."""
-    from cache_indexer.bridge.service import Bridge
-
     eng = stack.engine(POD)
     await stack.connect((eng, POD, 0))
     await eng.publish([stored(CHAIN[:2])])
@@ -216,8 +205,7 @@ async def test_an_idle_engine_whose_catch_up_answers_lost_their_tails_twice_is_c
     for k in range(2, 8):  # nobody subscribed: only the replay buffer has them (seqs 1..6)
         await eng.publish([stored(CHAIN[k:k + 1], parent=CHAIN[k - 1])])
     eng.replay_tail_lost = [2, 1]  # from 0: 0..4 and the end marker; from 5: 5 and the end marker
-    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)  # the engine now stays quiet
-    await stack.bridge.start()
+    await stack.next_bridge()  # the engine now stays quiet
     await stack.connect((eng, POD, 0))
     await until_ratio(stack, POD, 1.0, what="caught up without any new live batch")
     assert eng.replay_requests[-4:] == [0, 5, 6, 7], eng.replay_requests
@@ -480,7 +468,6 @@ async def test_a_run_over_the_servers_max_payload_goes_out_in_halves(stream_pref
     refused or lost."""
     import random
 
-    from cache_indexer.bridge.service import Bridge
     from cache_indexer.nats_server import NatsServer
 
     server = NatsServer(max_payload=64 << 10).start()
@@ -494,8 +481,7 @@ async def test_a_run_over_the_servers_max_payload_goes_out_in_halves(stream_pref
         rng = random.Random(5)
         for _ in range(40):  # 40 x 500 hashes, about 180 KB: one run by its own bound, over max_payload
             await eng.publish([stored([rng.getrandbits(63) for _ in range(500)], block_size=16)])
-        stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
-        await stack.bridge.start()
+        await stack.next_bridge()
         await stack.bridge.set_endpoints([eng.endpoint(POD, 0)])
         await wait_for(lambda: stack.replica.indexer.l1.index.entries() == 1 + 40 * 500, 20, "the backlog indexed")
         js = stack.replica.indexer.js
@@ -759,16 +745,13 @@ async def test_an_endpoint_libzmq_refuses_keeps_neither_the_others_nor_a_removal
 async def test_a_pod_back_after_a_readiness_flap_is_indexed_again(stack, bridge_restart):
     """Issue 16 #2: the pod leaves discovery and comes back with the same engine; the indexers retired
     its generation, so the bridge must start a new one rather than resume the retired one."""
-    from cache_indexer.bridge.service import Bridge
-
     stack.cfg.ingest.l1.removalGrace = 0.3  # gone for longer than the grace: removed
     a, b = await two_pods_indexed(stack)
     await stack.bridge.set_endpoints([b.endpoint(POD2, 0)])
     await until_ratio(stack, POD, 0.0, what="the pod that left dropped")
     if bridge_restart:
         await stack.bridge.stop()
-        stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
-        await stack.bridge.start()
+        await stack.next_bridge()
         await wait_for(lambda: stack.bridge.lease.is_leader, 10, "the new bridge to lead")
     await stack.bridge.set_endpoints([a.endpoint(POD, 0), b.endpoint(POD2, 0)])  # back: same engine, seq going on
     await a.wait_subscribed()
@@ -777,13 +760,10 @@ async def test_a_pod_back_after_a_readiness_flap_is_indexed_again(stack, bridge_
 
 
 async def test_pod_that_left_while_no_bridge_ran_is_dropped_by_the_next_bridge(stack):
-    from cache_indexer.bridge.service import Bridge
-
     stack.cfg.ingest.l1.removalGrace = 0.3  # (the new bridge's grace, from its start)
     _, b = await two_pods_indexed(stack)
     await stack.bridge.stop()  # no bridge runs while POD leaves
-    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
-    await stack.bridge.start()
+    await stack.next_bridge()
     await wait_for(lambda: stack.bridge._inherited_pods == {POD, POD2}, 10, "the new bridge to lead and read the record")
     await stack.bridge.set_endpoints([b.endpoint(POD2, 0)])  # what discovery shows it first
     await until_ratio(stack, POD, 0.0, what="the pod that left meanwhile dropped")
@@ -1011,7 +991,6 @@ async def test_a_backlog_goes_out_in_runs_and_a_lone_batch_at_once(nats_url, str
     """Issue 15: consecutive batches worked off together share a stream message (at most
     ingest.l1.coalesceMaxBatches); a lone batch is not held back; a bridge started after a run resumes
     after its last batch (Kv-Seq-Last), without a reset; every batch is in the stream once."""
-    from cache_indexer.bridge.service import Bridge
     from cache_indexer.schemas.events import L1Envelope
 
     cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"}, ingest={"l1": {
@@ -1023,8 +1002,7 @@ async def test_a_backlog_goes_out_in_runs_and_a_lone_batch_at_once(nats_url, str
     applied = stack.replica.indexer.l1.stats
 
     async def restart_bridge():
-        stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
-        await stack.bridge.start()
+        await stack.next_bridge()
         await stack.bridge.set_endpoints([eng.endpoint(POD, 0)])
 
     try:
@@ -1126,8 +1104,6 @@ async def test_a_stream_that_lost_its_messages_while_no_bridge_ran_is_noticed_by
     resume record (a position on the lost stream) mid-generation on the new one, and replicas, at their
     old position, went on past everything the stream held. A record's position past the stream's end
     now tells the bridge: it names the stream anew and starts the engines over."""
-    from cache_indexer.bridge.service import Bridge
-
     cfg = make_config(restartable_nats.url, stream_prefix)
     stack = await L1Stack(cfg).start()
     try:
@@ -1135,8 +1111,7 @@ async def test_a_stream_that_lost_its_messages_while_no_bridge_ran_is_noticed_by
         await stack.bridge.stop()  # (its resume records written)
         name = cfg.nats.l1Stream.name
         lose_messages_keep_metadata(restartable_nats, name)
-        stack.bridge = Bridge(cfg, stack.bridge_metrics)
-        await stack.bridge.start()
+        await stack.next_bridge()
         await stack.connect((eng, POD, 0))
         await eng.publish([removed(CHAIN[4:8])])
         await until_ratio(stack, POD, 0.5, what="the engine's state, from the stream named anew", timeout=20)
@@ -1153,8 +1128,6 @@ async def test_a_pod_away_at_a_stream_loss_resumes_no_lost_generation_after_a_br
     did not, and resumed the pod's generation from that retry, without what it stored on the lost stream
     (here 6 blocks missing for as long as the engine held them). The stream now carries the generation
     the loss was found at in its metadata (``streams.LOST_BEFORE``), and every bridge reads it."""
-    from cache_indexer.bridge.service import Bridge
-
     cfg = make_config(restartable_nats.url, stream_prefix)
     cfg.ingest.l1.removalGrace = 120.0  # away within its grace throughout
     stack = await L1Stack(cfg).start()
@@ -1173,8 +1146,7 @@ async def test_a_pod_away_at_a_stream_loss_resumes_no_lost_generation_after_a_br
         info = await stack.replica.indexer.js.stream_info(name)
         assert generations_lost_before(info) == stack.bridge.l1.lost_before, "the generation the loss was found at"
         await stack.bridge.stop()
-        stack.bridge = Bridge(cfg, stack.bridge_metrics)
-        await stack.bridge.start()
+        await stack.next_bridge()
         await wait_for(lambda: stack.bridge.lease.is_leader, 10, "the new bridge to lead")
         await stack.connect((eng, POD, 0))  # back within its grace: the same engine, its seq going on
         await until_ratio(stack, POD, 0.75, what="what the engine holds, its generation begun anew", timeout=20)
@@ -1201,7 +1173,6 @@ async def test_a_stream_created_anew_on_a_clock_ahead_starts_no_engine_over_twic
     than the bridge took to notice the loss, every generation the bridge began at the start-over was
     below the stream's mark, and the next bridge (a rollout) started every engine over again. A bridge
     now begins its generations after the mark it knows."""
-    from cache_indexer.bridge.service import Bridge
     from cache_indexer.infra import streams as streams_module
 
     eng = stack.engine(POD)
@@ -1221,8 +1192,7 @@ async def test_a_stream_created_anew_on_a_clock_ahead_starts_no_engine_over_twic
     gen = int((await js.get_last_msg(name, subject)).headers["Kv-Gen"])
     await stack.bridge.stop()  # a rollout, a second or so after the loss
     caplog.clear()
-    stack.bridge = Bridge(stack.cfg, stack.bridge_metrics)
-    await stack.bridge.start()
+    await stack.next_bridge()
     await stack.connect((eng, POD, 0))
     await eng.publish([stored(CHAIN[6:8], parent=CHAIN[5])])
     await until_ratio(stack, POD, 1.0, timeout=20)

@@ -160,7 +160,6 @@ async def test_a_bridge_killed_half_way_through_a_batchs_parts_resumes_at_that_b
     batch. It must publish that batch again, whole, and the engine's index must converge."""
     from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
     from cache_indexer.bridge.l1_publisher import L1Publisher
-    from cache_indexer.bridge.service import Bridge
     from cache_indexer.bridge.vllm_events import decode_batch
 
     cfg = make_config(nats_url, stream_prefix, blockKey={"pythonHashSeed": "0"},
@@ -202,8 +201,7 @@ async def test_a_bridge_killed_half_way_through_a_batchs_parts_resumes_at_that_b
         last = await js.get_last_msg(cfg.nats.l1Stream.name, subject)
         assert last.headers["Kv-Part"].startswith("4/"), "the stream ends with part 4 of the big batch"
 
-        stack.bridge = Bridge(cfg, stack.bridge_metrics)
-        await stack.bridge.start()
+        await stack.next_bridge()
         await wait_for(lambda: stack.bridge.lease.is_leader, 10, "the new bridge to lead")
         await stack.connect((eng, pod, 0))
         after = chain(5, 90000)
