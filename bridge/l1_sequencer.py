@@ -108,10 +108,10 @@ class L1Sequencer:
         #: the resume position came from the stream's last message (no record): the catch-up publishes the
         #: engine's buffer up to it again, filling a message the previous bridge never got stored
         self.tail_unchecked = False
-        #: started over (the stream lost what was published): the seq a new generation starts at where the
-        #: engine's buffer answers with nothing; the indexers may hold part of the lost generation, from
-        #: batches stored on the new stream before the loss was noticed, until a reset replaces it
-        self.owed_reset_at: int | None = None
+        #: started over (the stream lost what was published) from a generation: a reset is owed even where
+        #: the engine's buffer answers with nothing, as the indexers may hold part of the lost generation,
+        #: from batches stored on the new stream before the loss was noticed, until a reset replaces it
+        self.owes_reset = False
         self._malformed_log = ThrottledWarning(log, every=10.0)
         #: batches handed on (``last`` counts them) and not yet published: sent before anything waits
         self.pending = BatchRun(max_batches, max_bytes)
@@ -140,7 +140,7 @@ class L1Sequencer:
         """The stream lost what was published: the next batch starts a new generation (a reset, then
         what the engine's replay buffer holds from seq 0)."""
         if self.last is not None:
-            self.owed_reset_at = self.last + 1
+            self.owes_reset = True
         self.gen = self.last = self.last_live = self.last_ts = None
         self.refused_upto = None  # what the lost stream refused: the new generation starts before it
         self.pending.take()  # of the lost generation
@@ -228,13 +228,14 @@ class L1Sequencer:
             return
         if not first.batches or self.gen is not None:
             first.release()
-            if self.gen is None and self.owed_reset_at is not None and first.complete:
-                # started over and the buffer holds nothing (a restarted engine's, say): the reset now, so that
-                # what the lost generation left on the new stream goes; a restarted engine's seq 0 then is
-                # told as a restart, a continuing engine's next seq continues this generation
-                start = self.owed_reset_at
-                await self._reset(start, "subscribed")
-                self.last = self.last_live = start - 1
+            if self.gen is None and self.owes_reset and first.complete:
+                # started over and the buffer holds nothing: the reset now, so that what the lost generation
+                # left on the new stream goes. A buffer holds an engine's last batches, so this process has
+                # published none: the generation starts at its seq 0, whichever batch of it comes first (one
+                # after a 0 lost on the way is a gap, filled from the buffer; continuing the lost
+                # generation's seq instead took it for the next batch, and 0 was never published)
+                await self._reset(0, "subscribed")
+                self.last = self.last_live = -1
                 self.last_ts = None
             return
         self.log.info("%s rank %d: first contact: seq %d..%d from the engine's buffer", self.ep.pod, self.ep.rank,
@@ -249,12 +250,17 @@ class L1Sequencer:
         publishes in flight were stored in any order, so a batch before that message may never have been
         stored: the engine's buffer is asked from up to TAIL_DEPTH before it, and ``last`` goes back to
         just before the first batch it holds, so that the catch-up publishes them again (the indexers
-        skip what they have and fill what they lack) and their acks record the position."""
+        skip what they have and fill what they lack) and their acks record the position. The
+        generation's reset goes again first, from that batch: the one in flight may be what was never
+        stored, and the indexers, which then began the generation at the stored message, would take the
+        batches before it for duplicates. Where it was stored, it is a duplicate (its message id within
+        JetStream's window, or a reset the indexers have seen) and changes nothing."""
         self.tail_unchecked = False
         upto = self.last
         replayed = await self._replay(max(0, upto - TAIL_DEPTH), empty_is_failure=False)
         if replayed.batches and replayed.batches[0][0] <= upto:
             first = replayed.batches[0][0]
+            await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, first, "resumed", self.ep.epoch)
             self.last = first - 1
             self.log.info("%s rank %d: publishing seq %d..%d again (resumed from the stream's last message)",
                           self.ep.pod, self.ep.rank, first, upto)
@@ -484,7 +490,7 @@ class L1Sequencer:
     async def _reset(self, start: int, reason: str) -> None:
         await self.flush()
         self.gen = new_generation(self.sink.lost_before)  # after a stream loss's mark, on any host's clock
-        self.owed_reset_at = None
+        self.owes_reset = False
         await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason, self.ep.epoch)
         self.metrics.bridge_resets.labels(reason).inc()
 

@@ -214,6 +214,47 @@ async def test_a_bridge_killed_half_way_through_a_batchs_parts_resumes_at_that_b
         await stack.stop()
 
 
+async def test_a_generation_whose_reset_a_killed_bridge_never_got_stored_is_whole_at_the_next(stack):
+    """The window docs/operations.md listed as open (and the sequencing model found after a stream loss,
+    SEQUENCING_SEED=7): a bridge killed while a new generation's reset and first batches were in flight,
+    a later batch of it stored, no resume record yet. The next bridge resumes from that batch and
+    publishes the engine's buffer up to it again, but the indexers had begun the generation at the stored
+    batch and dropped the ones before it as duplicates: the index held one batch of the engine's four
+    until the engine restarted. The reset now goes again with them."""
+    from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
+    from cache_indexer.bridge.l1_publisher import L1Publisher, new_generation
+    from cache_indexer.bridge.vllm_events import decode_batch
+
+    cfg, pod = stack.cfg, PODS[3]
+    await stack.bridge.stop()
+    eng = stack.engine(pod)
+    chains = [chain(3, 1000 * (i + 1)) for i in range(4)]
+    for c in chains:
+        seq = await eng.publish([stored(c, block_size=BS)])
+    # the dying bridge: of the generation it began (a reset, batches 0..3) only the last batch was stored
+    js = stack.replica.indexer.js
+    pub = JetStreamPublisher(stack.replica.indexer.nc, stack.bridge_metrics, window=2, ack_timeout=1.0)
+    await pub.start()
+    dying = L1Publisher(pub, cfg.nats.l1Stream.subjectPrefix, js, cfg.nats.l1Stream.name, lambda: 1 << 20)
+    last = decode_batch(eng.buffer[-1][1])
+    await dying.batch(pod, 0, new_generation(), seq, last.ts, last.events)
+    assert await pub.flush(10)
+    await pub.close()
+    assert (await js.stream_info(cfg.nats.l1Stream.name)).state.messages == 1
+    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == set(chains[3]), 20,
+                   "the stored batch indexed: the generation begun there")
+
+    await stack.next_bridge()
+    await wait_for(lambda: stack.bridge.lease.is_leader, 10, "the new bridge to lead")
+    await stack.connect((eng, pod, 0))  # quiet: the catch-up alone must make it whole
+    whole = set().union(*map(set, chains))
+    await wait_for(lambda: worker_blocks(stack.replica.indexer, pod) == whole, 20,
+                   "the engine's four batches indexed, not the stored one alone")
+    assert stack.replica.indexer.l1.stats.lost_gaps == 0
+    assert not stack.bridge_metrics.bridge_resets.labels("subscribed")._value.get(), "resumed, not started anew"
+
+
+
 async def test_a_publish_the_stream_refuses_starts_a_new_generation_after_it(stack):
     """Issue 24 #3 (a refused publish): the stream's own limit is smaller than the bridge knows (an
     operator changed it); the batch over it can never be stored. It was dropped, and the indexers held
