@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
 from cache_indexer.bridge.resume_points import Position, ResumePoints
@@ -129,6 +129,13 @@ class _Retired:
     again_after: int = 0
     #: stored on a stream lost since (``stream_lost``): the next stray on the new one has it published again
     lost: bool = False
+    #: the retired workers' messages that were in flight at the removal (queues of ``_Sent``, emptied by
+    #: their acks): while one is, a removal lost with the stream is not stored anywhere it counts
+    in_flight: list = field(default_factory=list)
+
+    def strays_in_flight(self) -> bool:
+        self.in_flight = [queue for queue in self.in_flight if queue]
+        return bool(self.in_flight)
 
 
 @dataclass(slots=True)
@@ -402,8 +409,9 @@ class L1Publisher:
         mark = new_generation(*known)
         if len(self._retired) >= _RETIRED_KEPT:  # the oldest first (a pod's removal long stored is on the stream)
             del self._retired[next(iter(self._retired))]
-        self._retired.pop((pod, rank), None)
-        self._retired[(pod, rank)] = _Retired(mark, reason)
+        before = self._retired.pop((pod, rank), None)
+        in_flight = [self._in_flight.pop(key) for key in [k for k in self._in_flight if k[0] == pod and rank in (None, k[1])]]
+        self._retired[(pod, rank)] = _Retired(mark, reason, in_flight=in_flight + (before.in_flight if before else []))
         return mark
 
     def _mark(self, pod: str, rank: int | None) -> int:
@@ -434,8 +442,10 @@ class L1Publisher:
             self.on_removal_stored()
 
     def unstored_removals(self) -> set[tuple[str, int | None]]:
-        """(pod, None) and (pod, rank) of this bridge's removals the stream has not stored yet."""
-        return {key for key, r in self._retired.items() if not r.stored_at and not r.lost}
+        """(pod, None) and (pod, rank) of this bridge's removals the stream has not stored yet, or stored on a
+        stream lost since while a message they retired is still in flight: that message may be stored on
+        the new one, and a bridge killed before its ack would leave it there for good."""
+        return {key for key, r in self._retired.items() if not r.stored_at and (not r.lost or r.strays_in_flight())}
 
     def stream_lost(self, found_at: int | None = None) -> None:
         """The stream was created again (the loss found at generation ``found_at``, else now): no generation
@@ -491,7 +501,6 @@ class L1Publisher:
         sequence of the last message it follows, which names the message (sharded bridges publish a
         removal again until they see it: bridge/removals.py); None: named by its mark."""
         mark = self._retire(pod, rank, reason)
-        self._in_flight.pop((pod, rank), None)
         if self.resume is not None:
             await self.resume.forget_rank(pod, rank, mark)
         await self._publish_removal((pod, rank), mark, reason, mark if after is None else f"after:{after}")
@@ -500,8 +509,6 @@ class L1Publisher:
         """The pod left: its resume record goes first (so no bridge resumes the retired generation), then
         the message that retires it in every indexer. ``after``: as for ``rank_removed``."""
         mark = self._retire(pod, None, reason)
-        for key in [k for k in self._in_flight if k[0] == pod]:
-            del self._in_flight[key]
         if self.resume is not None:
             await self.resume.forget(pod, mark)
         await self._publish_removal((pod, None), mark, reason, mark if after is None else f"after:{after}")

@@ -176,7 +176,7 @@ class Bridge:
         self.l1 = L1Publisher(self.publisher, nats.l1Stream.subjectPrefix, js, nats.l1Stream.name,
                               lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM, holder,
                               self.resume_points, codec(nats.l1Stream.encoding))
-        self.l1.on_removal_stored = self._removal_stored
+        self.l1.on_removal_stored = self._targets_changed
         self.l1.on_stream_lost = self._stream_lost
         self.l1.lost_before = generations_lost_before(l1_info)  # a loss found by a bridge before this one
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
@@ -444,7 +444,9 @@ class Bridge:
         await self.targets_record.save(pods=self._pods_known(), endpoints=self._endpoints,
                                        removing=self._ranks_unlisted())
 
-    def _removal_stored(self) -> None:
+    def _targets_changed(self) -> None:
+        """A removal was stored (its pod or rank leaves the targets record), or a stream lost some (they
+        come back to it while what they retired is in flight)."""
         self._record_stale = True
         self._settle_now.set()
 
@@ -642,6 +644,7 @@ class Bridge:
                 if tier == "l1":  # positions on the lost stream mean nothing on the new one
                     self.resume_points.stream_id = stream_id(info)
                     self.l1.stream_lost(max(found_at, generations_lost_before(info)))
+                    self._targets_changed()
                     for sub in self.subscribers.values():
                         sub.start_over()
                 else:

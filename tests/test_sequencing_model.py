@@ -33,9 +33,10 @@ away within its grace whose messages were lost with a killed bridge after a late
 indexers declare the hole lost after EARLY_TIMEOUT_NS and clear the worker; back, the pod resumes that
 generation and what the clear took is not published again). A removal lost with a killed bridge (C) is
 published again by the next one from the targets record (bridge/service.py; tests/test_l1_end_to_end.py),
-which the model does not model: a pod_removed lost is modelled as that (the pod inherited as leaving,
-removed when the new grace ends), a rank_removed, or a removal being published again after a retired
-message stored late (E, F), is stored before the kill.
+which the model takes as the killed bridge's unstored removals (``L1Publisher.unstored_removals``): a pod's
+is inherited as leaving (removed when the new grace ends), a rank's is removed again once its pod is
+listed; a rank_removed in flight, or a removal being published again after a retired message stored late
+(E, F), is stored before the kill.
 
 A failure prints its steps and a ``@reproduce_failure`` blob that replays it exactly; each run prints its
 seed, and ``SEQUENCING_SEED=N`` replays a whole run.
@@ -317,6 +318,12 @@ class Sequencing(RuleBasedStateMachine):
         #: pods away within their grace when the stream was lost: retries of their batches may have been
         #: stored on the new one, a part of some state their engine went through
         self.lost_with_stream: set[str] = set()
+        #: DP ranks of pods away whose removal a killed bridge left to the next through the targets record
+        #: (bridge/service.py ``_ranks_unlisted``): it was stored on a stream lost since while a message it
+        #: retired was in flight. The record cannot tell them from the pod's listed ranks, so the next bridge
+        #: removes them once the pod is back, or with the pod; meanwhile a retry of that message stored on
+        #: the new stream may show a part of what the rank held
+        self.removing: set[tuple[str, int]] = set()
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -445,6 +452,7 @@ class Sequencing(RuleBasedStateMachine):
         pod = sorted(self.away)[p % len(self.away)]
         self.away.discard(pod)
         self.lost_with_stream.discard(pod)
+        self.removing = {key for key in self.removing if key[0] != pod}
         self._retired(lambda key: key[0] == pod)
         self.run(self.bridge.l1.pod_removed(pod, "discovery"))
 
@@ -468,6 +476,14 @@ class Sequencing(RuleBasedStateMachine):
         self.present.add(pod)
         for rank in sorted(self.listed[pod]):
             self._subscribe((pod, rank), contact, fresh)
+        self._remove_inherited(pod)
+
+    def _remove_inherited(self, pod: str) -> None:
+        """The ranks of a pod listed whose removal the targets record kept: removed (``_reconcile_targets``)."""
+        for key in sorted(k for k in self.removing if k[0] == pod and k[1] not in self.listed[pod]):
+            self.removing.discard(key)
+            self._retired(lambda k: k == key)
+            self.run(self.bridge.l1.rank_removed(*key, "discovery"))
 
     def _ranks(self, listed: bool) -> list[tuple[str, int]]:
         """Ranks of present pods of several ranks that are (or are not) listed; a pod keeps one at least."""
@@ -575,14 +591,15 @@ class Sequencing(RuleBasedStateMachine):
         if self.stream_unnoticed:  # open too (as above): killed after a stream's loss before any ack told it
             self.bridge_notices_the_new_stream()
         late: list = []  # acks that reach a lingering bridge after the handover
+        # the targets record as the bridge last wrote it (it writes it again as soon as this changes)
+        inherited = set() if graceful else self.bridge.l1.unstored_removals()
         if records_first:
             self.records_written()
         if not graceful:
-            # The one window left open (docs/operations.md, recovery): a bridge killed while a new generation's reset
-            # is in flight and a later batch of it was stored (out of order) leaves that generation
-            # without its reset; the next bridge resumes it from the stream. The model kills bridges
-            # outside it: a generation not yet recorded has its messages in flight stored first. Those of
-            # an older generation of the worker (superseded after a refusal) are lost with the bridge:
+            # What is in flight is lost with the bridge, in any part: a new generation's reset with a later
+            # batch of it stored, before any record of it (the next bridge resumes from that batch and
+            # publishes the reset again with the buffer). Open (docs/operations.md, recovery): messages of an
+            # older generation of the worker (superseded after a refusal) are lost with the bridge here;
             # stored after the newer one's, they would be the open window above, which a bridge with no
             # record of the worker (killed before its first write) reaches as an upgrade does.
             # Open too (the module's doc): (D) a pod away within its grace has no subscription to publish
@@ -591,18 +608,10 @@ class Sequencing(RuleBasedStateMachine):
             # resumes that generation: what the clear took is not published again. The model stores
             # those first; and a rank_removed, or a removal being published again after a retired
             # message stored late, which the next bridge publishes from the targets record (not modelled).
-            resume = self.bridge.resume
-            new = {key: seq.gen for key, seq in self.bridge.seqs.items()
-                   if seq.gen is not None and key[1] not in self._recorded_ranks(key[0])}
-            self._store_now(lambda e: _worker(e[2]) in new and int(e[2]["Kv-Gen"]) >= new[_worker(e[2])]
-                            or e[2]["Kv-Type"] == "rank_removed"
+            self._store_now(lambda e: e[2]["Kv-Type"] == "rank_removed"
                             or ":removed:after:" in e[2]["Nats-Msg-Id"]
                             or e[2]["Kv-Pod"] not in self.present and _worker(e[2]) is not None,
                             late_acks=late if lingering else None)
-            new_pods = {pod for pod, _ in new}
-            later, resume._dirty = resume._dirty - new_pods, resume._dirty & new_pods
-            self.run(resume.write())
-            resume._dirty |= later
         if graceful:
             self.run(self.bridge.quiet())
             self.store_all()
@@ -646,6 +655,17 @@ class Sequencing(RuleBasedStateMachine):
             pod = headers["Kv-Pod"]  # leaving, and removed when its (new) grace ends
             if headers["Kv-Type"] == "pod_removed" and pod not in self.present:
                 self.away.add(pod)
+        in_flight = {(h["Kv-Pod"], None if h["Kv-Type"] == "pod_removed" else int(h["Kv-Dp-Rank"])) for h in lost}
+        for pod, rank in sorted(inherited - in_flight, key=str):  # stored on a stream lost since, what they
+            if rank is None:                                      # retired in flight: inherited likewise
+                if pod not in self.present:
+                    self.away.add(pod)
+                    self.lost_with_stream.add(pod)
+            elif pod in self.away:
+                self.removing.add((pod, rank))
+            elif pod in self.present:
+                self.removing.add((pod, rank))
+                self._remove_inherited(pod)
         self.run(self.bridge.quiet())
 
     @precondition(lambda self: self.lingering)
@@ -731,7 +751,9 @@ class Sequencing(RuleBasedStateMachine):
         self.state, self.applied, self.snapshot = L1State(self.max_early, self.max_journal), 0, None
         self.recorded.clear()
         self.resumed.clear()
-        self.lost_with_stream |= self.away
+        # and pods whose removal is in flight: one lost with a killed bridge leaves the pod inherited as away
+        self.lost_with_stream |= self.away | {e[2]["Kv-Pod"] for e in self.bridge.flight.pending
+                                              if e[2]["Kv-Type"] == "pod_removed"}
         self.stream_unnoticed = True
 
     @precondition(lambda self: self.stream_unnoticed)
@@ -850,8 +872,8 @@ class Sequencing(RuleBasedStateMachine):
                     assert index == e.holds(), f"{where}: index {sorted(index)} != engine {sorted(e.holds())}"
                 else:
                     assert index <= e.holds(), f"{where}: index holds {sorted(index - e.holds())} the engine does not"
-            elif e.pod in self.away and e.rank in self.listed[e.pod]:
-                if whole and e.pod not in self.lost_with_stream:
+            elif e.pod in self.away and (e.rank in self.listed[e.pod] or e.key in self.removing):
+                if whole and e.pod not in self.lost_with_stream and e.key not in self.removing:
                     assert index in e.states, f"{where} (away): index {sorted(index)} was never the engine's"
                 else:
                     ever = set().union(*e.states)
@@ -1342,5 +1364,75 @@ def test_a_retired_batch_whose_ack_told_of_a_stream_loss_has_its_removal_publish
         m.stream_recreated()
         m.stored_late(0, False)  # the batch, first on the new stream: its ack tells the bridge of the loss
         m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_a_generation_begun_at_a_stream_loss_whose_reset_died_with_the_bridge_is_whole_at_the_next():
+    """Found by the model (SEQUENCING_SEED=7, 1,500 runs; pre-existing): the bridge noticed a stream loss
+    and started its engines over; one engine's reset and first batch were in flight, a later batch stored,
+    when the bridge was killed. Its records named the lost stream, so the next bridge resumed from that
+    batch and published the engine's buffer up to it again, but the indexers had begun the generation
+    there and took the rest for duplicates: 1 block of the engine's 5 indexed. The reset now goes again
+    with the buffer (tests/test_resume_and_holes.py has the same with real processes)."""
+    m = Sequencing()
+    try:
+        for _ in range(3):
+            m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.rank_leaves(0)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.stream_recreated()
+        m.engine_publishes(0, "store", 1, False, False)  # WORKERS[0]: into its buffer alone
+        m.bridge_notices_the_new_stream()  # every engine started over: resets and buffers in flight
+        m.stored_late(2, False)  # WORKERS[0]'s latest batch, before its reset
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=False)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_a_removal_stored_on_a_lost_stream_while_what_it_retired_was_in_flight_outlives_a_killed_bridge():
+    """Found by the model (SEQUENCING_SEED=7, 1,500 runs; pre-existing): a DP rank listed again and unlisted
+    once more, its removal stored, its new generation's batch still in flight; the stream lost, the bridge
+    killed, and that batch stored on the new stream. The removal had been stored, so the targets record no
+    longer kept the rank, and the next bridge removed nothing: the removed rank's block stayed indexed.
+    A removal stored on a lost stream now stays in the targets record while what it retired is in flight,
+    and the next bridge removes the rank again (here once its pod is back)."""
+    m = Sequencing()
+    try:
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.rank_leaves(0)  # WORKERS[1] (10.0.0.2 rank 0)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.stream_recreated()
+        m.pod_leaves(0)  # 10.0.0.1
+        m.rank_returns(0, "quiet")  # a new generation: its reset and batch in flight
+        m.rank_leaves(0)  # its removal behind them
+        m.pod_leaves(0)  # 10.0.0.2 away
+        m.stored_late(0, False)  # the reset: its ack tells the bridge of the loss
+        m.stored_late(1, False)  # the removal
+        m.stream_recreated()
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=False)  # the batch stored on the new one
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.pod_returns(PODS.index("10.0.0.2"), "quiet")
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_a_restarted_engines_first_batch_lost_on_the_way_after_a_start_over_is_published():
+    """Found by the model (SEQUENCING_SEED=2, 400 runs; pre-existing): an engine restarted while a stream loss
+    went unnoticed; started over, its buffer answered with nothing, and the reset went out at the seq after
+    the lost generation's last (1). The new process's seq 0 was lost on the way, and its seq 1 came next:
+    taken for the next batch of the generation, it was published and 0 never was. A buffer that answers
+    with nothing belongs to a process that has published nothing: the generation now starts at seq 0."""
+    m = Sequencing()
+    try:
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.stream_recreated()
+        m.engine_restarts(0)
+        m.rank_leaves(0)  # a removal in flight: its ack on the new stream tells the bridge of the loss
+        m.time_passes(0)  # started over: WORKERS[0]'s buffer is empty
+        m.engine_publishes(0, "store", 1, False, False)  # its seq 0, lost on the way
+        m.at_a_quiet_point_the_index_is_the_engines_truth()  # its seq 1 live
     finally:
         m.loop.close()
