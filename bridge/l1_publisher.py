@@ -390,13 +390,16 @@ class L1Publisher:
                                 _headers(self._content_type, pod, msg_id, "batch", **extra),
                                 stored, refused)
 
-    async def reset(self, pod: str, rank: int, gen: int, next_seq: int, reason: str, epoch: str = "") -> None:
+    async def reset(self, pod: str, rank: int, gen: int, next_seq: int, reason: str, epoch: str = "",
+                    again: bool = False) -> None:
+        """A generation's first message (``again``: published again by a bridge that resumed it, whose ack
+        moves no position: it names no vLLM timestamp, and a record of it would start the worker anew)."""
         payload = self._codec.encode({"v": SCHEMA_VERSION, "type": "reset", "pod": pod, "rank": rank, "gen": gen,
                                  "next_seq": next_seq, "reason": reason})
         headers = _headers(self._content_type, pod, f"{pod}:{rank}:{gen}:reset", "reset", **{
             "Kv-Dp-Rank": str(rank), "Kv-Gen": str(gen), "Kv-Seq": str(next_seq), "Kv-Epoch": epoch or "-",
             "Kv-Reason": reason, "Kv-Bridge": self._bridge})
-        stored, refused = self._track(pod, rank, _Sent(gen, next_seq - 1, next_seq - 1, epoch or "-", None, True))
+        stored, refused = self._track(pod, rank, _Sent(gen, next_seq - 1, next_seq - 1, epoch or "-", None, not again))
         await self._pub.publish(l1_subject(self._prefix, pod, rank), payload, headers, stored, refused)
 
     def _retire(self, pod: str, rank: int | None, reason: str) -> int:
@@ -411,6 +414,8 @@ class L1Publisher:
             del self._retired[next(iter(self._retired))]
         before = self._retired.pop((pod, rank), None)
         in_flight = [self._in_flight.pop(key) for key in [k for k in self._in_flight if k[0] == pod and rank in (None, k[1])]]
+        if rank is None:  # and what its ranks' removals retired: a rank kept alone is dropped with its pod
+            in_flight += [q for (p, r), e in self._retired.items() if p == pod and r is not None for q in e.in_flight]
         self._retired[(pod, rank)] = _Retired(mark, reason, in_flight=in_flight + (before.in_flight if before else []))
         return mark
 
@@ -444,8 +449,10 @@ class L1Publisher:
     def unstored_removals(self) -> set[tuple[str, int | None]]:
         """(pod, None) and (pod, rank) of this bridge's removals the stream has not stored yet, or stored on a
         stream lost since while a message they retired is still in flight: that message may be stored on
-        the new one, and a bridge killed before its ack would leave it there for good."""
-        return {key for key, r in self._retired.items() if not r.stored_at and (not r.lost or r.strays_in_flight())}
+        the new one, and a bridge killed before its ack would leave it there for good (and, once one was
+        stored there, until the removal published again is)."""
+        return {key for key, r in self._retired.items()
+                if not r.stored_at and (not r.lost or r.stray_at or r.strays_in_flight())}
 
     def stream_lost(self, found_at: int | None = None) -> None:
         """The stream was created again (the loss found at generation ``found_at``, else now): no generation

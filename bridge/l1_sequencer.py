@@ -260,7 +260,7 @@ class L1Sequencer:
         replayed = await self._replay(max(0, upto - TAIL_DEPTH), empty_is_failure=False)
         if replayed.batches and replayed.batches[0][0] <= upto:
             first = replayed.batches[0][0]
-            await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, first, "resumed", self.ep.epoch)
+            await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, first, "resumed", self.ep.epoch, again=True)
             self.last = first - 1
             self.log.info("%s rank %d: publishing seq %d..%d again (resumed from the stream's last message)",
                           self.ep.pod, self.ep.rank, first, upto)

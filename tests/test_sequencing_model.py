@@ -656,8 +656,9 @@ class Sequencing(RuleBasedStateMachine):
             if headers["Kv-Type"] == "pod_removed" and pod not in self.present:
                 self.away.add(pod)
         in_flight = {(h["Kv-Pod"], None if h["Kv-Type"] == "pod_removed" else int(h["Kv-Dp-Rank"])) for h in lost}
-        for pod, rank in sorted(inherited - in_flight, key=str):  # stored on a stream lost since, what they
-            if rank is None:                                      # retired in flight: inherited likewise
+        # stored on a stream lost since, what they retired in flight: inherited likewise (pods first)
+        for pod, rank in sorted(inherited - in_flight, key=lambda k: (k[1] is not None, str(k))):
+            if rank is None:
                 if pod not in self.present:
                     self.away.add(pod)
                     self.lost_with_stream.add(pod)
@@ -1436,3 +1437,77 @@ def test_a_restarted_engines_first_batch_lost_on_the_way_after_a_start_over_is_p
         m.at_a_quiet_point_the_index_is_the_engines_truth()  # its seq 1 live
     finally:
         m.loop.close()
+
+
+def test_a_removed_ranks_batch_in_flight_keeps_its_pod_in_the_targets_record_once_the_pod_is_removed_too():
+    """Found by review of the fix above: a rank's removal stored, then its pod's, both on a stream lost since,
+    the rank's new generation's batch still in flight; the bridge killed, that batch stored on the new
+    stream. The batch's ack queue was kept with the rank's removal alone, so the targets record kept the rank
+    but not its pod, and the next bridge, which removes a recorded rank only of a pod it lists or inherits,
+    removed nothing. The pod's removal now keeps what its ranks' removals retired too."""
+    m = Sequencing()
+    try:
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.rank_leaves(0)  # WORKERS[1] (10.0.0.2 rank 0)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.stream_recreated()
+        m.pod_leaves(0)  # 10.0.0.1
+        m.rank_returns(0, "quiet")  # 10.0.0.2 rank 0 again: its reset and batch in flight
+        m.rank_leaves(0)  # its removal behind them
+        m.pod_leaves(0)  # 10.0.0.2 away
+        m.stored_late(0, False)  # the reset: its ack tells the bridge of the loss
+        m.stored_late(1, False)  # the rank's removal
+        m.grace_ends(sorted(m.away).index("10.0.0.2"))
+        kinds = [e[2]["Kv-Type"] for e in m.bridge.flight.pending]
+        m.stored_late(kinds.index("pod_removed"), False)  # the pod's removal; the batch still in flight
+        m.stream_recreated()
+        m.bridge_notices_the_new_stream()
+        m.bridge_replaced(graceful=False, records_first=False, upgrade=False)  # the batch stored on the new one
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.grace_ends(sorted(m.away).index("10.0.0.2"))
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
+
+
+def test_a_removal_published_again_after_a_loss_stays_in_the_targets_record_until_it_is_stored():
+    """Found by review: a removal stored on a lost stream, its retired batch then stored on the new one (its
+    in-flight queue empty) and the removal published again: until that is stored, the targets record must
+    still keep the rank, or a bridge killed meanwhile leaves the batch indexed for good."""
+    m = Sequencing()
+    try:
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.rank_leaves(0)  # WORKERS[1] (10.0.0.2 rank 0)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.stream_recreated()
+        m.rank_returns(0, "quiet")  # a new generation: its reset and batch in flight
+        m.rank_leaves(0)  # its removal behind them
+        m.stored_late(0, False)  # the reset: its ack tells the bridge of the loss
+        m.stored_late(1, False)  # the removal
+        m.stream_recreated()
+        m.bridge_notices_the_new_stream()
+        kinds = [e[2]["Kv-Type"] for e in m.bridge.flight.pending]
+        m.stored_late(kinds.index("batch"), False)  # the retired batch on the new stream: the removal again
+        assert any(":removed:after:" in e[2]["Nats-Msg-Id"] for e in m.bridge.flight.pending)
+        assert ("10.0.0.2", 0) in m.bridge.l1.unstored_removals()
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        assert ("10.0.0.2", 0) not in m.bridge.l1.unstored_removals()
+    finally:
+        m.loop.close()
+
+
+def test_a_reset_published_again_moves_no_resume_position():
+    """Found by review: the reset a resuming bridge publishes again (``_rewind_to_tail``) names no vLLM
+    timestamp; recorded as the worker's position, a bridge killed before the next write started the worker
+    anew. Its ack moves nothing; a generation's first reset still does."""
+    loop = asyncio.new_event_loop()
+    try:
+        bridge = Bridge(ModelStream(), MemoryKV(), 4)
+        loop.run_until_complete(bridge.l1.reset("10.0.0.1", 0, 7, 3, "resumed", again=True))
+        loop.run_until_complete(bridge.l1.reset("10.0.0.2", 0, 7, 3, "subscribed"))
+        for seq, (_, _, _, on_stored, _) in enumerate(bridge.flight.pending, 1):
+            on_stored(seq)
+        assert bridge.resume.own("10.0.0.1", 0) is None
+        assert bridge.resume.own("10.0.0.2", 0) is not None
+    finally:
+        loop.close()
