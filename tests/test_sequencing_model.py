@@ -565,10 +565,6 @@ class Sequencing(RuleBasedStateMachine):
         in_flight = {_worker(e[2]) for e in self.bridge.flight.pending}
         self.recorded |= self.resumed - in_flight
 
-    def _recorded_ranks(self, pod: str) -> set[int]:
-        record = self.kv.data.get(record_key(pod))
-        return set(msgpack.unpackb(record, strict_map_key=False)["ranks"]) if record else set()
-
     @rule(graceful=st.booleans(), records_first=st.booleans(), upgrade=st.booleans(), lingering=st.booleans())
     def bridge_replaced(self, graceful, records_first, upgrade, lingering=False):
         """kill -9 (what is in flight, and resume points not written yet, are lost; maybe right after a
@@ -612,6 +608,10 @@ class Sequencing(RuleBasedStateMachine):
                             or ":removed:after:" in e[2]["Nats-Msg-Id"]
                             or e[2]["Kv-Pod"] not in self.present and _worker(e[2]) is not None,
                             late_acks=late if lingering else None)
+            # A worker's first position of a generation is written at once (ResumePoints.update: the write
+            # loop writes what is due at once within milliseconds): killed after that. (Before it, the open
+            # window above: an older generation's message stored last, with no record to say otherwise.)
+            self.run(self.bridge.resume.write(urgent_only=True))
         if graceful:
             self.run(self.bridge.quiet())
             self.store_all()
