@@ -604,9 +604,12 @@ class Bridge:
         js = self.nc.jetstream()
         went_back, self._went_back = self._went_back, set()
         for tier, name in (("l1", self.cfg.nats.l1Stream.name), ("l3", self.cfg.nats.l3Stream.name)):
+            # the last ack before the stream's info is asked: one that comes meanwhile may be of a message
+            # stored after the server answered (a busy stream then looked as if it had lost it)
+            acked = self.publisher.last_acked(name)
             try:
                 info, recreated = await ensure_again(js, self.cfg.nats, tier)
-                lost = recreated or name in went_back or await self._not_ours(js, name, info)
+                lost = recreated or name in went_back or await self._not_ours(js, name, info, acked)
             except Exception as exc:  # NATS away: looked at again the next round
                 self.metrics.task_errors.labels("bridge-streams").inc()
                 self._streams_unchecked("stream %s: cannot check or recreate it (%s); looking again", name,
@@ -674,10 +677,10 @@ class Bridge:
                   info.config.name, stream_id(info), stream_id(named))
         return named
 
-    async def _not_ours(self, js, name: str, info) -> bool:
-        """Whether the stream lost the last message this bridge was acked on it: its sequence is past the
-        stream's last, or the message there is another. One purged (behind a snapshot) tells nothing."""
-        acked = self.publisher.last_acked(name)
+    async def _not_ours(self, js, name: str, info, acked: tuple[int, str] | None) -> bool:
+        """Whether the stream lost ``acked``, the last message this bridge was acked on it before ``info``
+        was asked: its sequence is past the stream's last, or the message there is another. One purged
+        (behind a snapshot) tells nothing."""
         if acked is None:
             return False
         if not leader_answered(info):
