@@ -662,11 +662,10 @@ class Sequencing(RuleBasedStateMachine):
                 if pod not in self.present:
                     self.away.add(pod)
                     self.lost_with_stream.add(pod)
-            elif pod in self.away:
+            elif pod in self.away or pod in self.present:
                 self.removing.add((pod, rank))
-            elif pod in self.present:
-                self.removing.add((pod, rank))
-                self._remove_inherited(pod)
+                if pod in self.present:
+                    self._remove_inherited(pod)
         self.run(self.bridge.quiet())
 
     @precondition(lambda self: self.lingering)
@@ -1392,6 +1391,32 @@ def test_a_generation_begun_at_a_stream_loss_whose_reset_died_with_the_bridge_is
         m.loop.close()
 
 
+def _a_rank_removed_again_on_a_lost_stream(pods_leave: bool) -> Sequencing:
+    """WORKERS[1] (10.0.0.2 rank 0) unlisted; then, the stream lost meanwhile, listed again (a new generation)
+    and unlisted once more: the reset and the removal stored on the new stream (the reset's ack tells the
+    bridge of the loss), the new generation's batch still in flight. ``pods_leave``: 10.0.0.1 leaves before
+    the rank comes back, 10.0.0.2 once it is unlisted again (both away within their grace)."""
+    m = Sequencing()
+    m.at_a_quiet_point_the_index_is_the_engines_truth()
+    m.rank_leaves(0)
+    m.at_a_quiet_point_the_index_is_the_engines_truth()
+    m.stream_recreated()
+    if pods_leave:
+        m.pod_leaves(0)  # 10.0.0.1
+    m.rank_returns(0, "quiet")  # its reset and batch in flight
+    m.rank_leaves(0)  # its removal behind them
+    if pods_leave:
+        m.pod_leaves(0)  # 10.0.0.2
+    m.stored_late(0, False)  # the reset
+    m.stored_late(1, False)  # the removal
+    return m
+
+
+def _store_the_first(m: Sequencing, kind: str) -> None:
+    """The first message in flight of ``kind`` (``Kv-Type``) stored now."""
+    m.stored_late([e[2]["Kv-Type"] for e in m.bridge.flight.pending].index(kind), False)
+
+
 def test_a_removal_stored_on_a_lost_stream_while_what_it_retired_was_in_flight_outlives_a_killed_bridge():
     """Found by the model (SEQUENCING_SEED=7, 1,500 runs; pre-existing): a DP rank listed again and unlisted
     once more, its removal stored, its new generation's batch still in flight; the stream lost, the bridge
@@ -1399,18 +1424,8 @@ def test_a_removal_stored_on_a_lost_stream_while_what_it_retired_was_in_flight_o
     longer kept the rank, and the next bridge removed nothing: the removed rank's block stayed indexed.
     A removal stored on a lost stream now stays in the targets record while what it retired is in flight,
     and the next bridge removes the rank again (here once its pod is back)."""
-    m = Sequencing()
+    m = _a_rank_removed_again_on_a_lost_stream(pods_leave=True)
     try:
-        m.at_a_quiet_point_the_index_is_the_engines_truth()
-        m.rank_leaves(0)  # WORKERS[1] (10.0.0.2 rank 0)
-        m.at_a_quiet_point_the_index_is_the_engines_truth()
-        m.stream_recreated()
-        m.pod_leaves(0)  # 10.0.0.1
-        m.rank_returns(0, "quiet")  # a new generation: its reset and batch in flight
-        m.rank_leaves(0)  # its removal behind them
-        m.pod_leaves(0)  # 10.0.0.2 away
-        m.stored_late(0, False)  # the reset: its ack tells the bridge of the loss
-        m.stored_late(1, False)  # the removal
         m.stream_recreated()
         m.bridge_replaced(graceful=False, records_first=False, upgrade=False)  # the batch stored on the new one
         m.at_a_quiet_point_the_index_is_the_engines_truth()
@@ -1445,21 +1460,10 @@ def test_a_removed_ranks_batch_in_flight_keeps_its_pod_in_the_targets_record_onc
     stream. The batch's ack queue was kept with the rank's removal alone, so the targets record kept the rank
     but not its pod, and the next bridge, which removes a recorded rank only of a pod it lists or inherits,
     removed nothing. The pod's removal now keeps what its ranks' removals retired too."""
-    m = Sequencing()
+    m = _a_rank_removed_again_on_a_lost_stream(pods_leave=True)
     try:
-        m.at_a_quiet_point_the_index_is_the_engines_truth()
-        m.rank_leaves(0)  # WORKERS[1] (10.0.0.2 rank 0)
-        m.at_a_quiet_point_the_index_is_the_engines_truth()
-        m.stream_recreated()
-        m.pod_leaves(0)  # 10.0.0.1
-        m.rank_returns(0, "quiet")  # 10.0.0.2 rank 0 again: its reset and batch in flight
-        m.rank_leaves(0)  # its removal behind them
-        m.pod_leaves(0)  # 10.0.0.2 away
-        m.stored_late(0, False)  # the reset: its ack tells the bridge of the loss
-        m.stored_late(1, False)  # the rank's removal
         m.grace_ends(sorted(m.away).index("10.0.0.2"))
-        kinds = [e[2]["Kv-Type"] for e in m.bridge.flight.pending]
-        m.stored_late(kinds.index("pod_removed"), False)  # the pod's removal; the batch still in flight
+        _store_the_first(m, "pod_removed")  # the pod's removal; the batch still in flight
         m.stream_recreated()
         m.bridge_notices_the_new_stream()
         m.bridge_replaced(graceful=False, records_first=False, upgrade=False)  # the batch stored on the new one
@@ -1474,20 +1478,11 @@ def test_a_removal_published_again_after_a_loss_stays_in_the_targets_record_unti
     """Found by review: a removal stored on a lost stream, its retired batch then stored on the new one (its
     in-flight queue empty) and the removal published again: until that is stored, the targets record must
     still keep the rank, or a bridge killed meanwhile leaves the batch indexed for good."""
-    m = Sequencing()
+    m = _a_rank_removed_again_on_a_lost_stream(pods_leave=False)
     try:
-        m.at_a_quiet_point_the_index_is_the_engines_truth()
-        m.rank_leaves(0)  # WORKERS[1] (10.0.0.2 rank 0)
-        m.at_a_quiet_point_the_index_is_the_engines_truth()
-        m.stream_recreated()
-        m.rank_returns(0, "quiet")  # a new generation: its reset and batch in flight
-        m.rank_leaves(0)  # its removal behind them
-        m.stored_late(0, False)  # the reset: its ack tells the bridge of the loss
-        m.stored_late(1, False)  # the removal
         m.stream_recreated()
         m.bridge_notices_the_new_stream()
-        kinds = [e[2]["Kv-Type"] for e in m.bridge.flight.pending]
-        m.stored_late(kinds.index("batch"), False)  # the retired batch on the new stream: the removal again
+        _store_the_first(m, "batch")  # the retired batch on the new stream: the removal again
         assert any(":removed:after:" in e[2]["Nats-Msg-Id"] for e in m.bridge.flight.pending)
         assert ("10.0.0.2", 0) in m.bridge.l1.unstored_removals()
         m.at_a_quiet_point_the_index_is_the_engines_truth()
