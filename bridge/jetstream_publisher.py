@@ -1,19 +1,22 @@
 """Reliable asynchronous JetStream publishing: a bounded in-flight window with retries.
 
 A JetStream publish is a core NATS publish with a reply subject; the stream's ack arrives there. This
-publisher sends each message with ``nc.publish(reply=<inbox>.<token>)`` and takes every ack on one
+publisher sends each message with ``publish(reply=<inbox>.<token>)`` and takes every ack on one
 wildcard subscription, instead of nats-py's ``publish_async``, which per message creates a future, a
-timeout task and an inbox entry: 2.4x the cost (27k vs 66k messages/s, one core, same headers).
+timeout task and an inbox entry: 2.4x the cost (27k vs 66k messages/s, one core, same headers). The
+bridge publishes on a connection of its own (bridge/stream_connection.py: each ack handled as it is
+read); a nats-py connection serves too (tools and tests), its acks taken on a nats-py subscription.
 
 Acks can be lost (across a nats-server restart they simply are), so every message carries a
 ``Nats-Msg-Id`` and stays in the window until its ack arrives; one that is not acked within
 ``ack_timeout``, or is answered with a passing error (no stream yet, a server restarting), is re-sent
 with the same id, so the server's duplicate window turns a retry of a stored message into a no-op.
 When the connection comes back after it was lost (``connection_lost``, ``reconnected``: the owner wires
-them to nats-py's callbacks), every message sent on the lost connection and not acked is re-sent at once,
-not at its ack deadline: a server killed mid-stream loses what it had received but not stored, and
-until the re-send the indexers hold every later batch of those workers as early (issue 36). What was
-published while disconnected sat in nats-py's buffer, which the reconnection flushes before telling.
+them to the connection's callbacks), every message sent on the lost connection and not acked is re-sent at
+once, not at its ack deadline: a server killed mid-stream loses what it had received but not stored, and
+until the re-send the indexers hold every later batch of those workers as early (issue 36). A publish
+while disconnected is re-sent shortly (the bridge's connection refuses it; nats-py buffers it and flushes
+it at the reconnection, before telling).
 ``publish`` waits while the window is full, which pushes back on the ZMQ readers instead of growing
 memory.
 
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from itertools import count
 
+from cache_indexer.bridge.stream_connection import StreamConnection
 from cache_indexer.infra.metrics import Metrics
 from cache_indexer.infra.streams import unsubscribe_quietly
 from cache_indexer.infra.tasks import cancel_and_wait
@@ -99,7 +103,9 @@ class JetStreamPublisher:
         self._retry_warning = ThrottledWarning(log)
 
     async def start(self) -> None:
-        if self._sub is None:
+        if isinstance(self._nc, StreamConnection):
+            self._inbox = self._nc.take_replies(self._on_reply)
+        elif self._sub is None:
             self._inbox = self._nc.new_inbox()
             self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_ack,
                                                  pending_msgs_limit=-1, pending_bytes_limit=-1)
@@ -154,7 +160,7 @@ class JetStreamPublisher:
         the watchdog, in publish order), not at its ack deadline. Returns how many."""
         due = 0
         for rec in self._pending.values():
-            if rec.conn < self._conn and rec.token:
+            if rec.conn < self._conn or not rec.token:  # (not rec.token: its send failed meanwhile)
                 rec.deadline = 0.0
                 due += 1
         if due:
@@ -186,12 +192,16 @@ class JetStreamPublisher:
             self._wake.set()
 
     async def _on_ack(self, msg) -> None:
-        token = msg.subject.rsplit(".", 1)[1]
+        """A reply on a nats-py connection's subscription."""
+        status = msg.headers.get("Status", "") if msg.headers else ""
+        self._on_reply(msg.subject.rsplit(".", 1)[1], status, msg.data)
+
+    def _on_reply(self, token: str, status: str, data: bytes) -> None:
         msg_id = self._by_token.pop(token, None)
         rec = self._pending.get(msg_id) if msg_id is not None else None
         if rec is None or rec.token != token:
             return  # a late ack of an earlier send: the current one decides
-        error, permanent, stream_seq, stream = _ack_error(msg)
+        error, permanent, stream_seq, stream = _ack_error(status, data)
         if permanent:
             if error.endswith(f"err_code {WRONG_LAST_SEQUENCE})"):  # sent onto a subject that moved on since
                 self._refuse(msg_id, rec.subject, "superseded", error, rec.on_refused, logging.INFO)
@@ -242,6 +252,10 @@ class JetStreamPublisher:
                     pass
             self._wake.clear()
             now = time.monotonic()
+            if not self._nc.is_connected:  # each send would fail: looked at again shortly, or when told back
+                for rec in self._pending.values():
+                    rec.deadline = max(rec.deadline, now + self._retry_after)
+                continue
             retry = [(mid, rec) for mid, rec in self._pending.items() if now >= rec.deadline]
             for mid, rec in retry:
                 self._by_token.pop(rec.token, None)
@@ -281,16 +295,15 @@ def _tell(callback, *args) -> None:
         log.exception("a publish callback failed")
 
 
-def _ack_error(msg) -> tuple[str, bool, int, str]:
+def _ack_error(status: str, data: bytes) -> tuple[str, bool, int, str]:
     """Why a reply is not a positive JetStream ack ("" when it is one), whether the refusal is for good
     (a 4xx: the stream will never take this message) rather than passing (503: no stream yet), the
     stream sequence a positive ack names, and its stream where it stored a new message ("" for a
     duplicate, whose ack names the original's sequence)."""
-    status = (msg.headers or {}).get("Status") if msg.headers else None
     if status:  # e.g. 503 no responders: no stream (yet) for the subject
         return f"status {status}", False, 0, ""
     try:
-        reply = json.loads(msg.data)
+        reply = json.loads(data)
     except ValueError:
         return "not JSON", False, 0, ""
     if not isinstance(reply, dict):

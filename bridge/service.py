@@ -44,6 +44,7 @@ from cache_indexer.bridge.removals import MASTER, POD, PendingRemovals
 from cache_indexer.bridge.resume_points import ResumePoints
 from cache_indexer.bridge.shard_leases import ShardLeases
 from cache_indexer.bridge.static_targets import StaticTargets
+from cache_indexer.bridge.stream_connection import StreamConnection
 from cache_indexer.bridge.vllm_subscriber import VllmSubscriber
 from cache_indexer.infra.block_key_verdicts import write_verdict
 from cache_indexer.infra.event_codec import codec
@@ -91,6 +92,8 @@ class Bridge:
         self.ctx.max_sockets = MAX_ZMQ_SOCKETS
         self.subscribers: dict[Endpoint, VllmSubscriber] = {}
         self.nc = None
+        #: the connection the stream messages go on (bridge/stream_connection.py); the rest uses ``nc``
+        self.stream_conn: StreamConnection | None = None
         self.publisher: JetStreamPublisher | None = None
         self.l1: L1Publisher | None = None
         self._replay_slots = asyncio.Semaphore(cfg.ingest.l1.maxConcurrentReplays)
@@ -157,8 +160,7 @@ class Bridge:
         self._master_removal_failed = ThrottledWarning(log)
 
     async def start(self) -> None:
-        self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge", disconnected_cb=self._nats_lost,
-                                reconnected_cb=self._nats_back)
+        self.nc = await connect(self.cfg.nats, name="cache-indexer-bridge", disconnected_cb=self._nats_lost)
         js = self.nc.jetstream()
         l1_info = await patiently(lambda: ensure_l1_stream(js, self.cfg.nats), "stream set-up")
         l3_info = await patiently(lambda: ensure_l3_stream(js, self.cfg.nats), "stream set-up")
@@ -167,7 +169,10 @@ class Bridge:
                                           self.cfg.ingest.l1.resumeInterval)
         self.resume_points.stream_id = stream_id(l1_info)
         self.resume_points.start()
-        self.publisher = JetStreamPublisher(self.nc, self.metrics, self.cfg.nats.publish.window,
+        self.stream_conn = StreamConnection(self.cfg.nats, "cache-indexer-bridge-streams",
+                                            on_lost=self._stream_conn_lost, on_back=self._stream_conn_back)
+        await self.stream_conn.connect()
+        self.publisher = JetStreamPublisher(self.stream_conn, self.metrics, self.cfg.nats.publish.window,
                                             self.cfg.nats.publish.ackTimeout, on_stream_lost=self._stream_lost)
         await self.publisher.start()
         self._streams_task = asyncio.create_task(self._watch_streams(), name="bridge-streams")
@@ -208,10 +213,13 @@ class Bridge:
         if self.nc is not None and (self.nc.is_draining or self.nc.is_closed):
             return  # our own close at shutdown
         self.metrics.nats_disconnects.inc()
+
+    def _stream_conn_lost(self) -> None:
+        self.metrics.nats_disconnects.inc()
         if self.publisher is not None:
             self.publisher.connection_lost()
 
-    async def _nats_back(self) -> None:
+    def _stream_conn_back(self) -> None:
         """Publishes the lost connection took with it go out again now, not at their ack deadline."""
         if self.publisher is not None:
             self.publisher.reconnected()
@@ -299,7 +307,8 @@ class Bridge:
         self.pollers.clear()
 
     def is_ready(self) -> bool:
-        return self.publisher is not None and self.nc is not None and self.nc.is_connected and not self._cut_off()
+        return (self.publisher is not None and self.nc is not None and self.nc.is_connected
+                and self.stream_conn is not None and self.stream_conn.is_connected and not self._cut_off())
 
     def _cut_off(self) -> list[Endpoint]:
         """Subscriptions that have had no connection to their engine for DISCONNECTED_UNREADY_AFTER."""
@@ -309,7 +318,8 @@ class Bridge:
 
     def not_ready_reason(self) -> str:
         cut = self._cut_off()
-        if self.nc is None or not self.nc.is_connected or not cut:
+        if (self.nc is None or not self.nc.is_connected or self.stream_conn is None or not self.stream_conn.is_connected
+                or not cut):
             return "not connected to NATS"
         names = ", ".join(f"{ep.pod} rank {ep.rank} ({ep.pub})" for ep in cut[:5])
         return f"no connection to {len(cut)} vLLM endpoint(s) for over {DISCONNECTED_UNREADY_AFTER:.0f}s: {names}"
@@ -789,6 +799,8 @@ class Bridge:
             await self.shards.stop()
         if self.publisher:
             await self.publisher.close()
+        if self.stream_conn is not None:
+            await self.stream_conn.close()
         if self._http is not None:
             await self._http.close()
         if self.nc:

@@ -60,7 +60,8 @@ class Metrics:
                                             "http.readHeaderTimeout.", registry=r)
         self.streams_recreated = Counter(p + "streams_recreated_total", "Streams found gone (deleted, storage lost) "
                                          "and created again; what they held is lost.", ["stream"], registry=r)
-        self.nats_disconnects = Counter(p + "nats_disconnects_total", "Times the NATS connection was lost.",
+        self.nats_disconnects = Counter(p + "nats_disconnects_total", "Times a NATS connection was lost (a bridge has two: "
+                                        "one for its stream messages).",
                                         registry=r)
         self.http_headers_too_large = Counter(p + "http_headers_too_large_total",
                                               "Connections refused (431): a request's header block over "

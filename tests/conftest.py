@@ -123,6 +123,13 @@ def lose_messages_keep_metadata(server, stream: str) -> None:
     server.start()
 
 
+def frozen(proc) -> bool:
+    """Whether a process sent SIGSTOP is stopped yet (the signal lands a moment later: until then it may
+    still take in what is sent to it)."""
+    with open(f"/proc/{proc.pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 @pytest.fixture
 def stream_prefix() -> str:
     """Unique stream names per test, so tests share one server without seeing each other."""

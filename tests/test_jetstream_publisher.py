@@ -8,7 +8,7 @@ import pytest
 
 from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
 from cache_indexer.infra.metrics import Metrics
-from tests.conftest import wait_for
+from tests.conftest import frozen, wait_for
 
 
 @pytest.fixture
@@ -166,6 +166,7 @@ async def test_publishes_lost_with_a_killed_server_go_out_again_at_the_reconnect
         assert await pub.flush(10)
         proc = server.proc
         proc.send_signal(signal.SIGSTOP)  # what is sent now reaches its socket, never the stream
+        await wait_for(lambda: frozen(proc), 5, "the server stopped")
         for i in range(10, 30):
             await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
         # written into the frozen server's socket (a CI run killed it while nats-py still held them: sent

@@ -14,9 +14,11 @@ lost ones again only at their 5 s ack deadline, after some 2,000 later ones: the
 gap lost, cleared the busy worker, and the blocks it held before the gap stayed missing for good (here
 the bridge also dropped its lease at the first renewal that timed out, resubscribed, and started the
 busy engine anew from its replay buffer: two generations in the stream). Now the lease outlives the
-restart, the bridge re-sends at the reconnection, the indexer holds up to twice the publish window, and
-past that reads the later batches back from the stream instead of declaring a loss: the second case
-holds only 100 early batches per worker, so the read-back runs against the real stream.
+restart, the bridge re-sends at the reconnection, and the indexer holds up to twice the publish window.
+Since the bridge publishes on a connection of its own that buffers nothing while down
+(bridge/stream_connection.py), what it published meanwhile is re-sent with the lost ones, in publish
+order, so few batches (here none) arrive early; the read-back of batches past what the indexer holds runs
+against a real stream in tests/test_recovery.py.
 ``CACHE_INDEXER_TEST_SEED`` replays a run's random choices (the seed is printed).
 """
 
@@ -109,9 +111,8 @@ async def stream_batch_seqs(js, stream: str, subject: str) -> dict[int, list[int
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("held", [None, 100], ids=["window", "spill"])
 async def test_a_nats_restart_under_a_busy_engine_loses_nothing_the_stream_holds(restartable_nats, stream_prefix,
-                                                                                   tmp_path, held):
+                                                                                   tmp_path):
     seed = int(os.environ.get("CACHE_INDEXER_TEST_SEED") or random.randrange(1 << 32))
     print(f"seed {seed} (CACHE_INDEXER_TEST_SEED replays it)")
     rng = random.Random(seed)
@@ -130,8 +131,6 @@ async def test_a_nats_restart_under_a_busy_engine_loses_nothing_the_stream_holds
                                                               "http.port": free_port(),
                                                               "ingest.l1.blockKeyCheckInterval": 0})
     indexer = Indexer(cfg)
-    if held is not None:  # an indexer that holds fewer early batches than the fault brings: the rest is read back
-        indexer.max_early = indexer.l1.max_early = indexer.l1.max_journal = held
     await indexer.start()
     bridge = spawn("bridge", "--config", str(cfg_file))
     try:
@@ -180,9 +179,6 @@ async def test_a_nats_restart_under_a_busy_engine_loses_nothing_the_stream_holds
             "no gap declared lost while the stream holds every batch"
         assert worker_view(indexer, BUSY) == busy.held, f"{len(missing)} chains of the busy engine missing"
         assert worker_view(indexer, IDLE) == idle.held, "the idle engine's chains"
-        if held is not None:
-            assert stats.spilled and indexer.metrics.ingest_read_back._value.get() > 0, \
-                "the fault brought more early batches than the indexer holds, read back from the stream"
     finally:
         bridge.kill()
         bridge.wait(10)

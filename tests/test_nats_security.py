@@ -82,8 +82,30 @@ def _creds(tmp):
     return conf, {"credsFile": str(creds)}
 
 
+async def _stream_message_acked(cfg: NatsConfig, nc) -> None:
+    """The bridge's connection for stream messages (bridge/stream_connection.py) connects with ``cfg`` too,
+    and a message it publishes is stored and acked."""
+    import asyncio
+
+    from cache_indexer.bridge.stream_connection import StreamConnection
+
+    await nc.jetstream().add_stream(name="SEC", subjects=["sec.>"])
+    conn = StreamConnection(cfg, "test-streams")
+    await conn.connect()
+    try:
+        acked = asyncio.get_running_loop().create_future()
+        inbox = conn.take_replies(lambda token, status, data: acked.done() or acked.set_result((token, status, data)))
+        await conn.publish("sec.a", b"x", reply=f"{inbox}.7", headers={"Nats-Msg-Id": "one"})
+        token, status, data = await asyncio.wait_for(acked, 5)
+        assert (token, status) == ("7", "") and b'"seq":1' in data.replace(b" ", b"")
+    finally:
+        await conn.close()
+
+
 @pytest.mark.parametrize("kind", [_userpass, _token, _nkey, _creds], ids=["user-password", "token", "nkey", "creds"])
 async def test_each_kind_of_credentials_connects_and_none_is_refused(kind, tmp_path):
+    from cache_indexer.bridge.stream_connection import StreamConnection
+
     conf, creds = kind(tmp_path)
     server = NatsServer(extra_config=conf).start()
     try:
@@ -91,15 +113,20 @@ async def test_each_kind_of_credentials_connects_and_none_is_refused(kind, tmp_p
         nc = await connect_once(good, "test")
         info = await nc.jetstream().account_info()  # JetStream works for this user
         assert info.limits is not None
+        await _stream_message_acked(good, nc)
         await nc.close()
         with pytest.raises(Exception):
             await connect_once(NatsConfig(url=server.url, connectTimeout=2), "anonymous")
+        with pytest.raises(ConnectionError, match="Authorization Violation"):
+            await StreamConnection(NatsConfig(url=server.url, connectTimeout=2), "anonymous").connect()
     finally:
         server.close()
 
 
 async def test_tls_with_a_private_ca_and_a_client_certificate(tmp_path):
     import trustme
+
+    from cache_indexer.bridge.stream_connection import StreamConnection
 
     ca = trustme.CA()
     server_cert = ca.issue_cert("127.0.0.1", "nats.internal")
@@ -118,14 +145,21 @@ async def test_tls_with_a_private_ca_and_a_client_certificate(tmp_path):
         nc = await connect_once(NatsConfig(url=server.url, tls=tls), "test")
         await nc.jetstream().account_info()
         assert nc._server_info.get("tls_required")  # the server speaks TLS only: connected means over TLS
+        await _stream_message_acked(NatsConfig(url=server.url, tls=tls), nc)
         await nc.close()
         # the server's name, when the URL's host is not on its certificate
-        nc = await connect_once(NatsConfig(url=f"nats://localhost:{server.port}", tls={**tls, "serverName": "nats.internal"}), "t")
+        named = NatsConfig(url=f"nats://localhost:{server.port}", tls={**tls, "serverName": "nats.internal"})
+        nc = await connect_once(named, "t")
         await nc.close()
+        conn = StreamConnection(named, "t")
+        await conn.connect()
+        await conn.close()
         for refused in ({"caFile": paths["ca.crt"]},  # no client certificate: the server verifies clients
                         {"enabled": True, "certFile": paths["client.crt"], "keyFile": paths["client.key"]}):  # unknown CA
             with pytest.raises(Exception):
                 await connect_once(NatsConfig(url=server.url, connectTimeout=2, tls=refused), "refused")
+            with pytest.raises(ConnectionError):
+                await StreamConnection(NatsConfig(url=server.url, connectTimeout=2, tls=refused), "refused").connect()
     finally:
         server.close()
 

@@ -575,6 +575,31 @@ class _Publisher:
         return last
 
 
+async def test_early_batches_past_what_the_replica_holds_are_read_back_from_the_stream(nats_url, stream_prefix):
+    """A batch stored after many later ones (re-sent at its ack deadline: a message a cluster's leader
+    change dropped, a passing refusal) leaves the replica holding ``max_early`` of the later ones in memory
+    and the rest only as stream sequences; once the late one comes, those are read back from the real
+    stream, one by one, and the worker is whole with no gap declared lost. (tests/test_nats_restart_under_load.py
+    ran this against a restarted server until the bridge's re-sends at a reconnection kept publish order.)"""
+    cfg = make_config(nats_url, stream_prefix, snapshot={"enabled": False})
+    idx = Indexer(cfg)
+    idx.max_early = idx.l1.max_early = idx.l1.max_journal = 10
+    await idx.start()
+    try:
+        pub = _Publisher(idx.js, cfg, "10.9.0.4")
+        await pub.applied(idx, 1)  # the reset and batch 0
+        for seq in range(2, 60):  # 2..11 held, 12..59 spilled
+            await pub.batch(seq)
+        await wait_for(lambda: idx.l1.stats.spilled == 48, 10, "the batches past the ten held, spilled")
+        last = await pub.batch(1)  # the late one
+        await wait_for(lambda: idx.applied_seq == last and not idx.l1.read_back_pending(), 10, "read back")
+        wid = idx.l1.workers.get("10.9.0.4", 0)
+        assert {h for h, m in idx.l1.blocks.items() if m >> wid & 1} == {1000 + s for s in range(60)}
+        assert idx.metrics.ingest_read_back._value.get() == 48 and idx.l1.stats.lost_gaps == 0
+    finally:
+        await idx.stop()
+
+
 async def test_a_replica_reloaded_onto_a_quiet_stream_is_ready_again(nats_url, stream_prefix, monkeypatch):
     """From a review: a reload (here onto a recreated stream) checked readiness while it still counted as
     reloading, and only a later message checked it again: on a quiet stream the replica, caught up, stayed
