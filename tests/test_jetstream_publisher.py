@@ -3,6 +3,10 @@ message the server refuses is re-sent under the same id until stored, and nothin
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
+
 import nats
 import pytest
 
@@ -137,15 +141,15 @@ def test_split_events_cut_a_batch_into_parts_that_fit_and_mean_the_same():
     assert split.blocks == whole.blocks and split.cursors[("p", 0)].next_seq == 1
 
 
-async def test_publishes_lost_with_a_killed_server_go_out_again_at_the_reconnection(restartable_nats, stream_prefix):
-    """Issue 36 #3: what a nats-server took into its socket buffers and died with was re-sent only at the
-    ack deadline, after thousands of later messages (the indexers then declared the gap lost). Sent on
-    the lost connection and not acked, it now goes out again as soon as the connection is back: here the
-    ack deadline is a minute away, and everything is stored within seconds."""
-    import asyncio
-    import signal
+@contextlib.asynccontextmanager
+async def publisher_on(kind: str, url: str, stream: str, **settings):
+    """(a JetStreamPublisher on a connection of ``kind`` that tells it of a loss and of the reconnection,
+    its Metrics, a nats-py JetStream context; ``stream`` made): "nats-py", or the bridge's own
+    "stream-connection" (bridge/stream_connection.py)."""
+    from cache_indexer.bridge import stream_connection
+    from cache_indexer.bridge.stream_connection import StreamConnection
+    from cache_indexer.schemas.config import NatsConfig
 
-    server = restartable_nats
     pub: JetStreamPublisher | None = None
 
     async def lost() -> None:
@@ -153,14 +157,47 @@ async def test_publishes_lost_with_a_killed_server_go_out_again_at_the_reconnect
 
     async def back() -> None:
         pub.reconnected()
-    conn = await nats.connect(server.url, disconnected_cb=lost, reconnected_cb=back, max_reconnect_attempts=-1,
-                              reconnect_time_wait=0.2)
+    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1,
+                            **({"disconnected_cb": lost, "reconnected_cb": back} if kind == "nats-py" else {}))
+    conn = nc
+    saved = stream_connection.RECONNECT_WAIT
     try:
-        js = conn.jetstream()
-        await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"])
+        js = nc.jetstream()
+        await js.add_stream(name=stream, subjects=[f"{stream}.>"])
+        if kind == "stream-connection":
+            stream_connection.RECONNECT_WAIT = 0.1
+            conn = StreamConnection(NatsConfig(url=url, connectTimeout=2), "t", on_lost=lambda: pub.connection_lost(),
+                                    on_back=lambda: pub.reconnected())
+            await conn.connect()
         metrics = Metrics()
-        pub = JetStreamPublisher(conn, metrics, window=64, ack_timeout=60)
+        pub = JetStreamPublisher(conn, metrics, **settings)
         await pub.start()
+        yield pub, metrics, js
+    finally:
+        stream_connection.RECONNECT_WAIT = saved
+        if pub is not None:
+            await pub.close()
+        if conn is not nc:
+            await conn.close()
+        await nc.close()
+
+
+async def kill(server) -> None:
+    """SIGKILL to the restartable server, waited for."""
+    proc, server.proc = server.proc, None
+    proc.send_signal(signal.SIGKILL)
+    await asyncio.to_thread(proc.wait, 10)
+
+
+@pytest.mark.parametrize("kind", ["nats-py", "stream-connection"])
+async def test_publishes_lost_with_a_killed_server_go_out_again_at_the_reconnection(restartable_nats, stream_prefix,
+                                                                                   kind):
+    """Issue 36 #3: what a nats-server took into its socket buffers and died with was re-sent only at the
+    ack deadline, after thousands of later messages (the indexers then declared the gap lost). Sent on
+    the lost connection and not acked, it now goes out again as soon as the connection is back: here the
+    ack deadline is a minute away, and everything is stored within seconds."""
+    server = restartable_nats
+    async with publisher_on(kind, server.url, stream_prefix, window=64, ack_timeout=60) as (pub, metrics, js):
         for i in range(10):
             await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
         assert await pub.flush(10)
@@ -169,18 +206,14 @@ async def test_publishes_lost_with_a_killed_server_go_out_again_at_the_reconnect
         await wait_for(lambda: frozen(proc), 5, "the server stopped")
         for i in range(10, 30):
             await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
-        # written into the frozen server's socket (a CI run killed it while nats-py still held them: sent
-        # again by nats-py itself at the reconnection, the premise of this test was not met)
-        await wait_for(lambda: conn.pending_data_size == 0, 10, "the publishes written to the socket")
-        await asyncio.sleep(0.2)  # the fault: the frozen server holds them a while
-        proc.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(proc.wait, 10)
-        server.proc = None
+        if kind == "nats-py":
+            # written into the frozen server's socket (a CI run killed it while nats-py still held them:
+            # sent again by nats-py itself at the reconnection, the premise of this test was not met)
+            await wait_for(lambda: js._nc.pending_data_size == 0, 10, "the publishes written to the socket")
+            await asyncio.sleep(0.2)  # the fault: the frozen server holds them a while
+        # (the bridge's own connection writes each to the socket at once)
+        await kill(server)
         await asyncio.to_thread(server.start)
         assert await pub.flush(15), "re-sent at the reconnection, not at the ack deadline a minute away"
         assert (await js.stream_info(stream_prefix)).state.messages == 30
         assert metrics.publish_retries._value.get() >= 20
-    finally:
-        if pub is not None:
-            await pub.close()
-        await conn.close()

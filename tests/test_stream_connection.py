@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 
 import nats
 import pytest
@@ -15,11 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_indexer.bridge import stream_connection
-from cache_indexer.bridge.jetstream_publisher import JetStreamPublisher
 from cache_indexer.bridge.stream_connection import MAX_LINE, MAX_REPLY, StreamConnection
-from cache_indexer.infra.metrics import Metrics
 from cache_indexer.schemas.config import NatsConfig
-from tests.conftest import frozen, wait_for
+from tests.conftest import wait_for
+from tests.test_jetstream_publisher import kill, publisher_on
 
 INFO = b'INFO {"server_id":"fake","max_payload":1048576,"headers":true}\r\n'
 
@@ -84,9 +82,7 @@ async def test_a_killed_server_is_told_reconnected_and_told_again(restartable_na
         inbox = conn.take_replies(lambda *reply: acks.append(reply))
         await conn.publish(f"{stream_prefix}.a", b"1", reply=f"{inbox}.1", headers={"Nats-Msg-Id": "1"})
         await wait_for(lambda: len(acks) == 1, 5, "the first ack")
-        server.proc.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(server.proc.wait, 10)
-        server.proc = None
+        await kill(server)
         await wait_for(lambda: events == ["lost"], 5, "the loss told")
         assert not conn.is_connected
         with pytest.raises(ConnectionError):
@@ -97,48 +93,6 @@ async def test_a_killed_server_is_told_reconnected_and_told_again(restartable_na
         await wait_for(lambda: len(acks) == 2, 5, "the ack on the new connection")
         assert acks[1][:2] == ("2", "") and json.loads(acks[1][2])["seq"] == 2
     finally:
-        await conn.close()
-        await nc.close()
-
-
-async def test_publishes_lost_with_a_killed_server_go_out_again_at_the_reconnection(restartable_nats, stream_prefix,
-                                                                                   monkeypatch):
-    """tests/test_jetstream_publisher.py's test of issue 36 #3, on the bridge's own connection: what the
-    frozen server took into its socket and died with is re-sent once the connection is back, not at the
-    ack deadline a minute away."""
-    monkeypatch.setattr(stream_connection, "RECONNECT_WAIT", 0.1)
-    server = restartable_nats
-    pub: JetStreamPublisher | None = None
-    conn = StreamConnection(config(server.url), "t", on_lost=lambda: pub.connection_lost(),
-                            on_back=lambda: pub.reconnected())
-    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    try:
-        js = nc.jetstream()
-        await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"])
-        await conn.connect()
-        metrics = Metrics()
-        pub = JetStreamPublisher(conn, metrics, window=64, ack_timeout=60)
-        await pub.start()
-        for i in range(10):
-            await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
-        assert await pub.flush(10)
-        proc = server.proc
-        proc.send_signal(signal.SIGSTOP)  # what is sent now reaches its socket, never the stream
-        await wait_for(lambda: frozen(proc), 5, "the server stopped")
-        for i in range(10, 30):
-            await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
-        assert conn._wire.transport.get_write_buffer_size() == 0, "written to the socket, none held back"
-        proc.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(proc.wait, 10)
-        server.proc = None
-        await asyncio.to_thread(server.start)
-        await wait_for(lambda: nc.is_connected, 10, "the other connection back too")
-        assert await pub.flush(15), "re-sent at the reconnection, not at the ack deadline"
-        assert (await js.stream_info(stream_prefix)).state.messages == 30
-        assert metrics.publish_retries._value.get() >= 20
-    finally:
-        if pub is not None:
-            await pub.close()
         await conn.close()
         await nc.close()
 
@@ -264,39 +218,21 @@ async def test_headers_go_as_nats_py_sends_them_and_a_bad_name_or_subject_is_ref
             await conn.close()
 
 
-async def test_while_disconnected_nothing_is_sent_and_everything_goes_out_once_back(restartable_nats, stream_prefix,
-                                                                                    monkeypatch):
+async def test_while_disconnected_nothing_is_sent_and_everything_goes_out_once_back(restartable_nats, stream_prefix):
     """A publish that finds the connection down is not tried again every few ms while it stays down (each
     try an exception, a window of 2,048 of them four times a second): it goes out once the connection is
     back, with whatever else is due."""
-    monkeypatch.setattr(stream_connection, "RECONNECT_WAIT", 0.1)
     server = restartable_nats
-    pub: JetStreamPublisher | None = None
-    conn = StreamConnection(config(server.url), "t", on_lost=lambda: pub.connection_lost(),
-                            on_back=lambda: pub.reconnected())
-    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    try:
-        js = nc.jetstream()
-        await js.add_stream(name=stream_prefix, subjects=[f"{stream_prefix}.>"])
-        await conn.connect()
-        metrics = Metrics()
-        pub = JetStreamPublisher(conn, metrics, window=64, ack_timeout=0.2)  # a re-send due every 50 ms
-        await pub.start()
-        server.proc.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(server.proc.wait, 10)
-        server.proc = None
-        await wait_for(lambda: not conn.is_connected, 5, "the loss seen")
+    async with publisher_on("stream-connection", server.url, stream_prefix, window=64, ack_timeout=0.2) as \
+            (pub, metrics, js):  # (a re-send due every 50 ms)
+        await kill(server)
+        await wait_for(lambda: not pub._nc.is_connected, 5, "the loss seen")
         for i in range(50):
             await pub.publish(f"{stream_prefix}.a", b"%d" % i, {"Nats-Msg-Id": f"m{i}"})
         await asyncio.to_thread(server.start)  # (a second or so down)
         assert await pub.flush(15)
         assert (await js.stream_info(stream_prefix)).state.messages == 50
         assert metrics.publish_retries._value.get() <= 50, "each sent again once, at the reconnection"
-    finally:
-        if pub is not None:
-            await pub.close()
-        await conn.close()
-        await nc.close()
 
 
 class _Recorder:
