@@ -176,16 +176,16 @@ class Bridge:
                                             self.cfg.nats.publish.ackTimeout, on_stream_lost=self._stream_lost)
         await self.publisher.start()
         self._streams_task = asyncio.create_task(self._watch_streams(), name="bridge-streams")
-        nc, nats = self.nc, self.cfg.nats
+        nc, nats, conn = self.nc, self.cfg.nats, self.stream_conn  # (conn: the messages' connection, its limit)
         holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.l1 = L1Publisher(self.publisher, nats.l1Stream.subjectPrefix, js, nats.l1Stream.name,
-                              lambda: min(nc.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM, holder,
+                              lambda: min(conn.max_payload, nats.l1Stream.maxMsgSize) - _HEADER_ROOM, holder,
                               self.resume_points, codec(nats.l1Stream.encoding))
         self.l1.on_removal_stored = self._targets_changed
         self.l1.on_stream_lost = self._stream_lost
         self.l1.lost_before = generations_lost_before(l1_info)  # a loss found by a bridge before this one
         self.l3 = L3Publisher(self.publisher, nats.l3Stream.subjectPrefix,
-                              lambda: min(nc.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics,
+                              lambda: min(conn.max_payload, nats.l3Stream.maxMsgSize) - _HEADER_ROOM, self.metrics,
                               on_refused=self._l3_refused, codec=codec(nats.l3Stream.encoding), js=js,
                               stream=nats.l3Stream.name)
         self.targets_record = TargetsRecord(js, records_bucket(self.cfg), self.cfg.nats.replicas)
@@ -793,16 +793,18 @@ class Bridge:
             await self.publisher.flush(5.0)
         if self.resume_points is not None:
             await self.resume_points.stop()
-        if self.lease:
-            await self.lease.stop()
-        if self.shards:
-            await self.shards.stop()
-        if self.publisher:
-            await self.publisher.close()
-        if self.stream_conn is not None:
-            await self.stream_conn.close()
-        if self._http is not None:
-            await self._http.close()
-        if self.nc:
-            await self.nc.drain()
-        self.ctx.term()
+        try:
+            if self.lease:
+                await self.lease.stop()
+            if self.shards:
+                await self.shards.stop()
+        finally:  # the connections go whatever failed before
+            if self.publisher:
+                await self.publisher.close()
+            if self.stream_conn is not None:
+                await self.stream_conn.close()
+            if self._http is not None:
+                await self._http.close()
+            if self.nc:
+                await self.nc.drain()
+            self.ctx.term()

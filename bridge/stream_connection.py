@@ -80,7 +80,8 @@ class StreamConnection:
         self._closed = False
         self._reconnecting: asyncio.Task | None = None
         self._next_server = 0
-        self._warn = ThrottledWarning(log)
+        self._warn = ThrottledWarning(log)  # the connection's losses and failed attempts
+        self._warn_server = ThrottledWarning(log)  # what the server said or sent that is not NATS
         self._names_ok: set[str] = set()
 
     @property
@@ -162,18 +163,26 @@ class StreamConnection:
             if tls is None and (u.scheme == "tls" or info.get("tls_required")):
                 tls = ssl.create_default_context()
             if tls is not None:
+                if not (info.get("tls_required") or info.get("tls_available")):
+                    raise NatsRefused(f"TLS is asked for (nats.tls, or a tls:// URL) but {host}:{port} offers none")
+                if wire.unread():
+                    raise NatsRefused("NATS sent more than its INFO before TLS began")
                 transport = await asyncio.wait_for(loop.start_tls(
                     transport, wire, tls, server_hostname=self._opts.get("tls_hostname") or host), self._timeout)
                 wire.transport = transport
             transport.write(b"CONNECT %s\r\nPING\r\n" % self._connect_options(info, u).encode())
             await asyncio.wait_for(wire.handshake_line(b"PONG"), self._timeout)
-            transport.write(b"SUB %s.* 1\r\n" % self.inbox.encode())
+            # the inbox's subscription answered too: a permission refused is an -ERR before this PONG
+            transport.write(b"SUB %s.* 1\r\nPING\r\n" % self.inbox.encode())
+            await asyncio.wait_for(wire.handshake_line(b"PONG"), self._timeout)
+            if wire.closed_because is not None or transport.is_closing():  # lost while this task resumed
+                raise ConnectionError(f"NATS closed the connection ({wire.closed_because or 'closing'})")
+            wire.go_live()
         except BaseException:
             transport.abort()
             raise
         if isinstance(info.get("max_payload"), int) and info["max_payload"] > 0:
             self.max_payload = info["max_payload"]
-        wire.go_live()
         self._wire = wire
 
     def _connect_options(self, info: dict, u) -> str:
@@ -188,11 +197,12 @@ class StreamConnection:
                 opts["jwt"] = jwt
             import nkeys  # nats-py's own dependency for these credentials
 
-            kp = nkeys.from_seed(bytearray(seed))
-            if "nkeys_seed" in o:
-                opts["nkey"] = kp.public_key.decode()
-            opts["sig"] = base64.b64encode(kp.sign(str(info.get("nonce", "")).encode())).decode()
-            kp.wipe()
+            if "nonce" in info:  # (as nats-py: no nonce, nothing to sign)
+                kp = nkeys.from_seed(bytearray(seed))
+                if "nkeys_seed" in o:
+                    opts["nkey"] = kp.public_key.decode()
+                opts["sig"] = base64.b64encode(kp.sign(str(info["nonce"]).encode())).decode()
+                kp.wipe()
         elif "user" in o:
             opts["user"], opts["pass"] = o["user"], o["password"]
         elif "token" in o:
@@ -258,7 +268,7 @@ class _Wire(asyncio.Protocol):
         self._buf = b""
         self._lines: deque[bytes] = deque()
         self._waiter: asyncio.Future | None = None
-        self._closed_because: str | None = None
+        self.closed_because: str | None = None
         self._pings_out = 0
         self._ping_timer: asyncio.TimerHandle | None = None
 
@@ -266,15 +276,15 @@ class _Wire(asyncio.Protocol):
         self.transport = transport
 
     def connection_lost(self, exc) -> None:
-        if self._closed_because is None:
-            self._closed_because = describe(exc) if exc is not None else "closed by NATS"
+        if self.closed_because is None:
+            self.closed_because = describe(exc) if exc is not None else "closed by NATS"
         if self._ping_timer is not None:
             self._ping_timer.cancel()
         if self.paused is not None and not self.paused.done():
             self.paused.set_result(None)
         if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(ConnectionError(f"NATS closed the connection ({self._closed_because})"))
-        self.conn._lost(self, self._closed_because)
+            self._waiter.set_exception(ConnectionError(f"NATS closed the connection ({self.closed_because})"))
+        self.conn._lost(self, self.closed_because)
 
     def pause_writing(self) -> None:
         self.paused = asyncio.get_running_loop().create_future()
@@ -285,14 +295,17 @@ class _Wire(asyncio.Protocol):
         self.paused = None
 
     def close(self) -> None:
-        self._closed_because = "closed"
+        self.closed_because = "closed"
         if self.transport is not None:
             self.transport.close()
 
     def _fail(self, why: str) -> None:
         """The server sent what NATS is not: the connection is closed and made anew."""
-        self.conn._warn("stream connection: %s; closing it", why)
-        self._closed_because = why
+        self.conn._warn_server("stream connection: %s; closing it", why)
+        if self.transport.is_closing():  # lost already: the loss may have been told while it was not live
+            self.conn._lost(self, self.closed_because or why)
+            return
+        self.closed_because = why
         self.transport.abort()
 
     # -- the handshake ------------------------------------------------------------------------------
@@ -301,8 +314,8 @@ class _Wire(asyncio.Protocol):
         does any other first line than an INFO (not a NATS server)."""
         while True:
             while not self._lines:
-                if self._closed_because is not None:
-                    raise ConnectionError(f"NATS closed the connection ({self._closed_because})")
+                if self.closed_because is not None:
+                    raise ConnectionError(f"NATS closed the connection ({self.closed_because})")
                 self._waiter = asyncio.get_running_loop().create_future()
                 await self._waiter
             line = self._lines.popleft()
@@ -314,6 +327,10 @@ class _Wire(asyncio.Protocol):
                 raise NatsRefused(f"not a NATS server: it said {line[:40]!r}")
             if line == b"PING":
                 self.transport.write(b"PONG\r\n")
+
+    def unread(self) -> bool:
+        """Whether bytes the handshake has not taken are buffered."""
+        return bool(self._lines or self._buf)
 
     def go_live(self) -> None:
         self.live = True
@@ -375,7 +392,7 @@ class _Wire(asyncio.Protocol):
                 if isinstance(info.get("max_payload"), int) and info["max_payload"] > 0:
                     self.conn.max_payload = info["max_payload"]
             elif op == b"-ERR":
-                self.conn._warn("NATS says of the stream connection: %s", line[5:].decode("utf-8", "replace"))
+                self.conn._warn_server("NATS says of the stream connection: %s", line[5:].decode("utf-8", "replace"))
             elif line != b"+OK":
                 return self._fail(f"not a NATS operation: {line[:40]!r}")
         if pos < end:
@@ -394,7 +411,7 @@ class _Wire(asyncio.Protocol):
 def _json_object(text: bytes) -> dict:
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise NatsRefused("NATS sent an INFO that is not JSON") from None
     if not isinstance(value, dict):
         raise NatsRefused("NATS sent an INFO that is not an object")

@@ -55,13 +55,15 @@ class FakeServer:
 
 
 async def handshake(reader, writer) -> None:
-    """The server's side of a client's CONNECT and PING, up to its SUB."""
+    """The server's side of a client's CONNECT and PING, then its SUB and PING."""
     line = await reader.readline()
     assert line.startswith(b"CONNECT {")
     assert json.loads(line[8:])["headers"] is True
     assert await reader.readline() == b"PING\r\n"
     writer.write(b"PONG\r\n")
     assert (await reader.readline()).startswith(b"SUB _INBOX.")
+    assert await reader.readline() == b"PING\r\n"
+    writer.write(b"PONG\r\n")
 
 
 def config(url: str) -> NatsConfig:
@@ -97,6 +99,63 @@ async def test_a_killed_server_is_told_reconnected_and_told_again(restartable_na
         await nc.close()
 
 
+async def test_a_connection_closed_right_after_its_last_pong_is_not_taken_for_live(monkeypatch):
+    """From a review: the server's last PONG and its close read before the handshake's task resumed left a
+    connection that said it was connected, refused every publish, and was never made again. Now the
+    handshake fails (the first connection raises, a later one is tried again) and what is made next works."""
+    monkeypatch.setattr(stream_connection, "RECONNECT_WAIT", 0.05)
+    published = []
+
+    async def script(n, reader, writer):
+        if n == 0:  # the handshake up to its last PONG, then gone
+            await reader.readline()
+            await reader.readline()
+            writer.write(b"PONG\r\n")
+            await reader.readline()
+            await reader.readline()
+            writer.write(b"PONG\r\n")
+            await writer.drain()
+            writer.transport.abort()
+            return
+        await handshake(reader, writer)
+        published.append(await reader.readline())
+        await reader.read(1 << 16)
+
+    async with FakeServer(script) as fake:
+        conn = StreamConnection(config(fake.url), "t")
+        try:
+            try:
+                await conn.connect()
+            except ConnectionError:
+                await conn.connect()
+            await wait_for(lambda: conn.is_connected and fake.connections == 2, 10, "a working connection")
+            await conn.publish("s.t", b"x", reply="r.1")
+            await wait_for(lambda: published, 5, "the publish on it")
+            assert published[0].startswith(b"HPUB s.t r.1 ")
+        finally:
+            await conn.close()
+
+
+async def test_an_inbox_the_user_may_not_subscribe_to_is_refused_at_connect(tmp_path):
+    """The acks' subscription is confirmed in the handshake: a user denied ``_INBOX.>`` would otherwise get
+    no ack ever, every message re-sent for ever, the bridge ready all along."""
+    from cache_indexer.nats_server import NatsServer
+
+    conf = ('authorization { users: [{user: "b", password: "p", permissions: '
+            '{publish: ">", subscribe: {deny: "_INBOX.>"}}}] }\n')
+    server = NatsServer(extra_config=conf).start()
+    try:
+        with pytest.raises(ConnectionError, match="Permissions Violation"):
+            await StreamConnection(NatsConfig(url=server.url, user="b", password="p", connectTimeout=2), "t").connect()
+    finally:
+        server.close()
+
+
+async def test_tls_asked_of_a_server_that_offers_none_is_one_clear_error(nats_url):
+    with pytest.raises(ConnectionError, match="offers none"):
+        await StreamConnection(NatsConfig(url=nats_url, connectTimeout=2, tls={"enabled": True}), "t").connect()
+
+
 @pytest.mark.parametrize("first", [b"HTTP/1.1 400 Bad Request\r\n\r\n", b"-ERR 'Authorization Violation'\r\n",
                                    b"INFO [1, 2]\r\n", b"x" * (MAX_LINE + 10)],
                          ids=["http", "err", "info-not-an-object", "line-without-end"])
@@ -117,16 +176,16 @@ async def test_a_server_that_speaks_no_nats_is_refused_at_connect(first):
                               "line-without-end"])
 async def test_garbage_once_connected_closes_the_connection_which_is_made_anew(garbage, monkeypatch, caplog):
     monkeypatch.setattr(stream_connection, "RECONNECT_WAIT", 0.05)
-    said = asyncio.Event()
+    events: list[str] = []
+    conn: StreamConnection | None = None
 
     async def script(n, reader, writer):
         await handshake(reader, writer)
-        if n == 0:
+        if n == 0:  # once the client took the connection for live (not in its handshake)
+            await wait_for(lambda: conn.is_connected, 5, "the first connection live")
             writer.write(garbage)
-            said.set()
         await reader.read(1 << 20)  # until the client closes
 
-    events: list[str] = []
     async with FakeServer(script) as fake:
         conn = StreamConnection(config(fake.url), "t", on_lost=lambda: events.append("lost"),
                                 on_back=lambda: events.append("back"))
@@ -246,6 +305,9 @@ class _Recorder:
 
     def abort(self) -> None:
         self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.aborted
 
 
 _token = st.text("0123456789abc", min_size=1, max_size=6)
