@@ -307,8 +307,12 @@ class Bridge:
         self.pollers.clear()
 
     def is_ready(self) -> bool:
-        return (self.publisher is not None and self.nc is not None and self.nc.is_connected
-                and self.stream_conn is not None and self.stream_conn.is_connected and not self._cut_off())
+        return self.publisher is not None and self._connected() and not self._cut_off()
+
+    def _connected(self) -> bool:
+        """Both NATS connections up: nats-py's, and the one the stream messages go on."""
+        return (self.nc is not None and self.nc.is_connected and self.stream_conn is not None
+                and self.stream_conn.is_connected)
 
     def _cut_off(self) -> list[Endpoint]:
         """Subscriptions that have had no connection to their engine for DISCONNECTED_UNREADY_AFTER."""
@@ -318,8 +322,7 @@ class Bridge:
 
     def not_ready_reason(self) -> str:
         cut = self._cut_off()
-        if (self.nc is None or not self.nc.is_connected or self.stream_conn is None or not self.stream_conn.is_connected
-                or not cut):
+        if not self._connected() or not cut:
             return "not connected to NATS"
         names = ", ".join(f"{ep.pod} rank {ep.rank} ({ep.pub})" for ep in cut[:5])
         return f"no connection to {len(cut)} vLLM endpoint(s) for over {DISCONNECTED_UNREADY_AFTER:.0f}s: {names}"

@@ -181,9 +181,13 @@ class StreamConnection:
         except BaseException:
             transport.abort()
             raise
+        self._take_info(info)
+        self._wire = wire
+
+    def _take_info(self, info: dict) -> None:
+        """What the connection keeps of a server's INFO (its first, or one it sends later)."""
         if isinstance(info.get("max_payload"), int) and info["max_payload"] > 0:
             self.max_payload = info["max_payload"]
-        self._wire = wire
 
     def _connect_options(self, info: dict, u) -> str:
         opts: dict = {"verbose": False, "pedantic": False, "lang": "python-cache-indexer", "version": VERSION,
@@ -386,11 +390,9 @@ class _Wire(asyncio.Protocol):
                 self._pings_out = 0
             elif op == b"INFO":
                 try:
-                    info = _json_object(line[5:])
+                    self.conn._take_info(_json_object(line[5:]))
                 except NatsRefused as exc:
                     return self._fail(str(exc))
-                if isinstance(info.get("max_payload"), int) and info["max_payload"] > 0:
-                    self.conn.max_payload = info["max_payload"]
             elif op == b"-ERR":
                 self.conn._warn_server("NATS says of the stream connection: %s", line[5:].decode("utf-8", "replace"))
             elif line != b"+OK":
