@@ -108,10 +108,6 @@ class L1Sequencer:
         #: the resume position came from the stream's last message (no record): the catch-up publishes the
         #: engine's buffer up to it again, filling a message the previous bridge never got stored
         self.tail_unchecked = False
-        #: started over (the stream lost what was published) from a generation: a reset is owed even where
-        #: the engine's buffer answers with nothing, as the indexers may hold part of the lost generation,
-        #: from batches stored on the new stream before the loss was noticed, until a reset replaces it
-        self.owes_reset = False
         self._malformed_log = ThrottledWarning(log, every=10.0)
         #: batches handed on (``last`` counts them) and not yet published: sent before anything waits
         self.pending = BatchRun(max_batches, max_bytes)
@@ -139,8 +135,6 @@ class L1Sequencer:
     def start_over(self) -> None:
         """The stream lost what was published: the next batch starts a new generation (a reset, then
         what the engine's replay buffer holds from seq 0)."""
-        if self.last is not None:
-            self.owes_reset = True
         self.gen = self.last = self.last_live = self.last_ts = None
         self.refused_upto = None  # what the lost stream refused: the new generation starts before it
         self.pending.take()  # of the lost generation
@@ -216,8 +210,9 @@ class L1Sequencer:
                           self.ep.rank, self.last - before)
 
     async def _first_contact(self) -> None:
-        """A new generation from the engine's buffer, before any live batch. An engine that answers with
-        nothing (or not at all) starts its generation at its first live batch, as before."""
+        """A new generation from the engine's buffer, before any live batch. An engine whose buffer holds
+        nothing starts it at once too, with its reset: the indexers may hold a generation of this worker
+        that could not be resumed. One that does not answer (or not whole) starts it at its first live batch."""
         try:
             first = await self._replay(0, empty_is_failure=False)
         except asyncio.CancelledError:
@@ -228,12 +223,14 @@ class L1Sequencer:
             return
         if not first.batches or self.gen is not None:
             first.release()
-            if self.gen is None and self.owes_reset and first.complete:
-                # started over and the buffer holds nothing: the reset now, so that what the lost generation
-                # left on the new stream goes. A buffer holds an engine's last batches, so this process has
-                # published none: the generation starts at its seq 0, whichever batch of it comes first (one
-                # after a 0 lost on the way is a gap, filled from the buffer; continuing the lost
-                # generation's seq instead took it for the next batch, and 0 was never published)
+            if self.gen is None and first.complete:
+                # The buffer holds nothing: the reset now. What the indexers hold of a generation this bridge
+                # did not resume (begun on a stream lost since, its retries stored on the new one; a position
+                # with no vLLM timestamp; another epoch) would otherwise stay until the engine's first batch,
+                # and for the whole grace where the pod leaves again first. A buffer holds an engine's last
+                # batches, so this process has published none: its cache is empty, and the generation starts
+                # at its seq 0, whichever batch of it comes first (one after a 0 lost on the way is a gap,
+                # filled from the buffer)
                 await self._reset(0, "subscribed")
                 self.last = self.last_live = -1
                 self.last_ts = None
@@ -490,7 +487,6 @@ class L1Sequencer:
     async def _reset(self, start: int, reason: str) -> None:
         await self.flush()
         self.gen = new_generation(self.sink.lost_before)  # after a stream loss's mark, on any host's clock
-        self.owes_reset = False
         await self.sink.reset(self.ep.pod, self.ep.rank, self.gen, start, reason, self.ep.epoch)
         self.metrics.bridge_resets.labels(reason).inc()
 

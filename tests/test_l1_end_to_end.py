@@ -7,6 +7,7 @@ bridge and indexer talk to a real nats-server, ratios are read over HTTP.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -171,6 +172,28 @@ async def test_an_idle_engine_is_caught_up_when_a_bridge_resumes_it(stack):
     await stack.connect((eng, POD, 0))
     await until_ratio(stack, POD, 1.0, what="caught up without any new live batch")
     assert stack.bridge_metrics.bridge_resets.labels("gap-beyond-replay")._value.get() == 0
+
+
+async def test_a_container_restarted_while_away_and_idle_since_leaves_nothing_of_its_old_generation(stack):
+    """A pod's vLLM container restarts: the pod leaves discovery and comes back within the grace with
+    another epoch (uid and restart count), its new engine process idle, its buffer empty. The bridge does
+    not resume another epoch's generation, and before, its first contact with an empty buffer waited for
+    the engine's first batch: the old blocks stayed indexed, ratio 1.0 for a pod that holds nothing. Now
+    the reset goes at once, and the engine's seq 0 continues the new generation."""
+    eng = stack.engine(POD)
+    ep = dataclasses.replace(eng.endpoint(POD, 0), epoch="uid-1:0")
+    await stack.bridge.set_endpoints([ep])
+    await eng.wait_subscribed()
+    await eng.publish([stored(CHAIN)])
+    await until_ratio(stack, POD, 1.0)
+    await stack.bridge.set_endpoints([])  # not ready: away, within the grace (still indexed)
+    await eng.restart_process()  # the new process: seq from 0, an empty buffer, and no batch
+    await stack.bridge.set_endpoints([dataclasses.replace(ep, epoch="uid-1:1")])
+    await until_ratio(stack, POD, 0.0, what="the old generation gone without a new batch")
+    assert stack.bridge_metrics.bridge_resets.labels("subscribed")._value.get() == 2
+    await eng.publish([stored(CHAIN[:3])])
+    await until_ratio(stack, POD, 3 / 8)
+    assert stack.bridge_metrics.bridge_resets.labels("subscribed")._value.get() == 2
 
 
 async def test_an_idle_engine_whose_catch_up_answer_lost_its_tail_is_caught_up_all_the_same(stack):

@@ -185,9 +185,10 @@ class Engine:
         #: the next replay answers short, in order: (batches kept, whether the end marker still came)
         self.short: deque[tuple[int, bool]] = deque()
         #: a batch of this engine may have reached no bridge by a way a catch-up covers (lost live while
-        #: subscribed), or the engine restarted (a new process that has not passed the seq published last is
-        #: told by its next live batch, not by a catch-up): the index may lag it until the engine publishes
-        #: again. Otherwise the index must hold its truth without a live batch.
+        #: subscribed), or the engine restarted under a subscription that lives on (a new process that has
+        #: not passed the seq published last is told by its next live batch; a new subscription's catch-up
+        #: tells it): the index may lag it until the engine publishes again. Otherwise the index must hold its
+        #: truth without a live batch.
         self.unseen = self.restart_unseen = False
 
     def publish(self, events: list[dict]) -> tuple[int, bytes]:
@@ -432,7 +433,7 @@ class Sequencing(RuleBasedStateMachine):
         if batch is not None:
             self._deliver(e, *batch)
         self.run(self.bridge.quiet())
-        e.unseen = False  # the catch-up published what the engine's buffer holds
+        e.unseen = e.restart_unseen = False  # the catch-up published what the engine's buffer holds
 
     @precondition(lambda self: self.present)
     @rule(p=st.integers(0, 10**6))
@@ -650,7 +651,7 @@ class Sequencing(RuleBasedStateMachine):
             self.bridge.subscribe(self.by_key[key])
         self.run(self.bridge.resume_all())
         for key in keys:  # each caught up from what its engine's buffer holds
-            self.by_key[key].unseen = False
+            self.by_key[key].unseen = self.by_key[key].restart_unseen = False
         for headers in lost:  # a pod_removed lost in flight: the pod is inherited (the targets record),
             pod = headers["Kv-Pod"]  # leaving, and removed when its (new) grace ends
             if headers["Kv-Type"] == "pod_removed" and pod not in self.present:
@@ -772,7 +773,7 @@ class Sequencing(RuleBasedStateMachine):
         for key, seq in self.bridge.seqs.items():
             self.fresh_starts += 1
             self.run(seq.catch_up(first_contact=True))
-            self.by_key[key].unseen = False
+            self.by_key[key].unseen = self.by_key[key].restart_unseen = False
         self.run(self.bridge.quiet())
 
     # -- the indexer ---------------------------------------------------------------------------------
@@ -1506,3 +1507,27 @@ def test_a_reset_published_again_moves_no_resume_position():
         assert bridge.resume.own("10.0.0.2", 0) is not None
     finally:
         loop.close()
+
+
+def test_a_pod_back_with_a_restarted_engine_that_published_nothing_loses_what_a_lost_stream_left_indexed():
+    """Found by CI (SEQUENCING_SEED=4246691023; pre-existing): a pod left with a batch in flight, its engine
+    restarted while it was away, and the stream was lost; the batch's retry was stored on the new stream, so
+    the indexers held it. Back, the pod's generation (begun on the lost stream) was not resumed, and its
+    engine's buffer answered with nothing: the bridge waited for a first live batch to start the generation,
+    and the stale block stayed indexed, and again once the pod left within its grace. A whole answer with
+    nothing now starts the generation at once, with its reset."""
+    m = Sequencing()
+    try:
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+        m.pod_leaves(0)
+        m.rank_leaves(0)
+        m.pod_returns(0, "queued")  # a batch live at once: in flight when the pod leaves again
+        m.pod_leaves(0)
+        m.engine_restarts(0)
+        m.stream_recreated()
+        m.at_a_quiet_point_the_index_is_the_engines_truth()  # the batch stored on the new stream
+        m.pod_returns(0, "quiet")
+        m.pod_leaves(0)
+        m.at_a_quiet_point_the_index_is_the_engines_truth()
+    finally:
+        m.loop.close()
