@@ -379,6 +379,8 @@ class _Wire(asyncio.Protocol):
                 start = nl + 2
                 if start + size + 2 > end:
                     break  # the rest of it is to come
+                if data[start + size:start + size + 2] != b"\r\n":
+                    return self._fail(f"a reply longer than its {size} bytes")
                 self.conn._reply(parts[1], data[start:start + head], data[start + head:start + size])
                 pos = start + size + 2
                 continue

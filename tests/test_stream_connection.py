@@ -171,9 +171,10 @@ async def test_a_server_that_speaks_no_nats_is_refused_at_connect(first):
 
 
 @pytest.mark.parametrize("garbage", [b"BOGUS op\r\n", b"MSG _INBOX.x.1 1 %d\r\n" % (MAX_REPLY + 1),
-                                     b"HMSG _INBOX.x.1 1 9 5\r\n", b"MSG _INBOX.x.1 1 many\r\n", b"y" * (MAX_LINE + 1)],
+                                     b"HMSG _INBOX.x.1 1 9 5\r\n", b"MSG _INBOX.x.1 1 many\r\n", b"y" * (MAX_LINE + 1),
+                                     b"MSG _INBOX.x.1 1 2\r\nabXY+OK\r\n"],
                          ids=["unknown-op", "reply-too-large", "header-past-the-end", "size-not-a-number",
-                              "line-without-end"])
+                              "line-without-end", "payload-longer-than-its-size"])
 async def test_garbage_once_connected_closes_the_connection_which_is_made_anew(garbage, monkeypatch, caplog):
     monkeypatch.setattr(stream_connection, "RECONNECT_WAIT", 0.05)
     events: list[str] = []
