@@ -230,10 +230,12 @@ class L1Sequencer:
                 # and for the whole grace where the pod leaves again first. A buffer holds an engine's last
                 # batches, so this process has published none: its cache is empty, and the generation starts
                 # at its seq 0, whichever batch of it comes first (one after a 0 lost on the way is a gap,
-                # filled from the buffer)
-                await self._reset(0, "subscribed")
+                # filled from the buffer). Its own reason: nothing the engine holds is lost (``subscribed``
+                # counts generations begun where a resume point could not be used)
+                await self._reset(0, "idle")
                 self.last = self.last_live = -1
                 self.last_ts = None
+                self.contact_start = None  # (of an earlier first contact: seq 0 continues this generation)
             return
         self.log.info("%s rank %d: first contact: seq %d..%d from the engine's buffer", self.ep.pod, self.ep.rank,
                       first.batches[0][0], first.batches[-1][0])

@@ -165,6 +165,17 @@ async def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
         await asyncio.sleep(0.01)
 
 
+#: The reasons a subscription's first generation starts with: ``subscribed`` (from the engine's buffer, or
+#: its first live batch) or ``idle`` (its buffer held nothing when the bridge asked): which of the two
+#: depends on whether the engine's first batch came before the bridge's first look, 0.2 s after connecting
+SUBSCRIPTION_STARTS = ("subscribed", "idle")
+
+
+def reset_reasons(reasons) -> list[str]:
+    """``reasons`` (of resets, in order) with either reason a subscription starts with as ``subscribed``."""
+    return ["subscribed" if r in SUBSCRIPTION_STARTS else r for r in reasons]
+
+
 async def http_ready(session, url: str) -> bool:
     """True when ``url`` (a /readyz) answers 200; a refused or broken connection is not ready yet."""
     import aiohttp

@@ -883,7 +883,7 @@ class Sequencing(RuleBasedStateMachine):
                 assert not index, f"{where} (removed): index still holds {sorted(index)}"
         resets = self.resets + Counter(self.bridge.resets())
         if whole:
-            unexpected = {r: n for r, n in resets.items() if r not in ("subscribed", "engine-restart")}
+            unexpected = {r: n for r, n in resets.items() if r not in ("subscribed", "idle", "engine-restart")}
             assert not unexpected, f"generations started without need: {unexpected}"
             assert resets["subscribed"] <= self.fresh_starts, "a bridge started over where it could resume"
 

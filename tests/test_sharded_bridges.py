@@ -33,7 +33,9 @@ PODS = [f"127.0.0.{91 + i}" for i in range(12)]
 
 
 async def _publishers_by_pod(nats_url: str, stream: str) -> dict[str, list[str]]:
-    """Per pod, the bridges that published its messages, in stream order (runs collapsed)."""
+    """Per pod, the bridges that published its batches, in stream order (runs collapsed). Resets are left
+    out: while the bridges join one by one, each first holder of an idle engine starts its generation
+    (reason "idle") and hands it on, which is no batch published after a handover."""
     nc = await nats.connect(nats_url)
     try:
         js = nc.jetstream()
@@ -44,7 +46,7 @@ async def _publishers_by_pod(nats_url: str, stream: str) -> dict[str, list[str]]
         while True:
             msg = await sub.next_msg(timeout=10)
             h = msg.headers or {}
-            if "Kv-Bridge" in h:
+            if "Kv-Bridge" in h and h.get("Kv-Type") == "batch":
                 seen = runs.setdefault(h["Kv-Pod"], [])
                 if not seen or seen[-1] != h["Kv-Bridge"]:
                     seen.append(h["Kv-Bridge"])
