@@ -4,7 +4,8 @@ vLLM numbers its batches per engine process from 0 and keeps the last ones in a 
 live batches, what the replay buffer answers and what the stream acknowledged, this decides per (pod,
 rank) what the stream gets:
 - on first contact and on an engine restart (live seq going backwards, or another batch than ours at
-  the seq published last) a new generation: a reset, then what the engine's buffer holds from seq 0;
+  the seq published last) a new generation: a reset, then what the engine's buffer holds from seq 0
+  (a first contact with a buffer that holds nothing: the reset alone, ``idle``);
 - on a gap, the missing batches from the replay buffer; what it no longer holds becomes a reset
   (``gap-beyond-replay``);
 - a resumed generation (a restarted or standby bridge, bridge/resume_points.py) goes on where the
