@@ -70,22 +70,27 @@ def machine() -> str:
 
 
 async def post_latencies(session, path: str, bodies: list[bytes], n: int, warmup: int,
-                         pace: float = 0.0) -> list[float]:
+                         pace: float = 0.0, burst: int = 1) -> list[float]:
     """Seconds each of ``n`` JSON POSTs to ``path`` took, one after the other (``bodies`` in turn), after
-    ``warmup`` untimed ones, ``pace`` seconds apart (0: back to back); every answer must be a 200."""
+    ``warmup`` untimed ones, ``pace`` seconds apart (0: back to back); every answer must be a 200.
+    ``burst``: that many sent at once (each on a connection of its own), the next burst after the last
+    answer of this one."""
     import asyncio
 
-    out = []
-    for i in range(n + warmup):
-        if pace and i:
-            await asyncio.sleep(pace)
-        body = bodies[i % len(bodies)]
+    async def one(body: bytes) -> float:
         t = time.perf_counter()
         async with session.post(path, data=body, headers={"Content-Type": "application/json"}) as r:
             payload = await r.read()
             assert r.status == 200, payload[:200]
+        return time.perf_counter() - t
+
+    out = []
+    for i in range(0, n + warmup, burst):
+        if pace and i:
+            await asyncio.sleep(pace)
+        took = await asyncio.gather(*(one(bodies[(i + k) % len(bodies)]) for k in range(burst)))
         if i >= warmup:
-            out.append(time.perf_counter() - t)
+            out += took
     return out
 
 
