@@ -88,9 +88,8 @@ async def post_latencies(session, path: str, bodies: list[bytes], n: int, warmup
     for i in range(0, n + warmup, burst):
         if pace and i:
             await asyncio.sleep(pace)
-        took = await asyncio.gather(*(one(bodies[(i + k) % len(bodies)]) for k in range(burst)))
-        if i >= warmup:
-            out += took
+        took = await asyncio.gather(*(one(bodies[(i + k) % len(bodies)]) for k in range(min(burst, n + warmup - i))))
+        out += took[max(0, warmup - i):]  # exactly ``warmup`` untimed, ``n`` timed, whatever the burst
     return out
 
 
