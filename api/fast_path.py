@@ -8,7 +8,10 @@ the plain case itself: ``POST`` to one of these paths, HTTP/1.1, one ``Content-L
 limit, no ``Transfer-Encoding``, ``Expect``, ``Content-Encoding`` or ``Connection: close``, and a query
 the route answers natively (``FastRoute.answer``), on the loop or the query threads. Everything else
 (another route, any header this parser does not take, a body that is not valid, the Python path)
-goes to aiohttp with the connection's bytes as they came, from the start of that request, and the
+goes to aiohttp with the connection's bytes as they came, from the start of that request. Where that
+request's head says plainly where it ends (``lendable_end``), aiohttp's handler is lent the connection for
+it alone, and the connection comes back here once it is answered: a router's pool that once carried a
+readiness check, a registration or a refused query keeps its connections on this path. Otherwise the
 connection stays with aiohttp from then on. Both ways give the same answers; tests hold them equal.
 """
 
@@ -24,6 +27,10 @@ from aiohttp import web
 
 #: A request line this path takes; its path is then looked up among the fast routes
 _REQUEST_LINE = re.compile(rb"POST (/[!$&'()*+,\-./0-9:;=@A-Z_a-z~]*) HTTP/1\.1\r\n")
+#: A request line whose request may be lent to aiohttp's handler alone (``lendable_end``)
+_LENT_REQUEST_LINE = re.compile(rb"(GET|HEAD|POST|PUT|PATCH|DELETE|OPTIONS) /[!$%&'()*+,\-./0-9:;=?@A-Z_a-z~]* "
+                                rb"HTTP/1\.1\r\n")
+_BODY_METHODS = frozenset((b"POST", b"PUT", b"PATCH"))
 #: Header fields as RFC 9110 allows them (a token, then a value of visible characters, spaces and tabs),
 #: each field's name and value (its spaces stripped after); no pattern here backtracks, so each is linear
 #: in the head's length
@@ -81,10 +88,38 @@ def parse_head(buf: bytes, end: int, routes: dict[str, FastRoute], max_body: int
     if line is None:
         return None
     route = routes.get(path := line[1].decode("ascii"))
-    if route is None or _FIELDS.fullmatch(buf, line.end(), end) is None:
+    framing = _framing(buf, line.end(), end) if route is not None else None
+    if framing is None:
+        return None
+    length, has_host = framing
+    if length is None or length > min(max_body, FAST_BODY_MAX) or not has_host:
+        return None
+    return Head(route, path, end, end + length)
+
+
+def lendable_end(buf: bytes, end: int) -> int | None:
+    """Where the request at ``buf``'s start ends, for a head ``buf[:end]`` (``end`` just past its blank line)
+    that says so as plainly as a routing query's: an HTTP/1.1 request of a usual method, header fields as
+    ``parse_head`` takes them (none that changes how the body is read or asks for the connection's close),
+    its body a ``Content-Length`` (or none, for a method that carries none). aiohttp's handler is then lent the connection for that request
+    alone (api/header_guard.py). None for any other: aiohttp keeps the connection."""
+    line = _LENT_REQUEST_LINE.match(buf) if end <= FAST_HEAD_MAX else None
+    framing = _framing(buf, line.end(), end) if line is not None else None
+    if framing is None or (framing[0] is None and line[1] in _BODY_METHODS):
+        return None  # (a body-carrying method with no length: what follows may well be its body)
+    return end + (framing[0] or 0)
+
+
+def _framing(buf: bytes, start: int, end: int) -> tuple[int | None, bool] | None:
+    """(its ``Content-Length`` or None, whether it has a ``Host``) of the header fields ``buf[start:end]``
+    (the blank line included); None where a field is not as RFC 9110 writes one, they are more than
+    _MAX_FIELDS, a singleton comes twice, or one changes how the body or the connection is read."""
+    if _FIELDS.fullmatch(buf, start, end) is None:
+        return None
+    fields = _FIELD_SPLIT.findall(buf, start, end)
+    if len(fields) > _MAX_FIELDS:
         return None
     length = None
-    fields = _FIELD_SPLIT.findall(buf, line.end(), end)
     seen = set()
     for name, value in fields:
         name, value = name.lower(), value.strip(b" \t")
@@ -98,10 +133,7 @@ def parse_head(buf: bytes, end: int, routes: dict[str, FastRoute], max_body: int
             length = int(value)
         elif name in _NOT_HERE or (name in _CONNECTION and b"close" in value.lower()):
             return None
-    if (length is None or length > min(max_body, FAST_BODY_MAX) or b"host" not in seen
-            or len(fields) > _MAX_FIELDS):
-        return None
-    return Head(route, path, end, end + length)
+    return length, b"host" in seen
 
 
 #: What a head this path takes may be while it is coming: a start of ``POST /``, a request line, then

@@ -17,7 +17,9 @@ connection). When it fires, the connection is closed. Waiting between requests o
 connection is ``http.idleTimeout``'s job; reading the body is ``http.readTimeout``'s.
 
 The same protocol answers the routing queries' plain requests itself (api/fast_path.py), holding them to
-those bounds too, and makes aiohttp's handler for a connection only when one of its requests needs it.
+those bounds too, and makes aiohttp's handler for a connection only when one of its requests needs it:
+lent the connection for that request alone where its head says where it ends (what follows is held until
+the answer is written, then served here again), for good otherwise.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 from aiohttp.tcp_helpers import tcp_keepalive
 
-from cache_indexer.api.fast_path import FAST_HEAD_MAX, Head, could_be_fast, parse_head, response
+from cache_indexer.api.fast_path import FAST_HEAD_MAX, Head, could_be_fast, lendable_end, parse_head, response
 from cache_indexer.api.request_body import BodyBudget, late_body
 from cache_indexer.infra.throttled_log import ThrottledWarning
 
@@ -78,6 +80,11 @@ class HeaderGuardProtocol(asyncio.Protocol):
         self._paused: set[str] = set()  # why reading is paused: a pipelined request, a full buffer, a query
         self._later: asyncio.Future | None = None  # an answer from the query threads, awaited
         self._eof = False
+        #: while aiohttp's handler is lent the connection for one request: what it sees of the transport, and
+        #: how many of that request's bytes it has still to be given (what comes after is held here)
+        self._lent: _LentTransport | None = None
+        self._lent_left = 0
+        self._writing_paused = False  # the transport's buffer is over its high mark
 
     # -- called by the middleware ------------------------------------------------------------------------
     def request_started(self) -> None:
@@ -88,6 +95,25 @@ class HeaderGuardProtocol(asyncio.Protocol):
         self.awaiting_headers = True  # the timer starts with the next request's first byte
         self._tail = b""
         self._header_bytes = 0
+        if self._lent is not None and not self._lent.answered:  # an exception aiohttp answers: it keeps the
+            self._keep_with_aiohttp()                          # connection (a 404 or 500 is rare on a pool)
+
+    @property
+    def lent(self) -> bool:
+        """Whether aiohttp's handler serves the connection for the one request under way only."""
+        return self._lent is not None
+
+    def answered_by_aiohttp(self, keep_alive: bool) -> None:
+        """The lent request's answer is written whole: the connection comes back to the fast path on the
+        loop's next turn (once aiohttp's handler is done with the request), where it stays open and the
+        handler was given all of the request. Else aiohttp keeps it."""
+        if self._lent is None:
+            return
+        if keep_alive and not self._lent_left and not self.transport.is_closing():
+            self._lent.answered = True
+            asyncio.get_running_loop().call_soon(self._take_back, self.inner)
+        else:
+            self._keep_with_aiohttp()
 
     # -- the timer ---------------------------------------------------------------------------------------
     def _arm(self) -> None:
@@ -133,6 +159,15 @@ class HeaderGuardProtocol(asyncio.Protocol):
                 self._buf = self._buf + data if self._buf else data
             if not self._paused:
                 self._serve()
+            return
+        if self._lent is not None:
+            if len(data) > self._lent_left:  # the next request: the fast path's, once the connection is back
+                self._buf = self._buf + data[self._lent_left:] if self._buf else data[self._lent_left:]
+                data = data[:self._lent_left]
+                self._pause("lent")
+            self._lent_left -= len(data)
+            if data:
+                self.inner.data_received(data)
             return
         if self.awaiting_headers:
             if self._timer is None:
@@ -186,6 +221,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        self._writing_paused = True
         if self.inner is not None:
             self.inner.pause_writing()
         else:  # the client reads no answers: no more are made, and it gets writeTimeout to start again
@@ -193,6 +229,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
             self._wait_for(self.guard.write_timeout, self._write_expired)
 
     def resume_writing(self) -> None:
+        self._writing_paused = False
         if self.inner is not None:
             self.inner.resume_writing()
         elif "write" in self._paused:
@@ -283,10 +320,13 @@ class HeaderGuardProtocol(asyncio.Protocol):
         elif self._eof:
             self.transport.close()
         elif self.guard.idle_timeout:
-            loop = asyncio.get_running_loop()
-            self._idle_until = loop.time() + self.guard.idle_timeout
-            if self._idle is None:
-                self._idle = loop.call_at(self._idle_until, self._idle_check)
+            self._idle_from_now()
+
+    def _idle_from_now(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._idle_until = loop.time() + self.guard.idle_timeout
+        if self._idle is None:
+            self._idle = loop.call_at(self._idle_until, self._idle_check)
 
     def _serve_next(self) -> None:
         if self.inner is None:
@@ -295,24 +335,66 @@ class HeaderGuardProtocol(asyncio.Protocol):
                 self._serve()
 
     def _to_aiohttp(self) -> None:
-        """From here on aiohttp's handler serves the connection, given what came of it from the start of the
-        request it is to answer."""
+        """aiohttp's handler answers the request at the buffer's start, given what came of it from its start:
+        lent the connection for that request alone where its head is whole and says where it ends
+        (``lendable_end``: a router's other calls, a refused query), and for good otherwise (from then on it
+        serves the connection)."""
         self._leave_fast_path()
         writing_paused = "write" in self._paused
         for why in tuple(self._paused):
             self._resume(why)
-        self.inner = self.make_inner()
-        self.registry[self.inner] = self
-        self.inner.connection_made(self.transport)
-        if writing_paused:
-            self.inner.pause_writing()
         buf, self._buf, self._head = b"".join([self._buf, *self._parts]), b"", None
         self._parts.clear()
-        self.awaiting_headers, self._tail, self._header_bytes = True, b"", 0
+        end = buf.find(b"\r\n\r\n", 0, FAST_HEAD_MAX)
+        stop = lendable_end(buf, end + 4) if end >= 0 else None
+        self.inner = self.make_inner()
+        self.registry[self.inner] = self
+        if stop is not None:
+            self._lent, self._lent_left = _LentTransport(self), stop
+        self.inner.connection_made(self._lent or self.transport)
+        if writing_paused:
+            self.inner.pause_writing()
+        self.awaiting_headers, self._tail, self._header_bytes = stop is None, b"", 0
         if buf:
             self.data_received(buf)
         if self._eof:
             self.inner.eof_received()
+
+    def _keep_with_aiohttp(self) -> None:
+        """The lent connection stays with aiohttp's handler: it is given what was held back."""
+        lent, self._lent = self._lent, None
+        lent.kept()
+        held, self._buf = self._buf, b""
+        self._resume("lent")
+        self.awaiting_headers, self._tail, self._header_bytes = True, b"", 0
+        if held:
+            self.data_received(held)
+
+    def _take_back(self, inner) -> None:
+        """The fast path serves the connection again: aiohttp's handler, done with its request, is let go
+        (its close is then nothing), and what came after that request is served."""
+        if inner is not self.inner or self._lent is None:
+            return
+        lent, self._lent = self._lent, None
+        if self.transport.is_closing():
+            lent.kept()
+            return
+        lent.returned = True
+        self.registry.pop(inner, None)
+        self.inner = None
+        inner.connection_lost(None)
+        self.guard.fast_connections.add(self)
+        self.awaiting_headers, self._tail, self._header_bytes = True, b"", 0
+        self._resume("lent")
+        self._resume("aiohttp")
+        if self._writing_paused:  # the client has not read aiohttp's answer yet: as after an answer of ours
+            self.pause_writing()
+        elif self._buf:
+            self._serve()
+        elif self._eof:
+            self.transport.close()
+        elif self.guard.idle_timeout:
+            self._idle_from_now()
 
     def _leave_fast_path(self) -> None:
         """Its deadlines and idle timer stopped, its body budget given back, no longer one of the fast
@@ -385,6 +467,83 @@ class HeaderGuardProtocol(asyncio.Protocol):
         self.transport.abort()  # (a close would wait for the client to read what is buffered)
 
 
+class _LentTransport(asyncio.Transport):
+    """The connection as aiohttp's handler sees it while lent one request: its reading paused and resumed
+    among the connection's other reasons; once the connection is taken back, the handler's close (as it
+    lets the connection go) and anything it might still write are nothing."""
+
+    def __init__(self, owner: HeaderGuardProtocol) -> None:
+        super().__init__()
+        self._owner = owner
+        self._real = owner.transport
+        self.answered = False  # its request's answer is written whole: the connection is to come back
+        self.returned = False
+
+    def kept(self) -> None:
+        """aiohttp keeps the connection: its pauses become the transport's own."""
+        if "aiohttp" in self._owner._paused:
+            self._owner._resume("aiohttp")
+            self._real.pause_reading()
+        self._owner = None
+
+    def get_extra_info(self, name, default=None):
+        return self._real.get_extra_info(name, default)
+
+    def is_closing(self) -> bool:
+        return self.returned or self._real.is_closing()
+
+    def close(self) -> None:
+        if not self.returned:
+            self._real.close()
+
+    def abort(self) -> None:
+        if not self.returned:
+            self._real.abort()
+
+    def write(self, data) -> None:
+        if not self.returned:
+            self._real.write(data)
+
+    def writelines(self, list_of_data) -> None:
+        if not self.returned:
+            self._real.writelines(list_of_data)
+
+    def write_eof(self) -> None:
+        if not self.returned:
+            self._real.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self._real.can_write_eof()
+
+    def get_write_buffer_size(self) -> int:
+        return self._real.get_write_buffer_size()
+
+    def get_write_buffer_limits(self):
+        return self._real.get_write_buffer_limits()
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        self._real.set_write_buffer_limits(high, low)
+
+    def is_reading(self) -> bool:
+        return self._real.is_reading()
+
+    def pause_reading(self) -> None:
+        if self.returned:
+            return
+        if self._owner is None:
+            self._real.pause_reading()
+        else:
+            self._owner._pause("aiohttp")
+
+    def resume_reading(self) -> None:
+        if self.returned:
+            return
+        if self._owner is None:
+            self._real.resume_reading()
+        else:
+            self._owner._resume("aiohttp")
+
+
 class HeaderGuard:
     """The middleware and the site for one server (``timeout`` 0: no timer). With ``fast_routes``
     (api/fast_path.py), a connection's plain routing queries are answered by its protocol, within the same
@@ -419,7 +578,15 @@ class HeaderGuard:
             return await handler(request)
         wrapper.request_started()
         try:
-            return await handler(request)
+            response = await handler(request)
+            if wrapper.lent:  # the answer written whole here, so that the connection can come back at once
+                try:
+                    await response.prepare(request)
+                    await response.write_eof()
+                except ConnectionError:
+                    return response  # (aiohttp's handler finds it so too, and lets the connection go)
+                wrapper.answered_by_aiohttp(response.keep_alive)
+            return response
         finally:
             wrapper.request_finished()
 
