@@ -363,9 +363,9 @@ class HeaderGuardProtocol(asyncio.Protocol):
     def _keep_with_aiohttp(self) -> None:
         """The lent connection stays with aiohttp's handler: it is given what was held back."""
         lent, self._lent = self._lent, None
-        lent.kept()
-        held, self._buf = self._buf, b""
         self._resume("lent")
+        lent.kept()  # (after: a pause of aiohttp's own stays)
+        held, self._buf = self._buf, b""
         self.awaiting_headers, self._tail, self._header_bytes = True, b"", 0
         if held:
             self.data_received(held)
@@ -375,10 +375,10 @@ class HeaderGuardProtocol(asyncio.Protocol):
         (its close is then nothing), and what came after that request is served."""
         if inner is not self.inner or self._lent is None:
             return
-        lent, self._lent = self._lent, None
-        if self.transport.is_closing():
-            lent.kept()
+        if self.guard.stopping or self.transport.is_closing():  # aiohttp closes it after this answer, as
+            self._keep_with_aiohttp()                           # it would without the lending
             return
+        lent, self._lent = self._lent, None
         lent.returned = True
         self.registry.pop(inner, None)
         self.inner = None
@@ -389,8 +389,9 @@ class HeaderGuardProtocol(asyncio.Protocol):
         self._resume("aiohttp")
         if self._writing_paused:  # the client has not read aiohttp's answer yet: as after an answer of ours
             self.pause_writing()
-        elif self._buf:
-            self._serve()
+        if self._buf:
+            if not self._paused:
+                self._serve()
         elif self._eof:
             self.transport.close()
         elif self.guard.idle_timeout:
@@ -569,6 +570,7 @@ class HeaderGuard:
         self.write_timeout = write_timeout
         self.shutdown_timeout = shutdown_timeout
         self.refused = ThrottledWarning(log)
+        self.stopping = False  # no connection comes back from aiohttp: its shutdown closes them
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -625,6 +627,7 @@ class HeaderGuardSite(web.BaseSite):
         """Stops accepting, lets the queries under way on the query threads be answered (within
         ``http.shutdownTimeout``, as aiohttp lets its handlers finish), then closes the connections aiohttp
         does not serve (aiohttp then shuts down its own): a body still coming in parts is not waited for."""
+        self.guard.stopping = True
         await super().stop()
         answering = [conn._later for conn in self.guard.fast_connections if conn._later is not None]
         if answering:

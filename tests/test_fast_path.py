@@ -13,6 +13,7 @@ import socket
 import time
 
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -56,13 +57,15 @@ def request(body: bytes, path: str = "/kv-cache/hit-rate", extra: bytes = b"", l
 
 
 @contextlib.asynccontextmanager
-async def serving(fast: bool = True, **http):
+async def serving(fast: bool = True, setup=None, **http):
     metrics = Metrics()
     cfg = HttpConfig(**{"host": "127.0.0.1", "port": 0, "maxHitRateBodyBytes": 64 * 1024, "readTimeout": 2,
                         **http})
     app = HitRateApi(cfg, HASHER, tiers=lambda: (_index(), None), ready=lambda: True, metrics=metrics).make_app()
     if not fast:
         app[FAST_ROUTES] = {}
+    if setup is not None:
+        setup(app)
     srv = HttpServer(app, cfg, metrics)
     await srv.start()
     try:
@@ -440,6 +443,31 @@ async def test_stopping_answers_a_query_under_way_on_the_query_threads(fast, mon
     assert got is not None and got[0] == 200, got
 
 
+@pytest.mark.parametrize("fast", [True, False])
+async def test_a_connection_lent_to_aiohttp_when_the_server_stops_is_closed_after_its_answer(fast):
+    """As aiohttp closes its connections at the end, a lent one whose answer comes during the shutdown does
+    not come back to the fast path (the fast path's connections were closed already)."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def held(request):
+        entered.set()
+        await release.wait()
+        return web.json_response({"ok": True})
+    async with serving(fast=fast, setup=lambda app: app.router.add_get("/held", held), shutdownTimeout=5) as (srv, _, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(entered.wait(), 5)
+        stopping = asyncio.create_task(srv.stop())
+        await until(lambda: srv.guard.stopping)
+        release.set()
+        got = await read_response(reader)
+        await stopping
+        writer.write(request(query(), "/query"))
+        after = await read_response(reader)
+        writer.close()
+    assert got == (200, {"ok": True}) and after is None and not srv.guard.fast_connections, (got, after)
+
+
 @pytest.mark.parametrize("sent", [b"GET /healthz HTTP/1.1\nHost: x\n\n",
                                   b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03",
                                   b"POST /query HTTP/1.1\r\nHost: x\r\nBad Header\r\n"],
@@ -510,7 +538,8 @@ def test_any_head_gets_the_answer_aiohttp_gives_it(fields, path, tail, cut):
 
 
 @settings(max_examples=100, deadline=None)
-@given(fields=st.lists(_FIELDS, max_size=4), method=st.sampled_from([b"GET", b"HEAD", b"DELETE", b"POST", b"PUT"]),
+@given(fields=st.lists(_FIELDS, max_size=4),
+       method=st.sampled_from([b"GET", b"HEAD", b"DELETE", b"POST", b"PUT", b"PATCH", b"OPTIONS"]),
        path=st.sampled_from([b"/healthz", b"/readyz?x=1", b"/register", b"/query", b"/nowhere"]),
        cut=st.floats(0, 1), body=st.booleans())
 def test_a_request_lent_to_aiohttp_ends_where_aiohttp_ends_it(fields, method, path, cut, body):
