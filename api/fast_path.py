@@ -101,8 +101,9 @@ def lendable_end(buf: bytes, end: int) -> int | None:
     """Where the request at ``buf``'s start ends, for a head ``buf[:end]`` (``end`` just past its blank line)
     that says so as plainly as a routing query's: an HTTP/1.1 request of a usual method, header fields as
     ``parse_head`` takes them (none that changes how the body is read or asks for the connection's close),
-    its body a ``Content-Length`` (or none, for a method that carries none). aiohttp's handler is then lent the connection for that request
-    alone (api/header_guard.py). None for any other: aiohttp keeps the connection."""
+    its body a ``Content-Length`` (or none, for a method that carries none). aiohttp's handler is then lent
+    the connection for that request alone (api/header_guard.py). None for any other: aiohttp keeps the
+    connection."""
     line = _LENT_REQUEST_LINE.match(buf) if end <= FAST_HEAD_MAX else None
     framing = _framing(buf, line.end(), end) if line is not None else None
     if framing is None or (framing[0] is None and line[1] in _BODY_METHODS):

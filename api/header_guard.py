@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 
 
 LINGER_SECONDS = 2.0
+#: routing queries lent to aiohttp in a row (none answered by the fast path between; other requests, such
+#: as readiness checks, do not count) after which the connection stays with aiohttp: where the fast path
+#: answers none of a connection's queries (an install without the native query, a client whose every query
+#: only the Python path takes), a handler made for each costs more than one kept
+LEND_RUN = 4
 #: set on each request that reached the middlewares (the application counts it; api/server.py counts those
 #: aiohttp refused before)
 ROUTED = web.RequestKey("routed", bool) if hasattr(web, "RequestKey") else "cache_indexer.routed"  # (aiohttp < 3.12)
@@ -84,6 +89,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
         #: how many of that request's bytes it has still to be given (what comes after is held here)
         self._lent: _LentTransport | None = None
         self._lent_left = 0
+        self._queries_lent = 0  # routing queries lent in a row
         self._writing_paused = False  # the transport's buffer is over its high mark
 
     # -- called by the middleware ------------------------------------------------------------------------
@@ -311,6 +317,7 @@ class HeaderGuardProtocol(asyncio.Protocol):
     def _answered(self, answer: bytes, started: float) -> None:
         """The answer to the request at the buffer's start written; the next one's turn."""
         head = self._head
+        self._queries_lent = 0
         self.transport.write(response(200, answer))
         head.route.count(200, started)
         self._head, self._buf = None, self._buf[head.body_end:]
@@ -337,20 +344,22 @@ class HeaderGuardProtocol(asyncio.Protocol):
     def _to_aiohttp(self) -> None:
         """aiohttp's handler answers the request at the buffer's start, given what came of it from its start:
         lent the connection for that request alone where its head is whole and says where it ends
-        (``lendable_end``: a router's other calls, a refused query), and for good otherwise (from then on it
-        serves the connection)."""
+        (``lendable_end``: a router's other calls, a refused query; not past LEND_RUN routing queries in a
+        row), and for good otherwise (from then on it serves the connection)."""
         self._leave_fast_path()
         writing_paused = "write" in self._paused
         for why in tuple(self._paused):
             self._resume(why)
+        query = self._head is not None  # a routing query the fast path could not answer
         buf, self._buf, self._head = b"".join([self._buf, *self._parts]), b"", None
         self._parts.clear()
         end = buf.find(b"\r\n\r\n", 0, FAST_HEAD_MAX)
-        stop = lendable_end(buf, end + 4) if end >= 0 else None
+        stop = lendable_end(buf, end + 4) if end >= 0 and not (query and self._queries_lent >= LEND_RUN) else None
         self.inner = self.make_inner()
         self.registry[self.inner] = self
         if stop is not None:
             self._lent, self._lent_left = _LentTransport(self), stop
+            self._queries_lent += query
         self.inner.connection_made(self._lent or self.transport)
         if writing_paused:
             self.inner.pause_writing()
