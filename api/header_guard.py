@@ -111,11 +111,12 @@ class HeaderGuardProtocol(asyncio.Protocol):
 
     def answered_by_aiohttp(self, keep_alive: bool) -> None:
         """The lent request's answer is written whole: the connection comes back to the fast path on the
-        loop's next turn (once aiohttp's handler is done with the request), where it stays open and the
-        handler was given all of the request. Else aiohttp keeps it."""
+        loop's next turn (once aiohttp's handler is done with the request; ``_take_back`` then checks it is
+        still open), where the answer keeps it alive and the handler was given all of the request. Else
+        aiohttp keeps it."""
         if self._lent is None:
             return
-        if keep_alive and not self._lent_left and not self.transport.is_closing():
+        if keep_alive and not self._lent_left:
             self._lent.answered = True
             asyncio.get_running_loop().call_soon(self._take_back, self.inner)
         else:
